@@ -1,0 +1,1 @@
+"""Tessera gRPC contracts; the generated stubs live in tessera.v1."""

@@ -1,0 +1,1 @@
+"""Generated tessera.v1 stubs (python -m protos.generate)."""

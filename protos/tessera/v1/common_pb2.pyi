@@ -1,0 +1,186 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_GPU: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+TIER_UNSPECIFIED: Tier
+TIER_GPU: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatPrompt(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class TokenDelta(_message.Message):
+    __slots__ = ("token_ids", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("finish_reason", "usage", "text")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: FinishReason
+    usage: Usage
+    text: str
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "delta", "final")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    delta: TokenDelta
+    final: Completion
+    def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., final: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
+
+class BaseModel(_message.Message):
+    __slots__ = ("name", "architecture", "path", "max_context", "vocab_size", "created_unix")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    architecture: str
+    path: str
+    max_context: int
+    vocab_size: int
+    created_unix: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., path: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., created_unix: _Optional[int] = ...) -> None: ...
+
+class Adapter(_message.Message):
+    __slots__ = ("name", "base_model", "rank", "alpha", "target_modules", "size_bytes", "sha256", "storage_path", "created_unix", "task_head_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_PATH_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TASK_HEAD_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    base_model: str
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    size_bytes: int
+    sha256: str
+    storage_path: str
+    created_unix: int
+    task_head_json: str
+    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., storage_path: _Optional[str] = ..., created_unix: _Optional[int] = ..., task_head_json: _Optional[str] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("running_requests", "waiting_requests", "running_ranks", "resident_adapters", "free_kv_tokens", "adapter_slots", "generated_tokens_total")
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    running_requests: int
+    waiting_requests: int
+    running_ranks: _containers.RepeatedScalarFieldContainer[int]
+    resident_adapters: _containers.RepeatedScalarFieldContainer[str]
+    free_kv_tokens: int
+    adapter_slots: int
+    generated_tokens_total: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., running_ranks: _Optional[_Iterable[int]] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., free_kv_tokens: _Optional[int] = ..., adapter_slots: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "address", "device", "base_model", "capacity", "last_heartbeat_unix_ms", "healthy", "stats")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    device: str
+    base_model: str
+    capacity: int
+    last_heartbeat_unix_ms: int
+    healthy: bool
+    stats: WorkerStats
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., base_model: _Optional[str] = ..., capacity: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., healthy: _Optional[bool] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+
+class Placement(_message.Message):
+    __slots__ = ("adapter", "worker_id", "tier", "updated_unix_ms")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    worker_id: str
+    tier: Tier
+    updated_unix_ms: int
+    def __init__(self, adapter: _Optional[str] = ..., worker_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., updated_unix_ms: _Optional[int] = ...) -> None: ...

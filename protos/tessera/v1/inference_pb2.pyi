@@ -1,0 +1,46 @@
+from tessera.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("model", "text", "chat", "sampling", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    text: str
+    chat: _common_pb2.ChatPrompt
+    sampling: _common_pb2.SamplingParams
+    request_id: str
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelCard(_message.Message):
+    __slots__ = ("id", "base_model", "is_adapter", "rank", "created_unix")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    IS_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    base_model: str
+    is_adapter: bool
+    rank: int
+    created_unix: int
+    def __init__(self, id: _Optional[str] = ..., base_model: _Optional[str] = ..., is_adapter: _Optional[bool] = ..., rank: _Optional[int] = ..., created_unix: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelCard]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,190 @@
+"""One configuration for every role: dataclass defaults, one YAML file, env overrides.
+
+Precedence (later wins): the defaults below, the YAML file (``--config`` or
+``TESSERA_CONFIG``), then environment variables named ``TESSERA_<SECTION>__<KEY>``
+(``TESSERA_GATEWAY__HTTP_PORT=9000``) or ``TESSERA_<KEY>`` for top-level keys
+(``TESSERA_HOME=/data``). Env values are parsed as YAML scalars/lists, so
+``TESSERA_REGISTRY__IMPORT_ROOTS='[/a, /b]'`` works. Unknown keys and wrong
+types are errors: a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+ENV_PREFIX = "TESSERA_"
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the offending key."""
+
+
+@dataclasses.dataclass(slots=True)
+class RegistryConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    admin_port: int = 8081
+    metrics_port: int = 9101
+    database_url: str = ""  # "" -> sqlite:///{home}/registry.db; any SQLAlchemy URL works
+    adapter_store: str = ""  # "" -> {home}/adapters (content-addressed by sha256)
+    # Directories that adapters and base models may be registered from. "" entries
+    # are not allowed; an empty list means [{home}].
+    import_roots: list[str] = dataclasses.field(default_factory=list)
+    admin_api_key: str = ""  # "" -> read or create {home}/admin_api_key (mode 0600)
+    worker_timeout_s: float = 10.0  # a worker silent this long is unhealthy
+    heartbeat_interval_ms: int = 1000
+    http_threads: int = 8
+
+
+@dataclasses.dataclass(slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    http_port: int = 8080
+    grpc_port: int = 50052
+    metrics_port: int = 9102
+    registry_address: str = "127.0.0.1:50051"
+    metadata_refresh_s: float = 2.0  # how often the registry cache refreshes
+    max_tokens_limit: int = 4096  # larger max_tokens is a 400
+    default_max_tokens: int = 256
+    max_prompt_chars: int = 1_000_000
+    request_timeout_s: float = 600.0
+    http_threads: int = 32
+
+
+@dataclasses.dataclass(slots=True)
+class WorkerConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50061
+    metrics_port: int = 9103
+    registry_address: str = "127.0.0.1:50051"
+    advertise_address: str = ""  # "" -> host:grpc_port
+    base_model: str = "tessera-demo-llama"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    max_num_seqs: int = 32
+    max_batch_tokens: int = 4096
+    adapter_slots: int = 8  # adapters resident in the engine at once
+    adapter_store: str = ""  # "" -> {home}/adapters; adapters outside it are refused
+
+
+@dataclasses.dataclass(slots=True)
+class LauncherConfig:
+    health_timeout_s: float = 180.0
+    restart_backoff_s: float = 1.0
+    max_restart_backoff_s: float = 30.0
+
+
+@dataclasses.dataclass(slots=True)
+class TesseraConfig:
+    home: str = "~/.tessera"  # db, adapter store, demo assets, run state
+    log_level: str = "INFO"
+    registry: RegistryConfig = dataclasses.field(default_factory=RegistryConfig)
+    gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
+    worker: WorkerConfig = dataclasses.field(default_factory=WorkerConfig)
+    launcher: LauncherConfig = dataclasses.field(default_factory=LauncherConfig)
+
+    # Derived paths: one place that decides where things live.
+    @property
+    def home_path(self) -> Path:
+        return Path(self.home).expanduser().resolve()
+
+    @property
+    def database_url(self) -> str:
+        return self.registry.database_url or f"sqlite:///{self.home_path / 'registry.db'}"
+
+    @property
+    def adapter_store_path(self) -> Path:
+        return Path(self.registry.adapter_store or self.home_path / "adapters").expanduser().resolve()
+
+    @property
+    def worker_adapter_store_path(self) -> Path:
+        return Path(self.worker.adapter_store or self.adapter_store_path).expanduser().resolve()
+
+    @property
+    def import_root_paths(self) -> list[Path]:
+        roots = self.registry.import_roots or [str(self.home_path)]
+        return [Path(r).expanduser().resolve() for r in roots]
+
+    @property
+    def models_path(self) -> Path:
+        return self.home_path / "models"
+
+    @property
+    def run_path(self) -> Path:
+        return self.home_path / "run"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_type(value: Any, annotation: Any, key: str) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_check_type(v, item_type, f"{key}[]") for v in value]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {annotation.__name__}, got {value!r}")
+    return value
+
+
+def _apply(target: Any, values: Mapping[str, Any], prefix: str) -> None:
+    hints = typing.get_type_hints(type(target))
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in hints:
+            raise ConfigError(f"unknown config key {name!r}")
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{name}: expected a mapping")
+            _apply(getattr(target, key), value, f"{name}.")
+        else:
+            setattr(target, key, _check_type(value, annotation, name))
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """TESSERA_GATEWAY__HTTP_PORT=9000 -> {"gateway": {"http_port": 9000}}."""
+    hints = typing.get_type_hints(TesseraConfig)
+    sections = {name for name, hint in hints.items() if dataclasses.is_dataclass(hint)}
+    scalars = set(hints) - sections
+    out: dict[str, Any] = {}
+    for env_key, raw in environ.items():
+        if not env_key.startswith(ENV_PREFIX) or env_key == "TESSERA_CONFIG":
+            continue
+        path = env_key[len(ENV_PREFIX):].lower().split("__")
+        if len(path) == 1 and path[0] in scalars:
+            out[path[0]] = yaml.safe_load(raw) if raw else ""
+        elif len(path) == 2 and path[0] in sections:
+            out.setdefault(path[0], {})[path[1]] = yaml.safe_load(raw) if raw else ""
+        else:
+            raise ConfigError(f"unknown config environment variable {env_key}")
+    return out
+
+
+def load_config(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> TesseraConfig:
+    """Build the effective configuration (defaults <- YAML file <- environment)."""
+    environ = os.environ if environ is None else environ
+    config = TesseraConfig()
+    path = path or environ.get("TESSERA_CONFIG")
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config file {path} must hold a mapping")
+        _apply(config, data, "")
+    _apply(config, _env_overrides(environ), "")
+    return config
