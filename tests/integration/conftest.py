@@ -47,7 +47,8 @@ class RunningSystem:
         return json.loads((self.home / "run" / "launcher.json").read_text())
 
     def child_pid(self, role: str) -> int:
-        return int(self.launcher_state()["children"][role]["pid"])
+        children = self.launcher_state()["children"]
+        return int(next(c["pid"] for c in children if c["role"] == role))
 
     def wait_healthy(self, address: str, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s

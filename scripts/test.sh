@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up, check the generated gRPC stubs are current, then run the test suite.
+# Arguments go to pytest (default: the whole suite; GPU tests are deselected by pyproject).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash scripts/setup.sh
+echo "[test] checking generated stubs (python -m protos.generate --check)"
+.venv/bin/python -m protos.generate --check
+echo "[test] pytest $*"
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,158 @@
+"""The `tessera` command: run a role, build the demo assets, launch everything, inspect config.
+
+Heavy imports (torch, flask, sqlalchemy, grpc) happen inside the subcommands, so
+`tessera --help` and `tessera health` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.config import ConfigError, TesseraConfig, load_config
+
+if TYPE_CHECKING:
+    from registry.store import RegistryStore
+    from services.demo_assets import DemoAssets
+
+# role -> module whose `serve(config)` runs it
+ROLE_MODULES = {
+    "registry": "registry.server",
+    "gateway": "gateway.server",
+    "worker": "gpu_worker.server",
+}
+
+# The file a registered adapter's sha256 covers (common.proto, Adapter.sha256).
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class DemoRegistrationError(RuntimeError):
+    """A demo name is already taken by different content; registering would silently change it."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def register_demo_assets(store: RegistryStore, assets: DemoAssets, progress: Callable[[str], None] = print) -> None:
+    """Register the built demo model and adapters (idempotent: same content is left alone)."""
+    from services.demo_assets import DEMO_BASE_MODEL
+    from services.errors import NotFound
+
+    try:
+        base = store.get_base_model(DEMO_BASE_MODEL)
+        progress(f"base model {DEMO_BASE_MODEL}: already registered (path {base.path})")
+    except NotFound:
+        base = store.register_base_model(DEMO_BASE_MODEL, str(assets.base_dir))
+        progress(f"base model {DEMO_BASE_MODEL}: registered (path {base.path})")
+    for name, source_dir in assets.adapter_dirs.items():
+        sha256 = _sha256(source_dir / ADAPTER_WEIGHTS_FILE)
+        try:
+            existing = store.get_adapter(name)
+        except NotFound:
+            record = store.register_adapter(name, DEMO_BASE_MODEL, str(source_dir))
+            progress(f"adapter {name}: registered (rank {record.rank}, sha256 {record.sha256[:12]})")
+            continue
+        if existing.sha256 != sha256:
+            raise DemoRegistrationError(
+                f"adapter {name} is already registered with sha256 {existing.sha256[:12]}, but the demo "
+                f"build at {source_dir} has {sha256[:12]}; delete the adapter through the admin API first")
+        progress(f"adapter {name}: already registered (sha256 {sha256[:12]})")
+
+
+def _serve(config: TesseraConfig, args: argparse.Namespace) -> int:
+    from services.logs import setup_logging
+
+    setup_logging(args.role, config.log_level)
+    importlib.import_module(ROLE_MODULES[args.role]).serve(config)
+    return 0
+
+
+def _demo_assets(config: TesseraConfig, args: argparse.Namespace) -> int:
+    from registry.store import RegistryStore
+    from services.demo_assets import build_demo_assets
+
+    assets = build_demo_assets(config.models_path, progress=print)
+    store = RegistryStore.from_config(config)
+    try:
+        register_demo_assets(store, assets)
+    except DemoRegistrationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    return 0
+
+
+def _up(config: TesseraConfig, args: argparse.Namespace) -> int:
+    from services.launcher import launch, serve_command
+    from services.logs import setup_logging
+
+    setup_logging("launcher", config.log_level)
+    return launch(config, serve_command(args.config))
+
+
+def _config(config: TesseraConfig, args: argparse.Namespace) -> int:
+    import yaml
+
+    print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def _health(config: TesseraConfig, args: argparse.Namespace) -> int:
+    from services.grpc_server import check_health
+
+    healthy = check_health(args.address, timeout_s=args.timeout)
+    print(f"{args.address}: {'SERVING' if healthy else 'NOT SERVING'}")
+    return 0 if healthy else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # --config is accepted before or after the subcommand: `tessera --config c.yaml up` and
+    # `tessera up --config c.yaml` (what scripts/run.sh passes through) both work.
+    config_option = argparse.ArgumentParser(add_help=False)
+    config_option.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                               help="YAML config file (default: $TESSERA_CONFIG, else built-in defaults)")
+    parser = argparse.ArgumentParser(prog="tessera", parents=[config_option],
+                                     description="Serve many LoRA adapters on one shared base model.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", parents=[config_option], help="run one role in this process")
+    serve.add_argument("role", choices=sorted(ROLE_MODULES))
+    serve.set_defaults(run=_serve)
+    commands.add_parser("demo-assets", parents=[config_option],
+                        help="build the demo model and adapters and register them").set_defaults(run=_demo_assets)
+    commands.add_parser("up", parents=[config_option],
+                        help="run every role as supervised local processes").set_defaults(run=_up)
+    commands.add_parser("config", parents=[config_option],
+                        help="print the effective configuration as YAML").set_defaults(run=_config)
+    health = commands.add_parser("health", parents=[config_option],
+                                 help="exit 0 if the gRPC server at ADDRESS is SERVING")
+    health.add_argument("address", help="host:port")
+    health.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
+    health.set_defaults(run=_health)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.config = getattr(args, "config", None)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    return args.run(config, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""`tessera up`: run every role as a supervised child process on this machine.
+
+Order: registry first (the others register with / read from it), then the worker, then the
+gateway. Each child runs `python -m services.cli serve <role>` in its own process group, so a
+Ctrl-C in the terminal reaches only the launcher, which then stops the children in order.
+A child that dies after startup is restarted with exponential backoff; the state of every
+child (pid, restarts) is kept in `<run_path>/launcher.json`, rewritten atomically on change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from services.config import LauncherConfig, TesseraConfig
+
+log = logging.getLogger(__name__)
+
+# role -> argv of the child process that serves it.
+CommandBuilder = Callable[[str], list[str]]
+
+POLL_INTERVAL_S = 0.2
+STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL whatever is still running after this
+
+
+class LaunchError(RuntimeError):
+    """Startup cannot go on; the message names the role (and port or exit code) at fault."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RolePort:
+    name: str  # the config key, e.g. "http_port"
+    host: str
+    port: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoleSpec:
+    role: str  # "registry" | "worker" | "gateway": the `tessera serve` argument
+    health_address: str  # gRPC address answering the standard health service
+    ports: tuple[RolePort, ...]  # every port the role binds (0 = disabled, not checked)
+
+
+def _connect_host(host: str) -> str:
+    """A wildcard bind address is reached through loopback."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+
+
+def role_specs(config: TesseraConfig) -> list[RoleSpec]:
+    """The roles in start order, with the ports each binds."""
+    r, g, w = config.registry, config.gateway, config.worker
+    specs = [
+        RoleSpec("registry", f"{_connect_host(r.host)}:{r.grpc_port}", (
+            RolePort("grpc_port", r.host, r.grpc_port), RolePort("admin_port", r.host, r.admin_port),
+            RolePort("metrics_port", r.host, r.metrics_port))),
+        RoleSpec("worker", f"{_connect_host(w.host)}:{w.grpc_port}", (
+            RolePort("grpc_port", w.host, w.grpc_port), RolePort("metrics_port", w.host, w.metrics_port))),
+        RoleSpec("gateway", f"{_connect_host(g.host)}:{g.grpc_port}", (
+            RolePort("http_port", g.host, g.http_port), RolePort("grpc_port", g.host, g.grpc_port),
+            RolePort("metrics_port", g.host, g.metrics_port))),
+    ]
+    for spec in specs:
+        if any(p.name == "grpc_port" and p.port == 0 for p in spec.ports):
+            raise LaunchError(f"{spec.role}.grpc_port is 0: the launcher needs a fixed port to health-check")
+    return specs
+
+
+def endpoint_urls(config: TesseraConfig) -> dict[str, str]:
+    """What `tessera up` prints and records: where clients and operators connect."""
+    r, g, w = config.registry, config.gateway, config.worker
+    urls = {
+        "openai_rest": f"http://{_connect_host(g.host)}:{g.http_port}/v1",
+        "gateway_grpc": f"{_connect_host(g.host)}:{g.grpc_port}",
+        "admin_api": f"http://{_connect_host(r.host)}:{r.admin_port}",
+        "registry_grpc": f"{_connect_host(r.host)}:{r.grpc_port}",
+        "worker_grpc": f"{_connect_host(w.host)}:{w.grpc_port}",
+    }
+    for role, host, port in (("registry", r.host, r.metrics_port), ("gateway", g.host, g.metrics_port),
+                             ("worker", w.host, w.metrics_port)):
+        if port:
+            urls[f"{role}_metrics"] = f"http://{_connect_host(host)}:{port}/metrics"
+    return urls
+
+
+def admin_key_location(config: TesseraConfig) -> str:
+    if config.registry.admin_api_key:
+        return "set in the config (registry.admin_api_key)"
+    return str(config.home_path / "admin_api_key")
+
+
+def check_ports_free(specs: Sequence[RoleSpec]) -> None:
+    """Fail before starting anything if a configured port is taken (by another Tessera, say)."""
+    for spec in specs:
+        for p in spec.ports:
+            if p.port == 0:
+                continue
+            with socket.socket(socket.AF_INET6 if ":" in p.host.strip("[]") else socket.AF_INET) as sock:
+                # SO_REUSEADDR: a port left in TIME_WAIT by a previous run is free for a listener.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind((p.host.strip("[]"), p.port))
+                except OSError as exc:
+                    reason = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc})"
+                    raise LaunchError(f"port {p.port} ({spec.role}.{p.name} on {p.host}) {reason}; "
+                                      f"stop whatever holds it or change {spec.role}.{p.name}") from exc
+
+
+def serve_command(config_file: str | None) -> CommandBuilder:
+    """The real children: this interpreter running `services.cli serve <role>`."""
+    def build(role: str) -> list[str]:
+        config_args = ["--config", config_file] if config_file else []
+        return [sys.executable, "-m", "services.cli", *config_args, "serve", role]
+    return build
+
+
+def restart_delay_s(failures_in_a_row: int, launcher: LauncherConfig) -> float:
+    """Exponential backoff: restart_backoff_s, twice that, ... capped at max_restart_backoff_s.
+
+    A child that ran at least max_restart_backoff_s before dying counts as recovered, so its
+    next failure starts again at failures_in_a_row = 1 (the caller resets the count).
+    """
+    assert failures_in_a_row >= 1
+    return min(launcher.restart_backoff_s * 2 ** (failures_in_a_row - 1), launcher.max_restart_backoff_s)
+
+
+@dataclasses.dataclass(slots=True)
+class Child:
+    spec: RoleSpec
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    failures_in_a_row: int = 0  # consecutive quick deaths; drives the backoff
+    started_at: float = 0.0
+    restart_at: float | None = None  # set while a dead child waits out its backoff
+
+
+class Supervisor:
+    """Starts, watches and stops the role children. `command` is injected so tests use fakes."""
+
+    def __init__(self, config: TesseraConfig, specs: Sequence[RoleSpec], command: CommandBuilder,
+                 state_path: Path, urls: dict[str, str]) -> None:
+        self.launcher = config.launcher
+        self.children = [Child(spec) for spec in specs]
+        self.command = command
+        self.state_path = state_path
+        self.urls = urls
+
+    def _spawn(self, child: Child) -> None:
+        # start_new_session: own process group, so the terminal's Ctrl-C reaches only the launcher
+        # and killpg also reaches anything the child spawns. stdout/stderr are inherited.
+        child.process = subprocess.Popen(self.command(child.spec.role), start_new_session=True)
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        log.info("started %s (pid %d)", child.spec.role, child.process.pid)
+
+    def _wait_healthy(self, child: Child, stop: threading.Event) -> bool:
+        """True once healthy; False if `stop` was set first. Raises if the child dies or times out."""
+        from services.grpc_server import check_health
+
+        assert child.process is not None
+        deadline = time.monotonic() + self.launcher.health_timeout_s
+        while not check_health(child.spec.health_address):
+            code = child.process.poll()
+            if code is not None:
+                raise LaunchError(f"{child.spec.role} exited with code {code} during startup "
+                                  f"(its log is above)")
+            if stop.is_set():
+                return False
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{child.spec.role} was not healthy at {child.spec.health_address} "
+                                  f"within {self.launcher.health_timeout_s:.0f} s")
+            stop.wait(POLL_INTERVAL_S)
+        log.info("%s is healthy at %s", child.spec.role, child.spec.health_address)
+        return True
+
+    def start_all(self, stop: threading.Event) -> bool:
+        """Start each role in order, each healthy before the next; False if stopped meanwhile."""
+        for child in self.children:
+            self._spawn(child)
+            self.write_state()
+            if not self._wait_healthy(child, stop):
+                return False
+        return True
+
+    def poll_once(self) -> None:
+        """Notice dead children and restart those whose backoff has passed."""
+        now = time.monotonic()
+        changed = False
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.restarts += 1
+                    self._spawn(child)
+                    changed = True
+                continue
+            assert child.process is not None
+            code = child.process.poll()
+            if code is None:
+                continue
+            ran_s = now - child.started_at
+            child.failures_in_a_row = 1 if ran_s >= self.launcher.max_restart_backoff_s else child.failures_in_a_row + 1
+            delay = restart_delay_s(child.failures_in_a_row, self.launcher)
+            child.restart_at = now + delay
+            log.warning("%s (pid %d) exited with code %d; restarting in %.1f s (restart #%d)",
+                        child.spec.role, child.process.pid, code, delay, child.restarts + 1)
+        if changed:
+            self.write_state()
+
+    def supervise(self, stop: threading.Event) -> None:
+        while not stop.wait(POLL_INTERVAL_S):
+            self.poll_once()
+
+    def stop_all(self) -> None:
+        """SIGTERM every running child (gateway first), wait, then SIGKILL stragglers."""
+        running = [c.process for c in reversed(self.children) if c.process and c.process.poll() is None]
+        for process in running:
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for process in running:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("pid %d ignored SIGTERM for %.0f s; killing it", process.pid, STOP_GRACE_S)
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+        self.state_path.unlink(missing_ok=True)
+
+    def state(self) -> dict[str, object]:
+        return {
+            "launcher_pid": os.getpid(),
+            "children": [
+                {"role": c.spec.role, "pid": c.process.pid if c.process else None, "restarts": c.restarts,
+                 "health_address": c.spec.health_address}
+                for c in self.children
+            ],
+            "urls": self.urls,
+        }
+
+    def write_state(self) -> None:
+        """Atomic rewrite: readers never see a half-written file."""
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.state(), indent=2) + "\n")
+        os.replace(tmp, self.state_path)
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def print_banner(config: TesseraConfig, urls: dict[str, str], state_path: Path) -> None:
+    lines = [
+        "Tessera is up.",
+        f"  OpenAI-compatible REST  {urls['openai_rest']}",
+        f"  gateway gRPC            {urls['gateway_grpc']}",
+        f"  admin API               {urls['admin_api']}",
+        f"  admin API key           {admin_key_location(config)}",
+        *[f"  {name.replace('_', ' '):<23} {url}" for name, url in urls.items() if name.endswith("_metrics")],
+        f"  launcher state          {state_path}",
+        "Press Ctrl-C to stop.",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def launch(config: TesseraConfig, command: CommandBuilder) -> int:
+    """Run the whole system until SIGINT/SIGTERM; 0 on a clean stop, 1 if startup failed."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        specs = role_specs(config)
+        check_ports_free(specs)
+    except LaunchError as exc:
+        log.error("%s", exc)
+        return 1
+    urls = endpoint_urls(config)
+    state_path = config.run_path / "launcher.json"
+    supervisor = Supervisor(config, specs, command, state_path, urls)
+    try:
+        if supervisor.start_all(stop):
+            print_banner(config, urls, state_path)
+            supervisor.supervise(stop)
+        log.info("stopping")
+        return 0
+    except LaunchError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        supervisor.stop_all()

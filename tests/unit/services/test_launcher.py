@@ -1,0 +1,177 @@
+"""The launcher's supervision, with fake roles (fake_role.py) in real child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from services.config import LauncherConfig, load_config
+from services.grpc_server import check_health
+from services.launcher import LaunchError, check_ports_free, restart_delay_s, role_specs
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+FAKE_LAUNCHER = Path(__file__).with_name("fake_launcher.py")
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def fake_env(home: Path) -> dict[str, str]:
+    registry_grpc, admin, gateway_http, gateway_grpc, worker_grpc = free_ports(5)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    env.update({
+        "TESSERA_HOME": str(home),
+        "TESSERA_REGISTRY__GRPC_PORT": str(registry_grpc),
+        "TESSERA_REGISTRY__ADMIN_PORT": str(admin),
+        "TESSERA_GATEWAY__HTTP_PORT": str(gateway_http),
+        "TESSERA_GATEWAY__GRPC_PORT": str(gateway_grpc),
+        "TESSERA_WORKER__GRPC_PORT": str(worker_grpc),
+        "TESSERA_REGISTRY__METRICS_PORT": "0",
+        "TESSERA_GATEWAY__METRICS_PORT": "0",
+        "TESSERA_WORKER__METRICS_PORT": "0",
+        "TESSERA_LAUNCHER__HEALTH_TIMEOUT_S": "20",
+        "TESSERA_LAUNCHER__RESTART_BACKOFF_S": "0.1",
+        "TESSERA_LAUNCHER__MAX_RESTART_BACKOFF_S": "1",
+        "PYTHONPATH": str(REPO_ROOT),
+    })
+    return env
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def read_state(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purposes.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(") ")[1][0] != "Z"
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(env: dict[str, str]) -> subprocess.Popen[str]:
+        process = subprocess.Popen([sys.executable, str(FAKE_LAUNCHER)], env=env, cwd=REPO_ROOT,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:  # a failed test must not leave fake roles behind
+        state = read_state(tmp_path / "run" / "launcher.json")
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for child in (state or {}).get("children", []):
+            if child["pid"] and alive(child["pid"]):
+                os.killpg(child["pid"], signal.SIGKILL)
+
+
+def test_restarts_a_crashed_child_and_stops_everything_on_sigint(tmp_path: Path, launcher) -> None:
+    env = fake_env(tmp_path)
+    process = launcher(env)
+    state_path = tmp_path / "run" / "launcher.json"
+    started = wait_for(lambda: (s := read_state(state_path)) and all(c["pid"] for c in s["children"])
+                       and len(s["children"]) == 3 and s, 20, "all roles started")
+    assert started["launcher_pid"] == process.pid
+    assert started["urls"]["openai_rest"] == f"http://127.0.0.1:{env['TESSERA_GATEWAY__HTTP_PORT']}/v1"
+    worker_address = f"127.0.0.1:{env['TESSERA_WORKER__GRPC_PORT']}"
+    wait_for(lambda: check_health(f"127.0.0.1:{env['TESSERA_GATEWAY__GRPC_PORT']}"), 20, "gateway healthy")
+
+    worker = next(c for c in started["children"] if c["role"] == "worker")
+    os.kill(worker["pid"], signal.SIGKILL)
+    restarted = wait_for(
+        lambda: (s := read_state(state_path)) and next(c for c in s["children"] if c["role"] == "worker")["restarts"] == 1
+        and s, 10, "worker restarted")
+    new_worker = next(c for c in restarted["children"] if c["role"] == "worker")
+    assert new_worker["pid"] != worker["pid"]
+    assert [c["restarts"] for c in restarted["children"] if c["role"] != "worker"] == [0, 0]
+    wait_for(lambda: check_health(worker_address), 10, "restarted worker healthy")
+
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=15) == 0
+    out, err = process.communicate()
+    assert "Tessera is up." in out
+    assert "worker" in err and "exited with code -9" in err
+    for child in restarted["children"]:
+        assert not alive(child["pid"]), f"{child['role']} still running after the launcher stopped"
+    assert not state_path.exists()
+
+
+def test_a_role_dying_during_startup_fails_the_launch_naming_it(tmp_path: Path, launcher) -> None:
+    env = fake_env(tmp_path) | {"FAKE_FAIL_ROLE": "worker"}
+    process = launcher(env)
+    assert process.wait(timeout=20) == 1
+    _, err = process.communicate()
+    assert "worker exited with code 3 during startup" in err
+    registry_address = f"127.0.0.1:{env['TESSERA_REGISTRY__GRPC_PORT']}"
+    assert not check_health(registry_address), "the registry started before the failure must be stopped"
+
+
+def test_a_port_in_use_is_named_with_its_role(tmp_path: Path) -> None:
+    env = fake_env(tmp_path)
+    config = load_config(environ=env)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", config.gateway.http_port))
+        holder.listen()
+        with pytest.raises(LaunchError, match=rf"port {config.gateway.http_port} \(gateway.http_port on 127.0.0.1\) "
+                                               r"is already in use"):
+            check_ports_free(role_specs(config))
+    check_ports_free(role_specs(config))  # free again once released
+
+
+def test_a_port_in_use_stops_the_launcher_before_it_starts_anything(tmp_path: Path, launcher) -> None:
+    env = fake_env(tmp_path)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", int(env["TESSERA_WORKER__GRPC_PORT"])))
+        holder.listen()
+        process = launcher(env)
+        assert process.wait(timeout=15) == 1
+    _, err = process.communicate()
+    assert f"port {env['TESSERA_WORKER__GRPC_PORT']} (worker.grpc_port on 127.0.0.1) is already in use" in err
+    assert not (tmp_path / "run" / "launcher.json").exists()
+
+
+def test_restart_delay_doubles_up_to_the_cap() -> None:
+    launcher_config = LauncherConfig(restart_backoff_s=1.0, max_restart_backoff_s=5.0)
+    assert [restart_delay_s(n, launcher_config) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def test_a_grpc_port_of_zero_is_refused() -> None:
+    config = load_config(environ={"TESSERA_WORKER__GRPC_PORT": "0"})
+    with pytest.raises(LaunchError, match="worker.grpc_port is 0"):
+        role_specs(config)
