@@ -18,7 +18,7 @@ class WsgiServer:
         # channel_timeout bounds idle keep-alive sockets; long SSE streams keep writing.
         self._server = create_server(app, host=host, port=port, threads=threads,
                                      channel_timeout=300, ident="tessera")
-        self.port: int = self._server.effective_port  # type: ignore[union-attr]
+        self.port = int(self._server.effective_port)  # type: ignore[union-attr]  # waitress reports a str
         self._thread = threading.Thread(target=self._server.run, name=f"wsgi-{port}", daemon=True)
 
     def start(self) -> "WsgiServer":

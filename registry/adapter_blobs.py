@@ -1,0 +1,112 @@
+"""The content-addressed adapter store: ``<root>/<sha256 of adapter_model.safetensors>/``.
+
+An import is staged in a private directory under the root (same filesystem),
+validated there, and renamed into place atomically, so a half-written adapter
+is never visible under its sha256 and what was validated is exactly what is
+stored (the source may change after the copy; the copy cannot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import stat
+import uuid
+from pathlib import Path
+
+from registry.adapter_files import CONFIG_FILE, WEIGHTS_FILE, AdapterSource
+from services.errors import Internal, InvalidArgument
+
+CHUNK_BYTES = 1024 * 1024
+STAGING_PREFIX = ".staging-"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagedAdapter:
+    directory: Path  # <root>/.staging-<uuid>/ with adapter_config.json and adapter_model.safetensors
+    sha256: str
+    size_bytes: int  # of adapter_model.safetensors
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _open_regular_nofollow(path: Path) -> int:
+    # The path was resolved already; O_NOFOLLOW stops a symlink swapped in since then.
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise InvalidArgument(f"cannot open {path.name}: {exc.strerror}") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidArgument(f"{path.name} is not a regular file")
+    return fd
+
+
+def _copy_hashing(source: Path, destination: Path) -> str:
+    """Copy source -> destination (fsynced); sha256 of the bytes streamed."""
+    digest = hashlib.sha256()
+    with os.fdopen(_open_regular_nofollow(source), "rb") as src, destination.open("wb") as dst:
+        while chunk := src.read(CHUNK_BYTES):
+            digest.update(chunk)
+            dst.write(chunk)
+        dst.flush()
+        os.fsync(dst.fileno())
+    return digest.hexdigest()
+
+
+class AdapterBlobStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, sha256: str) -> Path:
+        return self.root / sha256
+
+    def stage(self, source: AdapterSource) -> StagedAdapter:
+        """Copy the adapter's two files into a fresh staging directory and re-verify the copy."""
+        directory = self.root / f"{STAGING_PREFIX}{uuid.uuid4().hex}"
+        directory.mkdir()
+        try:
+            _copy_hashing(source.config_path, directory / CONFIG_FILE)
+            weights = directory / WEIGHTS_FILE
+            streamed = _copy_hashing(source.weights_path, weights)
+            stored = sha256_file(weights)
+            if stored != streamed:
+                raise Internal(f"adapter copy is corrupt: sha256 {stored} of the copy != {streamed} of the source")
+            return StagedAdapter(directory=directory, sha256=stored, size_bytes=weights.stat().st_size)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+
+    def commit(self, staged: StagedAdapter) -> Path:
+        """Move a staged adapter to <root>/<sha256>; an intact existing copy is kept (dedup)."""
+        final = self.path_for(staged.sha256)
+        if final.is_dir() and (final / WEIGHTS_FILE).is_file() and sha256_file(final / WEIGHTS_FILE) == staged.sha256:
+            self.discard(staged)
+            return final
+        if final.exists():  # a damaged earlier copy: replace it
+            shutil.rmtree(final)
+        os.rename(staged.directory, final)
+        self._fsync_root()
+        return final
+
+    def discard(self, staged: StagedAdapter) -> None:
+        shutil.rmtree(staged.directory, ignore_errors=True)
+
+    def remove(self, sha256: str) -> None:
+        shutil.rmtree(self.path_for(sha256), ignore_errors=True)
+
+    def _fsync_root(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

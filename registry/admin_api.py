@@ -1,0 +1,124 @@
+"""The admin REST API (/admin/v1): base models, adapters, workers and placements.
+
+Every route needs the admin API key (``Authorization: Bearer <key>`` or
+``X-API-Key: <key>``); errors are JSON ``{"error": {"message", "type", "code"}}``
+(see registry/app.py for the handlers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+from typing import Any
+
+from flask import Blueprint, Response, current_app, jsonify, request
+
+from registry.metrics import ADAPTERS_REGISTERED
+from registry.store import RegistryStore
+from services.errors import InvalidArgument, PermissionDenied, Unauthenticated
+
+STORE_EXTENSION = "tessera_registry_store"
+API_KEY_CONFIG = "TESSERA_ADMIN_API_KEY"
+
+admin = Blueprint("admin", __name__, url_prefix="/admin/v1")
+
+
+def json_error(status: int, message: str, error_type: str) -> tuple[Response, int]:
+    return jsonify({"error": {"message": message, "type": error_type, "code": status}}), status
+
+
+def _store() -> RegistryStore:
+    return current_app.extensions[STORE_EXTENSION]
+
+
+def _supplied_key() -> str | None:
+    authorization = request.headers.get("Authorization", "")
+    if authorization.lower().startswith("bearer "):
+        return authorization[len("bearer "):].strip()
+    return request.headers.get("X-API-Key")
+
+
+@admin.before_request
+def require_api_key() -> None:
+    supplied = _supplied_key()
+    if not supplied:
+        raise Unauthenticated("missing admin API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
+    if not hmac.compare_digest(supplied.encode(), current_app.config[API_KEY_CONFIG].encode()):
+        raise PermissionDenied("invalid admin API key")
+
+
+def _json_body(fields: dict[str, type], required: set[str]) -> dict[str, Any]:
+    """The request's JSON object, with each field of the expected type; InvalidArgument otherwise."""
+    try:
+        body = json.loads(request.get_data(as_text=True) or "null")
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidArgument("request body must be a JSON object")
+    for key in body:
+        if key not in fields:
+            raise InvalidArgument(f"unknown field {key!r}; expected: {', '.join(fields)}", param=key)
+    for key, expected in fields.items():
+        if key not in body or body[key] is None:
+            if key in required:
+                raise InvalidArgument(f"missing required field {key!r}", param=key)
+            continue
+        if not isinstance(body[key], expected):
+            raise InvalidArgument(f"field {key!r} must be a {expected.__name__}", param=key)
+    return body
+
+
+def _record(record: Any) -> dict[str, Any]:
+    return dataclasses.asdict(record)
+
+
+@admin.post("/base-models")
+def register_base_model() -> tuple[Response, int]:
+    body = _json_body({"name": str, "path": str}, required={"name", "path"})
+    return jsonify(_record(_store().register_base_model(body["name"], body["path"]))), 201
+
+
+@admin.get("/base-models")
+def list_base_models() -> Response:
+    return jsonify({"base_models": [_record(r) for r in _store().list_base_models()]})
+
+
+@admin.post("/adapters")
+def register_adapter() -> tuple[Response, int]:
+    body = _json_body({"name": str, "base_model": str, "path": str, "task_head": dict},
+                      required={"name", "base_model", "path"})
+    record = _store().register_adapter(body["name"], body["base_model"], body["path"], body.get("task_head"))
+    ADAPTERS_REGISTERED.inc()
+    return jsonify(_record(record)), 201
+
+
+@admin.get("/adapters")
+def list_adapters() -> Response:
+    records = _store().list_adapters(base_model=request.args.get("base_model") or None)
+    return jsonify({"adapters": [_record(r) for r in records]})
+
+
+@admin.get("/adapters/<name>")
+def get_adapter(name: str) -> Response:
+    return jsonify(_record(_store().get_adapter(name)))
+
+
+@admin.delete("/adapters/<name>")
+def delete_adapter(name: str) -> Response:
+    _store().delete_adapter(name)
+    return jsonify({"deleted": name})
+
+
+@admin.get("/workers")
+def list_workers() -> Response:
+    healthy_only = request.args.get("healthy_only", "false").lower() in ("1", "true", "yes")
+    records = _store().list_workers(base_model=request.args.get("base_model") or None, healthy_only=healthy_only)
+    return jsonify({"workers": [_record(r) for r in records]})
+
+
+@admin.get("/placements")
+def list_placements() -> Response:
+    records = _store().list_placements(adapter=request.args.get("adapter") or None,
+                                       worker_id=request.args.get("worker_id") or None)
+    return jsonify({"placements": [_record(r) for r in records]})

@@ -1,0 +1,70 @@
+"""Conversions between registry records and tessera.v1 protos: the only place that knows both."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf import json_format
+
+from registry.records import AdapterRecord, BaseModelRecord, PlacementRecord, Tier, WorkerRecord
+from services.errors import InvalidArgument
+from tessera.v1 import common_pb2
+
+TIER_TO_PROTO: dict[Tier, int] = {
+    Tier.GPU: common_pb2.TIER_GPU, Tier.HOST: common_pb2.TIER_HOST, Tier.DISK: common_pb2.TIER_DISK}
+TIER_FROM_PROTO: dict[int, Tier] = {v: k for k, v in TIER_TO_PROTO.items()}
+
+
+def base_model_to_proto(record: BaseModelRecord) -> common_pb2.BaseModel:
+    return common_pb2.BaseModel(
+        name=record.name, architecture=record.architecture, path=record.path,
+        max_context=record.max_context, vocab_size=record.vocab_size,
+        created_unix=record.created_unix_ms // 1000)
+
+
+def adapter_to_proto(record: AdapterRecord) -> common_pb2.Adapter:
+    return common_pb2.Adapter(
+        name=record.name, base_model=record.base_model, rank=record.rank, alpha=record.alpha,
+        target_modules=list(record.target_modules), size_bytes=record.size_bytes, sha256=record.sha256,
+        storage_path=record.storage_path, created_unix=record.created_unix_ms // 1000,
+        task_head_json=json.dumps(record.task_head) if record.task_head is not None else "")
+
+
+def stats_to_dict(stats: common_pb2.WorkerStats) -> dict[str, Any]:
+    return {
+        "running_requests": stats.running_requests,
+        "waiting_requests": stats.waiting_requests,
+        "running_ranks": list(stats.running_ranks),
+        "resident_adapters": list(stats.resident_adapters),
+        "free_kv_tokens": stats.free_kv_tokens,
+        "adapter_slots": stats.adapter_slots,
+        "generated_tokens_total": stats.generated_tokens_total,
+    }
+
+
+def stats_from_dict(stats: dict[str, Any]) -> common_pb2.WorkerStats:
+    # ignore_unknown_fields: rows written by another contract version still load.
+    return json_format.ParseDict(stats, common_pb2.WorkerStats(), ignore_unknown_fields=True)
+
+
+def worker_to_proto(record: WorkerRecord) -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(
+        worker_id=record.worker_id, address=record.address, device=record.device,
+        base_model=record.base_model, capacity=record.capacity,
+        last_heartbeat_unix_ms=record.last_heartbeat_unix_ms, healthy=record.healthy,
+        stats=stats_from_dict(record.stats))
+
+
+def placement_to_proto(record: PlacementRecord) -> common_pb2.Placement:
+    return common_pb2.Placement(adapter=record.adapter, worker_id=record.worker_id,
+                                tier=TIER_TO_PROTO[record.tier], updated_unix_ms=record.updated_unix_ms)
+
+
+def placement_from_proto(placement: common_pb2.Placement, worker_id: str) -> tuple[str, Tier]:
+    if placement.worker_id and placement.worker_id != worker_id:
+        raise InvalidArgument(f"placement of {placement.adapter!r} names worker {placement.worker_id!r}, "
+                              f"not the reporting worker {worker_id!r}")
+    if placement.tier not in TIER_FROM_PROTO:
+        raise InvalidArgument(f"placement of {placement.adapter!r} has no tier")
+    return placement.adapter, TIER_FROM_PROTO[placement.tier]

@@ -1,0 +1,78 @@
+"""The registry's domain records: plain frozen dataclasses, never ORM rows.
+
+Every API of `RegistryStore` returns these, so callers (admin API, gRPC
+service) never hold a database session or a lazily-loaded attribute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+# The LoRA-targetable projections of a Llama-family decoder layer, in layer order.
+SUPPORTED_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class Tier(str, enum.Enum):
+    """Where an adapter's weights sit on a worker (ROCK's tiers), fastest first."""
+
+    GPU = "gpu"
+    HOST = "host"
+    DISK = "disk"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModuleShape:
+    """A projection's weight is [out_features, in_features]; its LoRA A is [r, in], B is [out, r]."""
+
+    in_features: int
+    out_features: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BaseModelRecord:
+    name: str
+    architecture: str
+    path: str
+    max_context: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    module_shapes: dict[str, ModuleShape]  # projection name -> shape, for every SUPPORTED_TARGET_MODULES
+    created_unix_ms: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdapterRecord:
+    name: str
+    base_model: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    size_bytes: int
+    sha256: str  # of adapter_model.safetensors
+    storage_path: str  # <adapter_store>/<sha256>
+    created_unix_ms: int
+    task_head: dict[str, Any] | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    worker_id: str
+    address: str
+    device: str
+    base_model: str
+    capacity: int
+    last_heartbeat_unix_ms: int
+    healthy: bool  # heartbeat within the store's worker_timeout_s, judged when read
+    stats: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlacementRecord:
+    adapter: str
+    worker_id: str
+    tier: Tier
+    updated_unix_ms: int

@@ -1,0 +1,67 @@
+"""The registry role's process: admin REST API (waitress), gRPC Registry service, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+
+from registry.app import create_admin_app
+from registry.grpc_service import SERVICE_NAME, add_registry_service
+from registry.store import RegistryStore
+from services.config import TesseraConfig
+from services.grpc_server import start_grpc_server
+from services.http_server import WsgiServer
+from services.logs import setup_logging
+from services.metrics import start_metrics_server
+from services.runtime import run_until_signalled
+
+log = logging.getLogger(__name__)
+
+API_KEY_FILE = "admin_api_key"
+
+
+def resolve_admin_api_key(config: TesseraConfig) -> str:
+    """The configured admin API key, else the one in <home>/admin_api_key (created 0600 on first use)."""
+    if config.registry.admin_api_key:
+        return config.registry.admin_api_key
+    path = config.home_path / API_KEY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # O_EXCL: two processes starting at once agree on one key; 0600 from the first byte.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_text().strip()
+        if not key:
+            raise RuntimeError(f"{path} is empty; delete it to create a new admin API key")
+        return key
+    key = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    log.info("created admin API key in %s", path)
+    return key
+
+
+def serve(config: TesseraConfig) -> None:
+    setup_logging("registry", config.log_level)
+    store = RegistryStore.from_config(config)
+    settings = config.registry
+    start_metrics_server(settings.host, settings.metrics_port)
+    admin = WsgiServer(create_admin_app(store, resolve_admin_api_key(config)),
+                       settings.host, settings.admin_port, settings.http_threads).start()
+
+    async def main(stop: asyncio.Event) -> None:
+        grpc_server = await start_grpc_server(
+            f"{settings.host}:{settings.grpc_port}",
+            add_registry_service(store, settings.heartbeat_interval_ms), [SERVICE_NAME])
+        log.info("registry ready: gRPC %s:%s, admin API http://%s:%s/admin/v1",
+                 settings.host, grpc_server.port, settings.host, admin.port)
+        await stop.wait()
+        await grpc_server.stop()
+
+    try:
+        run_until_signalled(main)
+    finally:
+        admin.close()
+        store.close()

@@ -1,0 +1,302 @@
+"""RegistryStore: the registry's one domain API over the database and the adapter store.
+
+Every method opens its own session and transaction and returns plain frozen
+records (registry/records.py), so it is safe to call from Flask's threads and
+from asyncio through `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from registry.adapter_blobs import AdapterBlobStore
+from registry.adapter_files import locate_adapter_files, validate_adapter_dir
+from registry.base_model_files import read_base_model_spec
+from registry.db import make_engine, make_session_factory, upgrade_schema
+from registry.models import AdapterRow, BaseModelRow, PlacementRow, WorkerRow
+from registry.records import (AdapterRecord, BaseModelRecord, ModuleShape, PlacementRecord, Tier,
+                              WorkerRecord)
+from registry.trusted_paths import real_roots, resolve_inside_roots
+from services.config import TesseraConfig
+from services.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+TIER_ORDER = list(Tier)  # fastest first
+
+
+def check_name(name: str, what: str) -> str:
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise InvalidArgument(
+            f"{what} name {name!r} is invalid: use 1-128 characters from letters, digits and . _ : -, "
+            "starting with a letter or digit")
+    return name
+
+
+def _base_model_record(row: BaseModelRow) -> BaseModelRecord:
+    return BaseModelRecord(
+        name=row.name, architecture=row.architecture, path=row.path, max_context=row.max_context,
+        vocab_size=row.vocab_size, hidden_size=row.hidden_size, num_layers=row.num_layers,
+        module_shapes={m: ModuleShape(**shape) for m, shape in row.module_shapes.items()},
+        created_unix_ms=row.created_ms)
+
+
+def _adapter_record(row: AdapterRow) -> AdapterRecord:
+    return AdapterRecord(
+        name=row.name, base_model=row.base_model, rank=row.rank, alpha=row.alpha,
+        target_modules=tuple(row.target_modules), size_bytes=row.size_bytes, sha256=row.sha256,
+        storage_path=row.storage_path, created_unix_ms=row.created_ms, task_head=row.task_head)
+
+
+def _placement_record(row: PlacementRow) -> PlacementRecord:
+    return PlacementRecord(adapter=row.adapter, worker_id=row.worker_id, tier=Tier(row.tier),
+                           updated_unix_ms=row.updated_ms)
+
+
+class RegistryStore:
+    def __init__(self, database_url: str, adapter_store: Path, import_roots: list[Path],
+                 worker_timeout_s: float, clock: Callable[[], float] = time.time) -> None:
+        self._engine = make_engine(database_url)
+        self._sessions = make_session_factory(self._engine)
+        self._blobs = AdapterBlobStore(adapter_store)
+        self._roots = real_roots(import_roots)
+        self._worker_timeout_ms = int(worker_timeout_s * 1000)
+        self._clock = clock  # wall clock (unix seconds): heartbeats are compared across processes
+        # Serialises blob commits and removals with the rows that reference them (dedup vs delete).
+        self._blob_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: TesseraConfig) -> "RegistryStore":
+        """The store for `config`, with the database schema migrated to head first."""
+        upgrade_schema(config.database_url)
+        return cls(config.database_url, config.adapter_store_path, config.import_root_paths,
+                   config.registry.worker_timeout_s)
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Session]:
+        with self._sessions() as session, session.begin():
+            yield session
+
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    # Base models
+
+    def register_base_model(self, name: str, path: str) -> BaseModelRecord:
+        check_name(name, "base model")
+        directory = resolve_inside_roots(path, self._roots, "base model directory")
+        spec = read_base_model_spec(directory)
+        row = BaseModelRow(
+            name=name, architecture=spec.architecture, path=str(directory),
+            max_context=spec.max_context, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+            num_layers=spec.num_layers,
+            module_shapes={m: {"in_features": s.in_features, "out_features": s.out_features}
+                           for m, s in spec.module_shapes.items()},
+            created_ms=self._now_ms())
+        with self._transaction() as s:
+            if s.scalar(select(BaseModelRow.id).where(BaseModelRow.name == name)) is not None:
+                raise AlreadyExists(f"base model {name!r} already exists")
+            _insert(s, row, f"base model {name!r}")
+            return _base_model_record(row)
+
+    def get_base_model(self, name: str) -> BaseModelRecord:
+        with self._transaction() as s:
+            return _base_model_record(_get_base_model_row(s, name))
+
+    def list_base_models(self) -> list[BaseModelRecord]:
+        with self._transaction() as s:
+            return [_base_model_record(r) for r in s.scalars(select(BaseModelRow).order_by(BaseModelRow.name))]
+
+    # Adapters
+
+    def register_adapter(self, name: str, base_model: str, source_dir: str,
+                         task_head: dict[str, Any] | None = None) -> AdapterRecord:
+        """Validate the PEFT adapter in `source_dir` against `base_model` and import it by content.
+
+        The files are copied into a staging directory first and validated there,
+        so the stored bytes are exactly the validated ones.
+        """
+        check_name(name, "adapter")
+        if task_head is not None and not isinstance(task_head, dict):
+            raise InvalidArgument("task_head must be a JSON object")
+        with self._transaction() as s:
+            base = _base_model_record(_get_base_model_row(s, base_model))
+            _check_adapter_name_free(s, name)
+        staged = self._blobs.stage(locate_adapter_files(source_dir, self._roots))
+        with self._blob_lock:
+            try:
+                spec = validate_adapter_dir(staged.directory, base.num_layers, base.module_shapes)
+                with self._transaction() as s:
+                    _check_adapter_name_free(s, name)
+                    _check_shared_blob(s, staged.sha256, spec.rank, spec.alpha, list(spec.target_modules))
+                    storage = self._blobs.commit(staged)
+                    row = AdapterRow(
+                        name=name, base_model=base.name, rank=spec.rank, alpha=spec.alpha,
+                        target_modules=list(spec.target_modules), size_bytes=staged.size_bytes,
+                        sha256=staged.sha256, storage_path=str(storage), created_ms=self._now_ms(),
+                        task_head=task_head)
+                    _insert(s, row, f"adapter {name!r}")
+                    return _adapter_record(row)
+            except BaseException:
+                self._blobs.discard(staged)
+                self._remove_blob_if_unreferenced(staged.sha256)
+                raise
+
+    def get_adapter(self, name: str) -> AdapterRecord:
+        with self._transaction() as s:
+            return _adapter_record(_get_adapter_row(s, name))
+
+    def list_adapters(self, base_model: str | None = None) -> list[AdapterRecord]:
+        query = select(AdapterRow).order_by(AdapterRow.name)
+        if base_model:
+            query = query.where(AdapterRow.base_model == base_model)
+        with self._transaction() as s:
+            return [_adapter_record(r) for r in s.scalars(query)]
+
+    def delete_adapter(self, name: str) -> None:
+        """Remove the adapter and its placements; its blob goes once no adapter shares the sha256."""
+        with self._blob_lock:
+            with self._transaction() as s:
+                row = _get_adapter_row(s, name)
+                sha256 = row.sha256
+                s.execute(delete(PlacementRow).where(PlacementRow.adapter == name))
+                s.delete(row)
+            self._remove_blob_if_unreferenced(sha256)
+
+    def _remove_blob_if_unreferenced(self, sha256: str) -> None:
+        with self._transaction() as s:
+            references = s.scalar(select(func.count()).select_from(AdapterRow).where(AdapterRow.sha256 == sha256))
+        if references == 0:
+            self._blobs.remove(sha256)
+
+    # Workers
+
+    def register_worker(self, address: str, device: str, base_model: str, capacity: int) -> WorkerRecord:
+        """A fresh worker id for `address`; an earlier registration of that address is replaced."""
+        if not address or len(address) > 256:
+            raise InvalidArgument("worker address must be 1-256 characters (host:port)")
+        if not device or len(device) > 64:
+            raise InvalidArgument("worker device must be 1-64 characters")
+        check_name(base_model, "base model")
+        if capacity <= 0:
+            raise InvalidArgument(f"worker capacity must be positive, got {capacity}")
+        row = WorkerRow(id=str(uuid.uuid4()), address=address, device=device, base_model=base_model,
+                        capacity=capacity, last_heartbeat_ms=self._now_ms(), stats={})
+        with self._transaction() as s:
+            # A restarted worker comes back at the same address: its old placements are stale.
+            old_ids = select(WorkerRow.id).where(WorkerRow.address == address).scalar_subquery()
+            s.execute(delete(PlacementRow).where(PlacementRow.worker_id.in_(old_ids)))
+            s.execute(delete(WorkerRow).where(WorkerRow.address == address))
+            _insert(s, row, f"worker at {address!r}")
+            return self._worker_record(row)
+
+    def heartbeat(self, worker_id: str, stats: dict[str, Any]) -> bool:
+        """Record a heartbeat; False if the worker is unknown (it must register again)."""
+        with self._transaction() as s:
+            row = s.get(WorkerRow, worker_id)
+            if row is None:
+                return False
+            row.last_heartbeat_ms = self._now_ms()
+            row.stats = stats
+            return True
+
+    def list_workers(self, base_model: str | None = None, healthy_only: bool = False) -> list[WorkerRecord]:
+        query = select(WorkerRow).order_by(WorkerRow.address)
+        if base_model:
+            query = query.where(WorkerRow.base_model == base_model)
+        if healthy_only:
+            query = query.where(WorkerRow.last_heartbeat_ms >= self._now_ms() - self._worker_timeout_ms)
+        with self._transaction() as s:
+            return [self._worker_record(r) for r in s.scalars(query)]
+
+    def _worker_record(self, row: WorkerRow) -> WorkerRecord:
+        healthy = self._now_ms() - row.last_heartbeat_ms <= self._worker_timeout_ms
+        return WorkerRecord(
+            worker_id=row.id, address=row.address, device=row.device, base_model=row.base_model,
+            capacity=row.capacity, last_heartbeat_unix_ms=row.last_heartbeat_ms, healthy=healthy,
+            stats=dict(row.stats))
+
+    # Placements
+
+    def replace_placements(self, worker_id: str, placements: Sequence[tuple[str, Tier]]) -> list[PlacementRecord]:
+        """Replace the worker's whole placement set.
+
+        An adapter listed twice keeps its fastest tier (GPU-resident and also
+        cached in host memory is a normal state). Adapters the registry no
+        longer knows (deleted while a worker still holds them) are skipped.
+        """
+        fastest: dict[str, Tier] = {}
+        for adapter, tier in placements:
+            tier = Tier(tier)
+            if adapter not in fastest or TIER_ORDER.index(tier) < TIER_ORDER.index(fastest[adapter]):
+                fastest[adapter] = tier
+        now = self._now_ms()
+        with self._transaction() as s:
+            if s.get(WorkerRow, worker_id) is None:
+                raise NotFound(f"worker {worker_id!r} is not registered")
+            known = set(s.scalars(select(AdapterRow.name).where(AdapterRow.name.in_(list(fastest)))))
+            s.execute(delete(PlacementRow).where(PlacementRow.worker_id == worker_id))
+            rows = [PlacementRow(adapter=a, worker_id=worker_id, tier=t.value, updated_ms=now)
+                    for a, t in sorted(fastest.items()) if a in known]
+            s.add_all(rows)
+            s.flush()
+            return [_placement_record(r) for r in rows]
+
+    def list_placements(self, adapter: str | None = None, worker_id: str | None = None) -> list[PlacementRecord]:
+        query = select(PlacementRow).order_by(PlacementRow.adapter, PlacementRow.worker_id)
+        if adapter:
+            query = query.where(PlacementRow.adapter == adapter)
+        if worker_id:
+            query = query.where(PlacementRow.worker_id == worker_id)
+        with self._transaction() as s:
+            return [_placement_record(r) for r in s.scalars(query)]
+
+
+def _insert(session: Session, row: Any, what: str) -> None:
+    """Add and flush `row`; a unique-constraint race surfaces as AlreadyExists."""
+    session.add(row)
+    try:
+        session.flush()
+    except IntegrityError as exc:
+        raise AlreadyExists(f"{what} already exists") from exc
+
+
+def _get_base_model_row(session: Session, name: str) -> BaseModelRow:
+    row = session.scalar(select(BaseModelRow).where(BaseModelRow.name == name))
+    if row is None:
+        raise NotFound(f"base model {name!r} is not registered")
+    return row
+
+
+def _get_adapter_row(session: Session, name: str) -> AdapterRow:
+    row = session.scalar(select(AdapterRow).where(AdapterRow.name == name))
+    if row is None:
+        raise NotFound(f"adapter {name!r} is not registered")
+    return row
+
+
+def _check_adapter_name_free(session: Session, name: str) -> None:
+    if session.scalar(select(AdapterRow.id).where(AdapterRow.name == name)) is not None:
+        raise AlreadyExists(f"adapter {name!r} already exists")
+
+
+def _check_shared_blob(session: Session, sha256: str, rank: int, alpha: float, targets: list[str]) -> None:
+    """Adapters sharing weights share one stored adapter_config.json, so their LoRA settings must agree."""
+    other = session.scalar(select(AdapterRow).where(AdapterRow.sha256 == sha256).limit(1))
+    if other is not None and (other.rank, other.alpha, list(other.target_modules)) != (rank, alpha, targets):
+        raise FailedPrecondition(
+            f"adapter {other.name!r} has the same weights (sha256 {sha256}) but a different "
+            f"r/lora_alpha/target_modules; the store keeps one adapter_config.json per weights file")

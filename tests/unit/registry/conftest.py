@@ -1,0 +1,69 @@
+"""Fixtures: a tiny real Llama checkpoint and real PEFT LoRA adapters, built once per session."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from registry.db import upgrade_schema
+from registry.store import RegistryStore
+
+BASE_MODEL = "tiny-llama"
+# name -> (r, target_modules)
+ADAPTERS: dict[str, tuple[int, list[str]]] = {
+    "all-proj": (4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "attn-qv": (2, ["q_proj", "v_proj"]),
+}
+
+
+class FakeClock:
+    """A settable wall clock (unix seconds) for heartbeat timeouts."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("assets")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=128, max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(root / "base")
+    for name, (rank, targets) in ADAPTERS.items():
+        lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+        get_peft_model(LlamaForCausalLM(config), lora).save_pretrained(root / name)
+    return root
+
+
+@pytest.fixture
+def imports(tmp_path: Path, assets: Path) -> Path:
+    """A per-test import root holding copies of the assets (tests may damage them)."""
+    root = tmp_path / "imports"
+    shutil.copytree(assets, root)
+    return root
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, imports: Path, clock: FakeClock) -> Iterator[RegistryStore]:
+    url = f"sqlite:///{tmp_path / 'db' / 'registry.db'}"
+    upgrade_schema(url)
+    registry = RegistryStore(url, tmp_path / "store", [imports], worker_timeout_s=10.0, clock=clock)
+    registry.register_base_model(BASE_MODEL, str(imports / "base"))
+    yield registry
+    registry.close()

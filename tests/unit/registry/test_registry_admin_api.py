@@ -1,0 +1,209 @@
+import json
+import os
+import pickle
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from flask.testing import FlaskClient
+
+from registry.app import create_admin_app
+from registry.store import RegistryStore
+
+from .conftest import BASE_MODEL
+
+API_KEY = "test-admin-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture
+def client(store: RegistryStore) -> FlaskClient:
+    return create_admin_app(store, API_KEY).test_client()
+
+
+def register(client: FlaskClient, name: str, path: Path, **extra: object):  # type: ignore[no-untyped-def]
+    return client.post("/admin/v1/adapters", headers=AUTH,
+                       json={"name": name, "base_model": BASE_MODEL, "path": str(path), **extra})
+
+
+def error_of(response) -> dict:  # type: ignore[no-untyped-def]
+    body = response.get_json()
+    assert set(body) == {"error"} and body["error"]["code"] == response.status_code
+    return body["error"]
+
+
+def test_register_list_show_delete(client: FlaskClient, imports: Path) -> None:
+    created = register(client, "support-bot", imports / "all-proj", task_head={"classes": 3})
+    assert created.status_code == 201
+    record = created.get_json()
+    assert record["name"] == "support-bot" and record["rank"] == 4 and record["task_head"] == {"classes": 3}
+    assert register(client, "qv", imports / "attn-qv").status_code == 201
+
+    listed = client.get(f"/admin/v1/adapters?base_model={BASE_MODEL}", headers=AUTH).get_json()["adapters"]
+    assert [a["name"] for a in listed] == ["qv", "support-bot"]
+    shown = client.get("/admin/v1/adapters/support-bot", headers={"X-API-Key": API_KEY})
+    assert shown.status_code == 200 and shown.get_json() == record
+    base_models = client.get("/admin/v1/base-models", headers=AUTH).get_json()["base_models"]
+    assert [b["name"] for b in base_models] == [BASE_MODEL]
+
+    assert client.delete("/admin/v1/adapters/support-bot", headers=AUTH).status_code == 200
+    assert client.get("/admin/v1/adapters/support-bot", headers=AUTH).status_code == 404
+    assert not Path(record["storage_path"]).exists()
+
+
+def test_base_model_registration(client: FlaskClient, imports: Path) -> None:
+    created = client.post("/admin/v1/base-models", headers=AUTH, json={"name": "second", "path": str(imports / "base")})
+    assert created.status_code == 201 and created.get_json()["architecture"] == "LlamaForCausalLM"
+    again = client.post("/admin/v1/base-models", headers=AUTH, json={"name": "second", "path": str(imports / "base")})
+    assert again.status_code == 409
+
+
+def test_workers_and_placements_listing(client: FlaskClient, store: RegistryStore, imports: Path) -> None:
+    register(client, "a1", imports / "attn-qv")
+    worker = store.register_worker("127.0.0.1:7001", "cpu", BASE_MODEL, capacity=4)
+    store.replace_placements(worker.worker_id, [("a1", "gpu")])  # type: ignore[list-item]
+    workers = client.get("/admin/v1/workers?healthy_only=true", headers=AUTH).get_json()["workers"]
+    assert [(w["worker_id"], w["healthy"]) for w in workers] == [(worker.worker_id, True)]
+    placements = client.get("/admin/v1/placements?adapter=a1", headers=AUTH).get_json()["placements"]
+    assert [(p["worker_id"], p["tier"]) for p in placements] == [(worker.worker_id, "gpu")]
+
+
+def test_api_key_is_required(client: FlaskClient) -> None:
+    assert client.get("/healthz").status_code == 200
+    missing = client.get("/admin/v1/adapters")
+    assert missing.status_code == 401 and "missing admin API key" in error_of(missing)["message"]
+    for headers in ({"Authorization": "Bearer wrong"}, {"X-API-Key": "wrong"}):
+        wrong = client.get("/admin/v1/adapters", headers=headers)
+        assert wrong.status_code == 403 and error_of(wrong)["type"] == "permission_error"
+
+
+@pytest.mark.parametrize("body, message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    (json.dumps({"name": "x", "base_model": BASE_MODEL}), "missing required field 'path'"),
+    (json.dumps({"name": 7, "base_model": BASE_MODEL, "path": "/x"}), "field 'name' must be a str"),
+    (json.dumps({"name": "x", "base_model": BASE_MODEL, "path": "/x", "task_head": [1]}), "'task_head' must be a dict"),
+    (json.dumps({"name": "x", "base_model": BASE_MODEL, "path": "/x", "extra": 1}), "unknown field 'extra'"),
+])
+def test_malformed_requests_are_400(client: FlaskClient, body: str, message: str) -> None:
+    response = client.post("/admin/v1/adapters", headers={**AUTH, "Content-Type": "application/json"}, data=body)
+    assert response.status_code == 400 and message in error_of(response)["message"]
+
+
+def test_conflicts_and_unknowns(client: FlaskClient, imports: Path) -> None:
+    assert register(client, "a1", imports / "attn-qv").status_code == 201
+    assert register(client, "a1", imports / "attn-qv").status_code == 409
+    assert client.get("/admin/v1/adapters/nope", headers=AUTH).status_code == 404
+    assert client.delete("/admin/v1/adapters/nope", headers=AUTH).status_code == 404
+    unknown_base = client.post("/admin/v1/adapters", headers=AUTH,
+                               json={"name": "a2", "base_model": "nope", "path": str(imports / "attn-qv")})
+    assert unknown_base.status_code == 404
+    assert client.get("/admin/v1/no-such-route", headers=AUTH).status_code == 404
+
+
+def edit_config(key: str, value: object) -> Callable[[Path], None]:
+    def mutate(adapter: Path) -> None:
+        path = adapter / "adapter_config.json"
+        config = json.loads(path.read_text())
+        config[key] = value
+        path.write_text(json.dumps(config))
+    return mutate
+
+
+def truncate(adapter: Path) -> None:
+    path = adapter / "adapter_model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+
+
+def corrupt_header(adapter: Path) -> None:
+    path = adapter / "adapter_model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:12] = b"\xff\xfe{["
+    path.write_bytes(bytes(data))
+
+
+def huge_header_length(adapter: Path) -> None:
+    path = adapter / "adapter_model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", 10**12) + data[8:])
+
+
+def shift_offsets(adapter: Path) -> None:
+    # A header whose offsets overlap: the file size still matches, the layout does not.
+    path = adapter / "adapter_model.safetensors"
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    name = sorted(k for k in header if k != "__metadata__")[1]
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [0, end - begin]
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    assert len(encoded) <= length  # the new offsets are no longer than the old ones
+    path.write_bytes(data[:8] + encoded.ljust(length) + data[8 + length:])
+
+
+@pytest.mark.parametrize("mutate, status, message", [
+    (edit_config("r", 8), 400, "rank mismatch: adapter_config.json says r=8"),
+    (edit_config("target_modules", ["q_proj", "k_proj", "v_proj"]), 400, "targets 'k_proj'"),
+    (edit_config("target_modules", ["q_proj", "lm_head"]), 400, "target module 'lm_head' is not supported"),
+    (edit_config("target_modules", ["q_proj"]), 400, "not a LoRA weight of a target module"),
+    (edit_config("use_dora", True), 400, "DoRA"),
+    (edit_config("modules_to_save", ["lm_head"]), 400, "modules_to_save"),
+    (edit_config("layers_to_transform", [0]), 400, "layers_to_transform"),
+    (edit_config("peft_type", "IA3"), 400, "peft_type must be 'LORA'"),
+    (truncate, 400, "truncated"),
+    (corrupt_header, 400, "corrupt header"),
+    (huge_header_length, 400, "exceeds"),
+    (shift_offsets, 400, "overlaps"),
+])
+def test_bad_adapters_are_refused(client: FlaskClient, imports: Path, tmp_path: Path,
+                                  mutate: Callable[[Path], None], status: int, message: str) -> None:
+    adapter = imports / "attn-qv"
+    mutate(adapter)
+    response = register(client, "bad", adapter)
+    assert response.status_code == status, response.get_json()
+    assert message in error_of(response)["message"]
+    assert client.get("/admin/v1/adapters", headers=AUTH).get_json()["adapters"] == []
+    assert list((tmp_path / "store").iterdir()) == []  # nothing staged is left behind
+
+
+class _CreatesMarker:
+    """Unpickling this object creates a file: proof of whether a pickle was ever loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (open, (str(self.marker), "w"))
+
+
+def test_pickle_adapter_is_refused_unopened(client: FlaskClient, imports: Path, tmp_path: Path) -> None:
+    adapter = imports / "attn-qv"
+    marker = tmp_path / "unpickled.marker"
+    (adapter / "adapter_model.safetensors").unlink()
+    (adapter / "adapter_model.bin").write_bytes(pickle.dumps(_CreatesMarker(marker)))
+    response = register(client, "pickled", adapter)
+    assert response.status_code == 400
+    assert "pickle adapters are refused; convert to safetensors" in error_of(response)["message"]
+    assert not marker.exists()
+
+
+def test_paths_outside_import_roots_are_refused(client: FlaskClient, imports: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    shutil.copytree(imports / "attn-qv", outside)
+    assert register(client, "a", outside).status_code == 403
+    # A symlinked directory inside the root that points outside.
+    (imports / "link").symlink_to(outside, target_is_directory=True)
+    assert register(client, "a", imports / "link").status_code == 403
+    # A symlinked weights file inside a real adapter directory that points outside.
+    escape = imports / "escape"
+    escape.mkdir()
+    shutil.copy(outside / "adapter_config.json", escape)
+    os.symlink(outside / "adapter_model.safetensors", escape / "adapter_model.safetensors")
+    response = register(client, "a", escape)
+    assert response.status_code == 403 and "outside the allowed import roots" in error_of(response)["message"]
+    # Traversal that lands outside.
+    assert register(client, "a", imports / ".." / "outside").status_code == 403

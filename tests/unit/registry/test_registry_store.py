@@ -1,0 +1,141 @@
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from registry.records import ModuleShape, Tier
+from registry.store import RegistryStore
+from services.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+
+from .conftest import BASE_MODEL, FakeClock
+
+
+def test_base_model_spec_from_config(store: RegistryStore, imports: Path) -> None:
+    base = store.get_base_model(BASE_MODEL)
+    assert (base.architecture, base.num_layers, base.hidden_size, base.vocab_size, base.max_context) == (
+        "LlamaForCausalLM", 2, 64, 128, 256)
+    # 4 heads x head_dim 16 = 64 for q; 2 kv heads x 16 = 32 for k/v.
+    assert base.module_shapes["q_proj"] == ModuleShape(64, 64)
+    assert base.module_shapes["k_proj"] == ModuleShape(64, 32)
+    assert base.module_shapes["down_proj"] == ModuleShape(128, 64)
+    assert base.path == str(imports / "base")
+    assert [b.name for b in store.list_base_models()] == [BASE_MODEL]
+    with pytest.raises(AlreadyExists):
+        store.register_base_model(BASE_MODEL, str(imports / "base"))
+
+
+def test_base_model_refuses_unsupported_architecture(store: RegistryStore, imports: Path) -> None:
+    config_path = imports / "base" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(InvalidArgument, match="GPT2LMHeadModel"):
+        store.register_base_model("other", str(imports / "base"))
+
+
+def test_adapter_is_stored_by_content_and_verified(store: RegistryStore, imports: Path, tmp_path: Path) -> None:
+    record = store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"), task_head={"labels": ["x"]})
+    source = (imports / "all-proj" / "adapter_model.safetensors").read_bytes()
+    assert record.sha256 == hashlib.sha256(source).hexdigest()
+    assert record.size_bytes == len(source)
+    assert (record.rank, record.alpha) == (4, 8.0)
+    assert record.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    stored = Path(record.storage_path)
+    assert stored == tmp_path / "store" / record.sha256
+    assert sorted(p.name for p in stored.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert (stored / "adapter_model.safetensors").read_bytes() == source
+    assert store.get_adapter("a1") == record
+    assert record.task_head == {"labels": ["x"]}
+    # No staging leftovers.
+    assert [p.name for p in (tmp_path / "store").iterdir()] == [record.sha256]
+
+
+def test_identical_weights_share_one_blob_until_the_last_is_deleted(store: RegistryStore, imports: Path) -> None:
+    shutil.copytree(imports / "all-proj", imports / "copy")
+    first = store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"))
+    second = store.register_adapter("a2", BASE_MODEL, str(imports / "copy"))
+    assert first.storage_path == second.storage_path
+    store.delete_adapter("a1")
+    assert Path(second.storage_path).is_dir()
+    store.delete_adapter("a2")
+    assert not Path(second.storage_path).exists()
+    assert store.list_adapters() == []
+
+
+def test_identical_weights_with_other_lora_settings_are_refused(store: RegistryStore, imports: Path) -> None:
+    shutil.copytree(imports / "all-proj", imports / "copy")
+    config_path = imports / "copy" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["lora_alpha"] = 32
+    config_path.write_text(json.dumps(config))
+    store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"))
+    with pytest.raises(FailedPrecondition, match="same weights"):
+        store.register_adapter("a2", BASE_MODEL, str(imports / "copy"))
+    assert Path(store.get_adapter("a1").storage_path).is_dir()
+
+
+def test_adapter_errors(store: RegistryStore, imports: Path, tmp_path: Path) -> None:
+    store.register_adapter("a1", BASE_MODEL, str(imports / "attn-qv"))
+    with pytest.raises(AlreadyExists):
+        store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"))
+    with pytest.raises(NotFound):
+        store.register_adapter("a2", "no-such-base", str(imports / "all-proj"))
+    with pytest.raises(NotFound):
+        store.get_adapter("missing")
+    with pytest.raises(NotFound):
+        store.delete_adapter("missing")
+    with pytest.raises(InvalidArgument, match="name"):
+        store.register_adapter("../evil", BASE_MODEL, str(imports / "all-proj"))
+    with pytest.raises(InvalidArgument, match="absolute"):
+        store.register_adapter("a3", BASE_MODEL, "imports/all-proj")
+    outside = tmp_path / "outside"
+    shutil.copytree(imports / "all-proj", outside)
+    with pytest.raises(PermissionDenied, match="outside the allowed import roots"):
+        store.register_adapter("a3", BASE_MODEL, str(outside))
+    assert [a.name for a in store.list_adapters(base_model=BASE_MODEL)] == ["a1"]
+    assert store.list_adapters(base_model="other") == []
+
+
+def test_workers_heartbeat_health_and_reregistration(store: RegistryStore, clock: FakeClock) -> None:
+    worker = store.register_worker("127.0.0.1:7001", "cpu", BASE_MODEL, capacity=8)
+    other = store.register_worker("127.0.0.1:7002", "cuda:0", "other-base", capacity=4)
+    assert worker.healthy and worker.stats == {}
+    clock.now += 5
+    assert store.heartbeat(worker.worker_id, {"running_requests": 3})
+    assert not store.heartbeat("unknown-id", {})
+    clock.now += 6  # worker beat 6 s ago, other 11 s ago (timeout 10 s)
+    assert [w.address for w in store.list_workers(healthy_only=True)] == ["127.0.0.1:7001"]
+    listed = {w.address: w for w in store.list_workers()}
+    assert not listed["127.0.0.1:7002"].healthy
+    assert listed["127.0.0.1:7001"].stats == {"running_requests": 3}
+    assert [w.worker_id for w in store.list_workers(base_model="other-base")] == [other.worker_id]
+
+    restarted = store.register_worker("127.0.0.1:7001", "cpu", BASE_MODEL, capacity=8)
+    assert restarted.worker_id != worker.worker_id
+    assert not store.heartbeat(worker.worker_id, {})
+    assert len(store.list_workers()) == 2
+    with pytest.raises(InvalidArgument):
+        store.register_worker("127.0.0.1:7003", "cpu", BASE_MODEL, capacity=0)
+
+
+def test_placements_replace_and_follow_deletes(store: RegistryStore, imports: Path) -> None:
+    store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"))
+    store.register_adapter("a2", BASE_MODEL, str(imports / "attn-qv"))
+    w1 = store.register_worker("127.0.0.1:7001", "cpu", BASE_MODEL, capacity=8).worker_id
+    w2 = store.register_worker("127.0.0.1:7002", "cpu", BASE_MODEL, capacity=8).worker_id
+    # a1 reported twice keeps its fastest tier; an adapter unknown to the registry is skipped.
+    stored = store.replace_placements(w1, [("a1", Tier.HOST), ("a1", Tier.GPU), ("a2", Tier.DISK), ("gone", Tier.GPU)])
+    assert [(p.adapter, p.tier) for p in stored] == [("a1", Tier.GPU), ("a2", Tier.DISK)]
+    store.replace_placements(w2, [("a1", Tier.HOST)])
+    assert {(p.worker_id, p.tier) for p in store.list_placements(adapter="a1")} == {(w1, Tier.GPU), (w2, Tier.HOST)}
+
+    store.replace_placements(w1, [("a2", Tier.GPU)])  # replaces, never merges
+    assert [(p.adapter, p.tier) for p in store.list_placements(worker_id=w1)] == [("a2", Tier.GPU)]
+    store.delete_adapter("a2")
+    assert store.list_placements(worker_id=w1) == []
+    store.register_worker("127.0.0.1:7002", "cpu", BASE_MODEL, capacity=8)  # restart drops w2's placements
+    assert store.list_placements() == []
+    with pytest.raises(NotFound):
+        store.replace_placements(w2, [])
