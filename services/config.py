@@ -55,6 +55,8 @@ class GatewayConfig:
     max_prompt_chars: int = 1_000_000
     request_timeout_s: float = 600.0
     http_threads: int = 32
+    # Client API keys for the REST API (Authorization: Bearer <key>); empty: open.
+    api_keys: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)

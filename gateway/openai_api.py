@@ -1,0 +1,168 @@
+"""The OpenAI-compatible REST blueprint: /v1/chat/completions, /v1/completions, /v1/models.
+
+Responses follow OpenAI's objects so the official clients work unchanged. A stream is SSE:
+`data: {chunk}\\n\\n` per chunk, then `data: [DONE]\\n\\n`. A failure before the first token is
+a plain JSON error with its status code (the stream has not started); after it, one
+`data: {"error": {...}}` event ends the stream, which the openai client raises as APIError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from collections.abc import Generator, Iterator
+from typing import Any
+
+from flask import Blueprint, Response, current_app, jsonify, request
+
+from services.config import GatewayConfig
+from services.errors import Internal, InvalidArgument, TesseraError
+from tessera.v1 import common_pb2
+
+from gateway.bridge import CoreBridge
+from gateway.http_errors import error_body
+from gateway.schemas import ApiRequest, parse_chat_request, parse_completion_request
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("openai", __name__, url_prefix="/v1")
+
+CORE_KEY = "tessera.core"
+CONFIG_KEY = "tessera.gateway_config"
+
+FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shape:
+    """What differs between chat and text completions; everything else is shared."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    chat: bool
+
+    def choice(self, text: str, finish_reason: str) -> dict[str, Any]:
+        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk_choice(self, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+        # delta: {"role": ...} / {"content": ...} / {} for chat; text chunks carry {"text": ...}.
+        body = {"delta": delta} if self.chat else {"text": delta.get("content", "")}
+        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+
+
+CHAT = Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)
+TEXT = Shape("cmpl-", "text_completion", "text_completion", chat=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reply:
+    """One request's answer: the fields every object and chunk repeats."""
+
+    shape: Shape
+    api: ApiRequest
+    created: int
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.shape.id_prefix + self.api.generate.request_id, "object": obj,
+                "created": self.created, "model": self.api.generate.model}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body = {**self.head(self.shape.chunk_object), "choices": choices}
+        if self.api.include_usage:
+            body["usage"] = usage
+        return _event(body)
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _usage(final: common_pb2.Completion) -> dict[str, int]:
+    prompt, completion = final.usage.prompt_tokens, final.usage.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finish_reason(final: common_pb2.Completion) -> str:
+    return FINISH_REASONS.get(final.finish_reason, "stop")
+
+
+def _core() -> CoreBridge:
+    return current_app.extensions[CORE_KEY]
+
+
+def _config() -> GatewayConfig:
+    return current_app.extensions[CONFIG_KEY]
+
+
+def _json_body() -> Any:
+    # force: curl -d sends form-encoded content types; a JSON body is accepted whatever the header says.
+    body = request.get_json(force=True, silent=True)
+    if body is None:
+        raise InvalidArgument("the request body must be a JSON object (could not parse it as JSON)")
+    return body
+
+
+@bp.post("/chat/completions")
+def chat_completions() -> Response:
+    return _answer(Reply(CHAT, parse_chat_request(_json_body(), _config()), int(time.time())))
+
+
+@bp.post("/completions")
+def completions() -> Response:
+    return _answer(Reply(TEXT, parse_completion_request(_json_body(), _config()), int(time.time())))
+
+
+@bp.get("/models")
+def list_models() -> Response:
+    cards = _core().list_models()
+    return jsonify({"object": "list", "data": [
+        {"id": c.id, "object": "model", "created": c.created_unix, "owned_by": "tessera",
+         "root": c.base_model, "parent": c.base_model if c.is_adapter else None}
+        for c in cards]})
+
+
+def _answer(reply: Reply) -> Response:
+    responses = _core().generate(reply.api.generate)
+    # Wait for the first message before answering: validation, NOT_FOUND and no-worker errors
+    # then get their own status code instead of a 200 stream holding an error.
+    first = next(responses)
+    if reply.api.stream:
+        return Response(_stream(reply, first, responses), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        final = next(r.final for r in itertools.chain([first], responses) if r.WhichOneof("payload") == "final")
+    finally:
+        responses.close()
+    return jsonify({**reply.head(reply.shape.object),
+                    "choices": [reply.shape.choice(final.text, _finish_reason(final))],
+                    "usage": _usage(final)})
+
+
+def _stream(reply: Reply, first: common_pb2.GenerateResponse,
+            responses: Generator[common_pb2.GenerateResponse, None, None]) -> Iterator[str]:
+    shape = reply.shape
+    try:
+        if shape.chat:
+            yield reply.chunk([shape.chunk_choice({"role": "assistant", "content": ""}, None)])
+        for response in itertools.chain([first], responses):
+            if response.WhichOneof("payload") == "delta":
+                if response.delta.text:  # a token that ends mid-character decodes to ""
+                    yield reply.chunk([shape.chunk_choice({"content": response.delta.text}, None)])
+                continue
+            yield reply.chunk([shape.chunk_choice({}, _finish_reason(response.final))])
+            if reply.api.include_usage:
+                yield reply.chunk([], _usage(response.final))
+        yield "data: [DONE]\n\n"
+    except Exception as exc:
+        if not isinstance(exc, TesseraError):
+            log.exception("stream %s failed", reply.api.generate.request_id)
+            exc = Internal(f"internal error: {type(exc).__name__}")
+        yield _event(error_body(exc))
+    finally:
+        # GeneratorExit here means the HTTP client went away: closing stops the worker's work.
+        responses.close()

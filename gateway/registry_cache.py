@@ -1,0 +1,154 @@
+"""The gateway's last good snapshot of registry metadata: base models, adapters, healthy workers.
+
+Refreshed in the background every `metadata_refresh_s`. A failed refresh keeps the old
+snapshot, so a registry restart never fails a request that the snapshot can answer. A name
+the snapshot does not know triggers one immediate refresh (at most one per
+`miss_refresh_interval_s`, shared by concurrent misses) before the answer is NOT_FOUND, so a
+just-registered adapter is usable at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import grpc
+
+from services.errors import NotFound, Unavailable
+from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+REGISTRY_CALL_TIMEOUT_S = 2.0
+MISS_REFRESH_INTERVAL_S = 0.5
+# Reconnect fast after a registry restart: gRPC's default backoff grows to two minutes.
+CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """What a client's `model` names: a base model, optionally with one adapter on top."""
+
+    base_model: str
+    adapter: common_pb2.Adapter | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RegistrySnapshot:
+    base_models: dict[str, common_pb2.BaseModel]
+    adapters: dict[str, common_pb2.Adapter]
+    workers: tuple[common_pb2.WorkerInfo, ...]  # healthy ones only
+
+
+class RegistryCache:
+    """Owns the channel to the registry; every method runs on the gateway's event loop."""
+
+    def __init__(self, registry_address: str, refresh_s: float,
+                 miss_refresh_interval_s: float = MISS_REFRESH_INTERVAL_S) -> None:
+        self._address = registry_address
+        self._refresh_s = refresh_s
+        self._miss_refresh_interval_s = miss_refresh_interval_s
+        self._channel = grpc.aio.insecure_channel(registry_address, options=CHANNEL_OPTIONS)
+        self._stub = registry_pb2_grpc.RegistryStub(self._channel)
+        self._snapshot: RegistrySnapshot | None = None
+        self._last_attempt = -float("inf")
+        self._registry_ok = True
+        self._refresh_lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """First refresh (a down registry is logged, not fatal), then refresh in the background."""
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_forever(), name="registry-cache-refresh")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._channel.close()
+
+    async def refresh(self) -> bool:
+        """Fetch a new snapshot; on failure keep the old one. True if it succeeded."""
+        async with self._refresh_lock:
+            return await self._refresh_locked()
+
+    async def _refresh_locked(self) -> bool:
+        self._last_attempt = time.monotonic()
+        try:
+            base_models, adapters, workers = await asyncio.gather(
+                self._stub.ListBaseModels(registry_pb2.ListBaseModelsRequest(), timeout=REGISTRY_CALL_TIMEOUT_S),
+                self._stub.ListAdapters(registry_pb2.ListAdaptersRequest(), timeout=REGISTRY_CALL_TIMEOUT_S),
+                self._stub.ListWorkers(registry_pb2.ListWorkersRequest(healthy_only=True),
+                                       timeout=REGISTRY_CALL_TIMEOUT_S))
+        except grpc.RpcError as exc:
+            if self._registry_ok:  # log the change, not every retry while the registry is down
+                state = "keeping the last snapshot" if self._snapshot else "no snapshot yet"
+                log.warning("registry %s refresh failed (%s: %s); %s", self._address, exc.code().name,
+                            exc.details(), state)
+            self._registry_ok = False
+            return False
+        if not self._registry_ok:
+            log.info("registry %s answered; metadata refreshed", self._address)
+        self._registry_ok = True
+        self._snapshot = RegistrySnapshot(
+            base_models={m.name: m for m in base_models.base_models},
+            adapters={a.name: a for a in adapters.adapters},
+            workers=tuple(w for w in workers.workers if w.healthy))
+        return True
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)
+            await self.refresh()
+
+    async def _refresh_after_miss(self) -> None:
+        """One refresh unless one was attempted very recently; concurrent misses share it."""
+        async with self._refresh_lock:
+            if time.monotonic() - self._last_attempt >= self._miss_refresh_interval_s:
+                await self._refresh_locked()
+
+    def _require_snapshot(self) -> RegistrySnapshot:
+        if self._snapshot is None:
+            raise Unavailable(f"the model registry at {self._address} has not answered yet; retry shortly")
+        return self._snapshot
+
+    async def snapshot(self) -> RegistrySnapshot:
+        """The current snapshot; refreshes first if the registry was never reached."""
+        if self._snapshot is None:
+            await self._refresh_after_miss()
+        return self._require_snapshot()
+
+    async def resolve(self, model: str) -> ResolvedModel:
+        """A base model's name -> no adapter; an adapter's name -> it and its base model."""
+        resolved = self._lookup(model)
+        if resolved is None:
+            await self._refresh_after_miss()
+            resolved = self._lookup(model)
+        if resolved is None:
+            self._require_snapshot()
+            raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the available models",
+                           param="model")
+        return resolved
+
+    def _lookup(self, model: str) -> ResolvedModel | None:
+        if self._snapshot is None:
+            return None
+        if model in self._snapshot.base_models:
+            return ResolvedModel(base_model=model, adapter=None)
+        adapter = self._snapshot.adapters.get(model)
+        return None if adapter is None else ResolvedModel(base_model=adapter.base_model, adapter=adapter)
+
+    async def workers_for(self, base_model: str) -> list[common_pb2.WorkerInfo]:
+        """Healthy workers serving `base_model`; refreshes once if there are none."""
+        workers = self._workers_in_snapshot(base_model)
+        if not workers:
+            await self._refresh_after_miss()
+            workers = self._workers_in_snapshot(base_model)
+        return workers
+
+    def _workers_in_snapshot(self, base_model: str) -> list[common_pb2.WorkerInfo]:
+        if self._snapshot is None:
+            return []
+        return [w for w in self._snapshot.workers if w.base_model == base_model]

@@ -1,0 +1,279 @@
+"""Request validation shared by both front doors (REST and gRPC).
+
+Two steps, one set of rules:
+- `parse_chat_request` / `parse_completion_request` turn an OpenAI-style JSON body into an
+  `ApiRequest` (the `GenerateRequest` proto plus the REST-only options). They check JSON types
+  and every range before a value enters the proto, since a proto field would overflow or
+  wrap (max_tokens=2**40 in an int32, seed=-1 in a uint64).
+- `validate_generate_request` checks a `GenerateRequest` from either door and fills defaults.
+  Proto zero values mean "default" there (top_p 0 -> 1.0, max_tokens 0 -> the configured
+  default), so the same range checks run only on the fields that are set.
+
+Every failure is an `InvalidArgument` whose `param` names the offending field, so REST
+answers 400 and gRPC INVALID_ARGUMENT with the same message. Unknown JSON fields are
+ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from typing import Any, Mapping
+
+from services.config import GatewayConfig
+from services.errors import InvalidArgument
+from tessera.v1 import common_pb2, inference_pb2
+
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
+IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
+MAX_STOP_SEQUENCES = 4
+MAX_TEMPERATURE = 2.0
+MAX_SEED = 2**64 - 1  # SamplingParams.seed is a uint64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """A validated OpenAI-style request: what to generate plus how to answer over HTTP."""
+
+    generate: inference_pb2.GenerateRequest
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: one extra chunk with the usage
+
+
+# Range checks shared by both doors.
+
+def check_max_tokens(value: int, config: GatewayConfig, param: str = "max_tokens") -> None:
+    if not 1 <= value <= config.max_tokens_limit:
+        raise InvalidArgument(
+            f"{param} must be an integer between 1 and {config.max_tokens_limit}, got {value}", param=param)
+
+
+def check_temperature(value: float) -> None:
+    if not 0.0 <= value <= MAX_TEMPERATURE:  # also rejects NaN
+        raise InvalidArgument(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {value}",
+                              param="temperature")
+
+
+def check_top_p(value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise InvalidArgument(f"top_p must be in (0, 1], got {value}", param="top_p")
+
+
+def check_top_k(value: int) -> None:
+    if value < 0:
+        raise InvalidArgument(f"top_k must be a non-negative integer, got {value}", param="top_k")
+
+
+def check_stop(stop: list[str]) -> None:
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise InvalidArgument(f"stop accepts at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}",
+                              param="stop")
+    if any(not s for s in stop):
+        raise InvalidArgument("stop sequences must be non-empty strings", param="stop")
+
+
+def check_role(role: str, param: str) -> None:
+    if role not in CHAT_ROLES:
+        raise InvalidArgument(f"{param} must be one of {sorted(CHAT_ROLES)}, got {role!r}", param=param)
+
+
+def check_prompt_chars(chars: int, config: GatewayConfig, param: str) -> None:
+    if chars > config.max_prompt_chars:
+        raise InvalidArgument(f"{param} is too long: {chars} characters, the limit is {config.max_prompt_chars}",
+                              param=param)
+
+
+def validate_generate_request(request: inference_pb2.GenerateRequest,
+                              config: GatewayConfig) -> inference_pb2.GenerateRequest:
+    """Check a request from either door; return a copy with max_tokens filled in."""
+    if not request.model:
+        raise InvalidArgument("model is required", param="model")
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgument("a prompt is required (text or chat messages)", param="prompt")
+    if kind == "text":
+        if not request.text:
+            raise InvalidArgument("prompt must be a non-empty string", param="prompt")
+        check_prompt_chars(len(request.text), config, "prompt")
+    else:
+        if not request.chat.messages:
+            raise InvalidArgument("messages must hold at least one message", param="messages")
+        for i, message in enumerate(request.chat.messages):
+            check_role(message.role, f"messages[{i}].role")
+        check_prompt_chars(sum(len(m.content) for m in request.chat.messages), config, "messages")
+    sampling = request.sampling
+    if sampling.max_tokens != 0:
+        check_max_tokens(sampling.max_tokens, config)
+    check_temperature(sampling.temperature)
+    if sampling.top_p != 0.0:
+        check_top_p(sampling.top_p)
+    check_top_k(sampling.top_k)
+    check_stop(list(sampling.stop))
+    checked = inference_pb2.GenerateRequest()
+    checked.CopyFrom(request)
+    if sampling.max_tokens == 0:
+        checked.sampling.max_tokens = config.default_max_tokens
+    return checked
+
+
+# JSON field readers: type checks with the parameter's name in the message.
+
+def _int(body: Mapping[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{key} must be an integer, got {value!r}", param=key)
+    return value
+
+
+def _number(body: Mapping[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidArgument(f"{key} must be a number, got {value!r}", param=key)
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{key} must be a boolean, got {value!r}", param=key)
+    return value
+
+
+def _stop(body: Mapping[str, Any]) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise InvalidArgument("stop must be a string or a list of strings", param="stop")
+    check_stop(value)
+    return value
+
+
+def _sampling(body: Mapping[str, Any], max_tokens_key: str, config: GatewayConfig) -> common_pb2.SamplingParams:
+    """Unset fields stay zero: greedy decoding and the configured max_tokens by default."""
+    sampling = common_pb2.SamplingParams()
+    max_tokens = _int(body, max_tokens_key)
+    if max_tokens is not None:
+        check_max_tokens(max_tokens, config, max_tokens_key)
+        sampling.max_tokens = max_tokens
+    if (temperature := _number(body, "temperature")) is not None:
+        check_temperature(temperature)
+        sampling.temperature = temperature
+    if (top_p := _number(body, "top_p")) is not None:
+        check_top_p(top_p)
+        sampling.top_p = top_p
+    if (top_k := _int(body, "top_k")) is not None:
+        check_top_k(top_k)
+        sampling.top_k = top_k
+    sampling.stop.extend(_stop(body))
+    if (seed := _int(body, "seed")) is not None:
+        if not 0 <= seed <= MAX_SEED:
+            raise InvalidArgument(f"seed must be an integer between 0 and {MAX_SEED}, got {seed}", param="seed")
+        sampling.seed = seed
+    if (n := _int(body, "n")) is not None and n != 1:
+        raise InvalidArgument(f"only n=1 is supported, got {n}", param="n")
+    return sampling
+
+
+def _model(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidArgument("model is required and must be a non-empty string", param="model")
+    return model
+
+
+def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise InvalidArgument("stream_options is only allowed when stream is true", param="stream_options")
+    if not isinstance(options, Mapping):
+        raise InvalidArgument("stream_options must be an object", param="stream_options")
+    return stream, _bool(options, "include_usage")
+
+
+def _content(content: Any, param: str) -> str:
+    """A message's content: a string, or a list of text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidArgument(f"{param} must be a string or a list of content parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        part_param = f"{param}[{j}]"
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in IMAGE_PART_TYPES:
+            raise InvalidArgument("images are not supported by this model yet", param=part_param)
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise InvalidArgument(f"{part_param} must be a {{'type': 'text', 'text': str}} part, got type {kind!r}",
+                                  param=part_param)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _messages(body: Mapping[str, Any]) -> common_pb2.ChatPrompt:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("messages must be a non-empty list of messages", param="messages")
+    chat = common_pb2.ChatPrompt()
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidArgument(f"messages[{i}] must be an object with role and content", param=f"messages[{i}]")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise InvalidArgument(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
+        check_role(role, f"messages[{i}].role")
+        chat.messages.add(role=role, content=_content(message.get("content"), f"messages[{i}].content"))
+    return chat
+
+
+def _prompt(body: Mapping[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:  # OpenAI accepts a batch; we accept a batch of one
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidArgument("prompt must be a non-empty string", param="prompt")
+    return prompt
+
+
+def _request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def parse_chat_request(body: Any, config: GatewayConfig) -> ApiRequest:
+    """Validate a /v1/chat/completions body."""
+    body = _object(body)
+    # Newer OpenAI clients send max_completion_tokens; older ones max_tokens.
+    max_tokens_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    request = inference_pb2.GenerateRequest(
+        model=_model(body), chat=_messages(body), sampling=_sampling(body, max_tokens_key, config),
+        request_id=_request_id())
+    stream, include_usage = _stream_options(body)
+    return ApiRequest(validate_generate_request(request, config), stream, include_usage)
+
+
+def parse_completion_request(body: Any, config: GatewayConfig) -> ApiRequest:
+    """Validate a /v1/completions body."""
+    body = _object(body)
+    request = inference_pb2.GenerateRequest(
+        model=_model(body), text=_prompt(body), sampling=_sampling(body, "max_tokens", config),
+        request_id=_request_id())
+    stream, include_usage = _stream_options(body)
+    return ApiRequest(validate_generate_request(request, config), stream, include_usage)
+
+
+def _object(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise InvalidArgument("the request body must be a JSON object")
+    return body

@@ -1,0 +1,86 @@
+"""The gateway process: registry cache, core, gRPC Inference server and REST server on one loop.
+
+The event loop (main thread) runs the core, the registry cache refresh and the grpc.aio
+server; waitress threads run Flask and reach the core through CoreBridge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from services.config import TesseraConfig
+from services.grpc_server import GrpcServer, start_grpc_server
+from services.http_server import WsgiServer
+from services.logs import setup_logging
+from services.metrics import start_metrics_server
+from services.runtime import run_until_signalled
+from tessera.v1 import inference_pb2_grpc
+
+from gateway.app import create_app
+from gateway.bridge import CoreBridge
+from gateway.core import GatewayCore
+from gateway.grpc_api import SERVICE_NAME, InferenceServicer
+from gateway.registry_cache import RegistryCache
+from gateway.router import LeastInFlightRouter
+from gateway.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class Gateway:
+    """A started gateway; `close()` stops it in the reverse order of `start_gateway`."""
+
+    core: GatewayCore
+    cache: RegistryCache
+    workers: WorkerClient
+    grpc_server: GrpcServer
+    http_server: WsgiServer
+
+    @property
+    def grpc_port(self) -> int:
+        return self.grpc_server.port
+
+    @property
+    def http_port(self) -> int:
+        return self.http_server.port
+
+    async def close(self) -> None:
+        self.http_server.close()
+        await self.grpc_server.stop()
+        await self.workers.close()
+        await self.cache.close()
+
+
+async def start_gateway(config: TesseraConfig) -> Gateway:
+    """Start everything on the running loop (ports 0 pick free ones; see Gateway.*_port)."""
+    gw = config.gateway
+    cache = RegistryCache(gw.registry_address, gw.metadata_refresh_s)
+    await cache.start()
+    workers = WorkerClient(gw.request_timeout_s)
+    core = GatewayCore(gw, cache, LeastInFlightRouter(), workers)
+    grpc_server = await start_grpc_server(
+        f"{gw.host}:{gw.grpc_port}",
+        lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(core), server),
+        [SERVICE_NAME])
+    bridge = CoreBridge(core, asyncio.get_running_loop(), gw.request_timeout_s)
+    http_server = WsgiServer(create_app(bridge, gw), gw.host, gw.http_port, gw.http_threads).start()
+    return Gateway(core, cache, workers, grpc_server, http_server)
+
+
+def serve(config: TesseraConfig) -> None:
+    """Run the gateway until SIGINT/SIGTERM."""
+    setup_logging("gateway", config.log_level)
+    start_metrics_server(config.gateway.host, config.gateway.metrics_port)
+
+    async def main(stop: asyncio.Event) -> None:
+        gateway = await start_gateway(config)
+        log.info("gateway ready: REST on port %s, gRPC on port %s, registry %s",
+                 gateway.http_port, gateway.grpc_port, config.gateway.registry_address)
+        await stop.wait()
+        log.info("gateway shutting down")
+        await gateway.close()
+
+    run_until_signalled(main)

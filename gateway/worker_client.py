@@ -1,0 +1,56 @@
+"""gRPC calls from the gateway to GPU workers: one cached channel per worker address."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.errors import from_rpc_error
+from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+# A restarted worker is reachable again within ~2 s instead of gRPC's default two minutes.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+
+
+class WorkerClient:
+    """Streams generations from workers; failures surface as services.errors.
+
+    INVALID_ARGUMENT from a worker (a prompt longer than its context) stays InvalidArgument;
+    a worker dying mid-stream (UNAVAILABLE or CANCELLED) becomes Unavailable.
+    """
+
+    def __init__(self, request_timeout_s: float) -> None:
+        self._timeout_s = request_timeout_s
+        self._stubs: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels.append(channel)
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(channel)
+        return stub
+
+    async def generate(self, address: str,
+                       request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[common_pb2.GenerateResponse]:
+        call = self._stub(address).Generate(request, timeout=self._timeout_s)
+        try:
+            async for response in call:
+                yield response
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, f"worker {address}") from None
+        finally:
+            # Closing this generator early (the client went away) must stop the worker's work.
+            call.cancel()
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()

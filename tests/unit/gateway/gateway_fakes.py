@@ -1,0 +1,165 @@
+"""Fake registry and worker gRPC servers, and a running gateway wired to them.
+
+The fakes are real grpc.aio servers (the generated servicers, port 0) on a background
+thread's event loop, which also runs the gateway itself, exactly as its main thread would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
+
+import grpc
+
+from gateway.server import Gateway, start_gateway
+from services.config import TesseraConfig
+from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+T = TypeVar("T")
+
+BASE = "tiny-llama"
+ADAPTER = "sql-lora"
+OTHER_BASE = "tiny-qwen"  # a base model with no worker
+
+
+class LoopThread:
+    """An event loop on a daemon thread: the gateway's main loop during a test."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 20.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
+
+
+class FakeRegistry(registry_pb2_grpc.RegistryServicer):
+    def __init__(self) -> None:
+        self.base_models = [common_pb2.BaseModel(name=BASE, architecture="LlamaForCausalLM", created_unix=100),
+                            common_pb2.BaseModel(name=OTHER_BASE, architecture="Qwen2ForCausalLM", created_unix=101)]
+        self.adapters = [common_pb2.Adapter(name=ADAPTER, base_model=BASE, rank=8, alpha=16.0, sha256="ab" * 32,
+                                            created_unix=200)]
+        self.workers: list[common_pb2.WorkerInfo] = []
+        self.list_calls = 0
+
+    async def ListBaseModels(self, request, context):
+        self.list_calls += 1
+        return registry_pb2.ListBaseModelsResponse(base_models=self.base_models)
+
+    async def ListAdapters(self, request, context):
+        return registry_pb2.ListAdaptersResponse(adapters=self.adapters)
+
+    async def ListWorkers(self, request, context):
+        assert request.healthy_only, "the gateway only wants healthy workers"
+        return registry_pb2.ListWorkersResponse(workers=self.workers)
+
+
+@dataclasses.dataclass
+class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
+    """Streams `max_tokens` deltas "w0 ", "w1 ", ... (token ids 0, 1, ...), then the final.
+
+    fail_after: abort with UNAVAILABLE after that many deltas (a worker dying mid-stream).
+    reject: abort at once with this (code, details), e.g. INVALID_ARGUMENT for a long prompt.
+    """
+
+    name: str
+    delay_s: float = 0.0
+    fail_after: int | None = None
+    reject: tuple[grpc.StatusCode, str] | None = None
+    requests: list[worker_pb2.WorkerGenerateRequest] = dataclasses.field(default_factory=list)
+    cancelled: int = 0
+    address: str = ""
+
+    async def Generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
+        self.requests.append(request)
+        if self.reject is not None:
+            await context.abort(*self.reject)
+        prompt = request.text if request.WhichOneof("prompt") == "text" else request.chat.messages[-1].content
+        texts = []
+        try:
+            for i in range(request.sampling.max_tokens):
+                if self.fail_after is not None and i == self.fail_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} crashed")
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                texts.append(f"w{i} ")
+                yield common_pb2.GenerateResponse(request_id=request.request_id,
+                                                  delta=common_pb2.TokenDelta(token_ids=[i], text=texts[-1]))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        usage = common_pb2.Usage(prompt_tokens=len(prompt.split()), completion_tokens=len(texts))
+        yield common_pb2.GenerateResponse(request_id=request.request_id, final=common_pb2.Completion(
+            finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage, text="".join(texts)))
+
+
+async def start_fake_server(servicer: Any, add: Any) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+class GatewayEnv:
+    """A fake registry, fake workers serving BASE, and the real gateway in front of them."""
+
+    def __init__(self, *, workers: int = 1, api_keys: list[str] | None = None,
+                 refresh_s: float = 60.0) -> None:
+        self.loop = LoopThread()
+        self.registry = FakeRegistry()
+        self.registry_server, self.registry_port = self.loop.run(
+            start_fake_server(self.registry, registry_pb2_grpc.add_RegistryServicer_to_server))
+        self.workers: list[FakeWorker] = []
+        self._worker_servers: list[grpc.aio.Server] = []
+        for i in range(workers):
+            self.add_worker(FakeWorker(name=f"worker{i}"))
+        self.config = TesseraConfig()
+        gw = self.config.gateway
+        gw.http_port = gw.grpc_port = gw.metrics_port = 0
+        gw.registry_address = f"127.0.0.1:{self.registry_port}"
+        gw.metadata_refresh_s = refresh_s
+        gw.max_tokens_limit = 64
+        gw.default_max_tokens = 5
+        gw.http_threads = 4
+        gw.api_keys = api_keys or []
+        self.gateway: Gateway = self.loop.run(start_gateway(self.config))
+
+    def add_worker(self, worker: FakeWorker, base_model: str = BASE) -> FakeWorker:
+        server, port = self.loop.run(start_fake_server(worker, worker_pb2_grpc.add_WorkerServiceServicer_to_server))
+        worker.address = f"127.0.0.1:{port}"
+        self.workers.append(worker)
+        self._worker_servers.append(server)
+        self.registry.workers.append(common_pb2.WorkerInfo(
+            worker_id=worker.name, address=worker.address, device="cpu", base_model=base_model,
+            capacity=8, healthy=True))
+        return worker
+
+    @property
+    def http_base(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.gateway.grpc_port}"
+
+    def stop_registry(self) -> None:
+        self.loop.run(self.registry_server.stop(0))
+
+    def refresh(self) -> bool:
+        return self.loop.run(self.gateway.cache.refresh())
+
+    def close(self) -> None:
+        self.loop.run(self.gateway.close())
+        for server in [self.registry_server, *self._worker_servers]:
+            self.loop.run(server.stop(0))
+        self.loop.close()

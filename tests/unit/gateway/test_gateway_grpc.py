@@ -1,0 +1,81 @@
+"""The public gRPC Inference service, through the real gateway to fake workers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from tests.unit.gateway.gateway_fakes import ADAPTER, BASE, OTHER_BASE, GatewayEnv
+from tessera.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+
+@pytest.fixture
+def env() -> Iterator[GatewayEnv]:
+    env = GatewayEnv()
+    yield env
+    env.close()
+
+
+@pytest.fixture
+def stub(env: GatewayEnv) -> Iterator[inference_pb2_grpc.InferenceStub]:
+    with grpc.insecure_channel(env.grpc_address) as channel:
+        yield inference_pb2_grpc.InferenceStub(channel)
+
+
+def chat_request(model: str, **sampling: int) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(
+        model=model, chat=common_pb2.ChatPrompt(messages=[common_pb2.ChatMessage(role="user", content="a b")]),
+        sampling=common_pb2.SamplingParams(**sampling))
+
+
+def test_generate_streams_deltas_then_one_final(env: GatewayEnv, stub: inference_pb2_grpc.InferenceStub) -> None:
+    responses = list(stub.Generate(chat_request(ADAPTER, max_tokens=3), timeout=10))
+    assert [r.WhichOneof("payload") for r in responses] == ["delta"] * 3 + ["final"]
+    assert [list(r.delta.token_ids) for r in responses[:3]] == [[0], [1], [2]]
+    final = responses[-1].final
+    assert final.text == "w0 w1 w2 " and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (2, 3)
+    sent = env.workers[0].requests[-1]
+    assert sent.adapter.name == ADAPTER and sent.request_id and responses[0].request_id == sent.request_id
+
+
+def test_generate_keeps_the_callers_request_id(stub: inference_pb2_grpc.InferenceStub) -> None:
+    request = chat_request(BASE, max_tokens=1)
+    request.request_id = "client-chosen-id"
+    assert {r.request_id for r in stub.Generate(request, timeout=10)} == {"client-chosen-id"}
+
+
+def test_list_models(stub: inference_pb2_grpc.InferenceStub) -> None:
+    cards = {c.id: c for c in stub.ListModels(inference_pb2.ListModelsRequest(), timeout=10).models}
+    assert set(cards) == {BASE, OTHER_BASE, ADAPTER}
+    assert cards[ADAPTER].is_adapter and cards[ADAPTER].base_model == BASE and cards[ADAPTER].rank == 8
+    assert not cards[BASE].is_adapter and cards[BASE].base_model == BASE
+
+
+@pytest.mark.parametrize(("request_", "code", "phrase"), [
+    (chat_request(BASE, max_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be"),
+    (chat_request(BASE, max_tokens=10_000), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be"),
+    (inference_pb2.GenerateRequest(model=BASE), grpc.StatusCode.INVALID_ARGUMENT, "a prompt is required"),
+    (chat_request(""), grpc.StatusCode.INVALID_ARGUMENT, "model is required"),
+    (chat_request("nope"), grpc.StatusCode.NOT_FOUND, "model 'nope' does not exist"),
+    (chat_request(OTHER_BASE), grpc.StatusCode.UNAVAILABLE, "no healthy worker serves base model 'tiny-qwen'"),
+])
+def test_generate_status_codes(env: GatewayEnv, stub: inference_pb2_grpc.InferenceStub,
+                               request_: inference_pb2.GenerateRequest, code: grpc.StatusCode, phrase: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request_, timeout=10))
+    assert info.value.code() == code
+    assert phrase in info.value.details()
+    assert env.workers[0].requests == []
+
+
+def test_worker_dying_mid_stream_is_unavailable(env: GatewayEnv, stub: inference_pb2_grpc.InferenceStub) -> None:
+    env.workers[0].fail_after = 1
+    received = []
+    with pytest.raises(grpc.RpcError) as info:
+        for response in stub.Generate(chat_request(BASE, max_tokens=4), timeout=10):
+            received.append(response)
+    assert len(received) == 1 and received[0].delta.text == "w0 "
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "worker0 crashed" in info.value.details()

@@ -1,0 +1,117 @@
+"""Request validation: every malformed field is an InvalidArgument naming its param."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.schemas import parse_chat_request, parse_completion_request, validate_generate_request
+from services.config import GatewayConfig
+from services.errors import InvalidArgument
+from tessera.v1 import common_pb2, inference_pb2
+
+CONFIG = GatewayConfig(max_tokens_limit=100, default_max_tokens=7, max_prompt_chars=50)
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def chat_error(**fields) -> InvalidArgument:
+    with pytest.raises(InvalidArgument) as info:
+        parse_chat_request({**CHAT, **fields}, CONFIG)
+    return info.value
+
+
+def test_chat_defaults_and_fields() -> None:
+    api = parse_chat_request({**CHAT, "temperature": 1, "top_p": 0.5, "top_k": 3, "stop": "x", "seed": 0,
+                              "n": 1, "stream": True, "stream_options": {"include_usage": True},
+                              "some_future_field": {"ignored": True}}, CONFIG)
+    sampling = api.generate.sampling
+    assert (api.generate.model, api.stream, api.include_usage) == ("m", True, True)
+    assert api.generate.chat.messages[0].content == "hi"
+    assert sampling.max_tokens == CONFIG.default_max_tokens
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, list(sampling.stop)) == (1.0, 0.5, 3, ["x"])
+    assert sampling.HasField("seed") and sampling.seed == 0
+    assert api.generate.request_id
+
+
+def test_text_parts_are_joined_and_max_completion_tokens_is_accepted() -> None:
+    api = parse_chat_request({**CHAT, "max_completion_tokens": 9, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, CONFIG)
+    assert api.generate.chat.messages[0].content == "a\nb"
+    assert api.generate.sampling.max_tokens == 9
+
+
+@pytest.mark.parametrize(("fields", "param", "phrase"), [
+    ({"model": ""}, "model", "model is required"),
+    ({"model": 3}, "model", "model is required"),
+    ({"messages": []}, "messages", "non-empty list"),
+    ({"messages": "hi"}, "messages", "non-empty list"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "must be one of"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "string or a list"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]", "images are not supported by this model yet"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]", "'audio'"),
+    ({"messages": [{"role": "user", "content": "x" * 51}]}, "messages", "too long"),
+    ({"max_tokens": -1}, "max_tokens", "between 1 and 100"),
+    ({"max_tokens": 0}, "max_tokens", "between 1 and 100"),
+    ({"max_tokens": 10**20}, "max_tokens", "between 1 and 100"),
+    ({"max_tokens": 2.5}, "max_tokens", "must be an integer"),
+    ({"max_tokens": "5"}, "max_tokens", "must be an integer"),
+    ({"max_tokens": True}, "max_tokens", "must be an integer"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "between 1 and 100"),
+    ({"temperature": -0.1}, "temperature", "between 0 and 2"),
+    ({"temperature": 2.5}, "temperature", "between 0 and 2"),
+    ({"temperature": "hot"}, "temperature", "must be a number"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"top_k": -1}, "top_k", "non-negative"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"stop": [""]}, "stop", "non-empty"),
+    ({"stop": [1]}, "stop", "list of strings"),
+    ({"seed": -1}, "seed", "between 0 and"),
+    ({"n": 2}, "n", "only n=1"),
+    ({"stream": "yes"}, "stream", "boolean"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+])
+def test_chat_rejects(fields: dict, param: str, phrase: str) -> None:
+    error = chat_error(**fields)
+    assert error.param == param
+    assert phrase in error.message
+
+
+def test_missing_model_and_non_object_body() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        parse_chat_request({"messages": CHAT["messages"]}, CONFIG)
+    assert info.value.param == "model"
+    with pytest.raises(InvalidArgument, match="JSON object"):
+        parse_chat_request([CHAT], CONFIG)
+
+
+def test_completion_prompt() -> None:
+    assert parse_completion_request({"model": "m", "prompt": ["one"]}, CONFIG).generate.text == "one"
+    for prompt in ("", None, ["a", "b"], 5):
+        with pytest.raises(InvalidArgument) as info:
+            parse_completion_request({"model": "m", "prompt": prompt}, CONFIG)
+        assert info.value.param == "prompt"
+
+
+def test_proto_zero_values_mean_default() -> None:
+    request = inference_pb2.GenerateRequest(model="m", text="hi")
+    checked = validate_generate_request(request, CONFIG)
+    assert checked.sampling.max_tokens == CONFIG.default_max_tokens
+    assert request.sampling.max_tokens == 0, "the caller's request is not modified"
+
+
+@pytest.mark.parametrize(("request_", "param"), [
+    (inference_pb2.GenerateRequest(text="hi"), "model"),
+    (inference_pb2.GenerateRequest(model="m"), "prompt"),
+    (inference_pb2.GenerateRequest(model="m", text=""), "prompt"),
+    (inference_pb2.GenerateRequest(model="m", chat=common_pb2.ChatPrompt()), "messages"),
+    (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(max_tokens=-3)),
+     "max_tokens"),
+    (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(temperature=3)),
+     "temperature"),
+    (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(top_p=-0.5)), "top_p"),
+])
+def test_proto_rejects(request_: inference_pb2.GenerateRequest, param: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        validate_generate_request(request_, CONFIG)
+    assert info.value.param == param
