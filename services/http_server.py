@@ -6,6 +6,7 @@ import logging
 import threading
 
 from flask import Flask
+from waitress import wasyncore
 from waitress.server import create_server
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,11 @@ class WsgiServer:
         log.info("HTTP server listening on %s:%d", self._server.effective_host, self.port)  # type: ignore[union-attr]
         return self
 
-    def close(self) -> None:
-        self._server.close()
+    def close(self, timeout_s: float = 5.0) -> None:
+        # Closing sockets from this thread would race the server loop's select()
+        # (EBADF); close them on the loop thread, whose loop then ends, and join it.
+        server = self._server
+        server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))  # type: ignore[union-attr]
+        self._thread.join(timeout_s)
+        server.task_dispatcher.shutdown()  # type: ignore[union-attr]
 
