@@ -20,7 +20,7 @@ TIE_TOLERANCE = 1e-5
 
 @dataclass
 class Greedy:
-    tokens: list[int]          # generated ids, EOS excluded
+    tokens: list[int]          # generated ids, up to and including EOS (as `generate` returns them)
     top2_gaps: list[float]     # per step: top-1 minus top-2 reference logit
 
 
@@ -50,8 +50,8 @@ class ReferenceModels:
         tokens = out.sequences[0, len(prompt_ids):].tolist()
         gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
         if self.tokenizer.eos_token_id in tokens:
-            cut = tokens.index(self.tokenizer.eos_token_id)
-            tokens, gaps = tokens[:cut], gaps[:cut + 1]
+            cut = tokens.index(self.tokenizer.eos_token_id) + 1
+            tokens, gaps = tokens[:cut], gaps[:cut]
         return Greedy(tokens, gaps)
 
     def greedy_chat(self, name: str, messages: list[dict[str, str]], max_new_tokens: int) -> Greedy:

@@ -1,0 +1,263 @@
+"""The serving engine: a thread that loops schedule → run → sample → postprocess.
+
+Callers on the asyncio side `submit` a request (tokenized and validated at once, so bad input
+fails in the caller) and get a RequestHandle; the engine thread pushes each step's output into
+the handle's asyncio queue with `loop.call_soon_threadsafe`. `abort` retires a request whose
+client went away. All scheduler state is touched by the engine thread only; other threads talk
+to it through the inbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from gpu_worker.detokenizer import IncrementalDetokenizer
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.lora.adapter_pool import AdapterPool
+from gpu_worker.lora.loader import AdapterRef
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.prompts import Prompt, PromptEncoder
+from gpu_worker.sampler import sample
+from gpu_worker.scheduler import Scheduler
+from gpu_worker.sequence import FinishReason, SamplingParams, Sequence
+from services.errors import AlreadyExists, Internal, InvalidArgument, TesseraError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    adapter: AdapterRef | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One streamed increment; the last one has `finish_reason` set and the whole text."""
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    full_text: str = ""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one forward pass did (metrics, and tests checking batch composition)."""
+    step: int
+    request_ids: tuple[str, ...]
+    adapters: tuple[str | None, ...]
+    num_prefills: int
+    num_tokens: int
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running_requests: int
+    waiting_requests: int
+    running_ranks: tuple[int, ...]
+    resident_adapters: tuple[str, ...]
+    free_kv_tokens: int
+    adapter_slots: int
+    generated_tokens_total: int
+
+
+class RequestHandle:
+    """Async iterator over a request's outputs; raises the engine's error if the request failed."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | TesseraError] = asyncio.Queue()
+
+    def _put(self, item: RequestOutput | TesseraError) -> None:
+        """Called from the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's loop is closed: nobody is listening any more
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, TesseraError):
+                self.finished = True
+                raise item
+            self.finished = item.finish_reason is not None
+            yield item
+
+
+class Engine:
+    def __init__(self, *, base_model: str, runner: ModelRunner, scheduler: Scheduler, kv_cache: KVCache,
+                 adapters: AdapterPool, tokenizer: PreTrainedTokenizerBase, max_context: int,
+                 on_step: Callable[[StepRecord], None] | None = None) -> None:
+        self.base_model = base_model
+        self._runner = runner
+        self._scheduler = scheduler
+        self._kv_cache = kv_cache
+        self._adapters = adapters
+        self._tokenizer = tokenizer
+        self._prompts = PromptEncoder(tokenizer, max_context)
+        self._on_step = on_step
+        self._eos = tokenizer.eos_token_id
+        self._inbox: queue.SimpleQueue[tuple[str, object] | None] = queue.SimpleQueue()
+        self._handles: dict[str, RequestHandle] = {}  # request id -> handle, engine thread only
+        self._seqs: dict[str, Sequence] = {}
+        self._lock = threading.Lock()
+        self._in_flight: set[str] = set()  # request ids submitted and not finished (any thread)
+        self._step = 0
+        self._generated_total = 0
+        self._stats = self._snapshot()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    # --- caller side (any thread) ---
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+        self._thread.join()
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:
+        if request.adapter is not None and request.adapter.base_model != self.base_model:
+            raise InvalidArgument(f"adapter {request.adapter.name} is for base model "
+                                  f"{request.adapter.base_model}, this worker serves {self.base_model}")
+        ids = self._prompts.encode(request.prompt, request.params.max_tokens)
+        if len(ids) > self._scheduler.limits.max_batch_tokens:
+            raise InvalidArgument(f"prompt has {len(ids)} tokens; this worker runs at most "
+                                  f"{self._scheduler.limits.max_batch_tokens} tokens per step")
+        with self._lock:
+            if request.request_id in self._in_flight:
+                raise AlreadyExists(f"request {request.request_id} is already running")
+            self._in_flight.add(request.request_id)
+        detok = IncrementalDetokenizer(self._tokenizer, ids, request.params.stop)
+        seq = Sequence(request.request_id, ids, request.params, request.adapter, detok)
+        handle = RequestHandle(request.request_id, loop)
+        self._inbox.put(("add", (seq, handle)))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self._stats
+
+    # --- engine thread ---
+
+    def _loop(self) -> None:
+        while True:
+            block = not self._scheduler.has_work()
+            if not self._drain_inbox(block):
+                return
+            if self._scheduler.has_work():
+                try:
+                    self.step()
+                except Exception:
+                    log.exception("engine step failed; failing its requests")
+                    for seq in list(self._scheduler.running):
+                        self._fail(seq, Internal("the engine failed while running this request"))
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued submits/aborts; False when asked to stop."""
+        try:
+            message = self._inbox.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if message is None:
+                for seq in list(self._seqs.values()):
+                    self._abort(seq)
+                return False
+            kind, payload = message
+            if kind == "add":
+                seq, handle = payload
+                self._seqs[seq.request_id], self._handles[seq.request_id] = seq, handle
+                self._scheduler.add(seq)
+            elif payload in self._seqs:
+                self._abort(self._seqs[payload])
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                self._publish_stats()
+                return True
+
+    def step(self) -> None:
+        batch = self._scheduler.schedule()
+        for seq, error in batch.failed:
+            self._fail(seq, error)
+        seqs = batch.seqs
+        if not seqs:
+            self._publish_stats()
+            time.sleep(0.001)  # everything waits for an adapter slot; let aborts arrive
+            return
+        started = time.perf_counter()
+        num_tokens = sum(len(seq.new_token_ids()) for seq in seqs)
+        logits = self._runner.run(seqs)
+        for seq, token in zip(seqs, sample(logits, seqs)):
+            seq.append(token, self._eos)
+            self._generated_total += 1
+            self._emit(seq)
+        self._step += 1
+        if self._on_step is not None:
+            self._on_step(StepRecord(self._step, tuple(s.request_id for s in seqs),
+                                     tuple(s.adapter.name if s.adapter else None for s in seqs),
+                                     len(batch.prefills), num_tokens, time.perf_counter() - started))
+        self._publish_stats()
+
+    def _emit(self, seq: Sequence) -> None:
+        final = seq.finish_reason is not None
+        output = RequestOutput(token_ids=seq.output_token_ids[-1:], text=seq.detokenizer.take_delta(final))
+        if not final:
+            self._handles[seq.request_id]._put(output)
+            return
+        self._handles[seq.request_id]._put(RequestOutput(
+            output.token_ids, output.text, seq.finish_reason, seq.prompt_len,
+            len(seq.output_token_ids), seq.detokenizer.text))
+        self._retire(seq, seq.finish_reason)
+
+    def _fail(self, seq: Sequence, error: TesseraError) -> None:
+        self._handles[seq.request_id]._put(error)
+        self._retire(seq, FinishReason.ABORT)
+
+    def _abort(self, seq: Sequence) -> None:
+        self._handles[seq.request_id]._put(RequestOutput(
+            [], seq.detokenizer.take_delta(True), FinishReason.ABORT, seq.prompt_len,
+            len(seq.output_token_ids), seq.detokenizer.text))
+        self._retire(seq, FinishReason.ABORT)
+
+    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        self._scheduler.finish(seq, reason)
+        del self._handles[seq.request_id], self._seqs[seq.request_id]
+        with self._lock:
+            self._in_flight.discard(seq.request_id)
+
+    def _publish_stats(self) -> None:
+        stats = self._snapshot()
+        with self._lock:
+            self._stats = stats
+
+    def _snapshot(self) -> EngineStats:
+        running = self._scheduler.running
+        return EngineStats(
+            running_requests=len(running),
+            waiting_requests=len(self._scheduler.waiting),
+            running_ranks=tuple(seq.rank for seq in running),
+            resident_adapters=tuple(self._adapters.resident()),
+            free_kv_tokens=self._kv_cache.free_tokens(),
+            adapter_slots=self._adapters.num_slots,
+            generated_tokens_total=self._generated_total)

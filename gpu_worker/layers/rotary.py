@@ -1,0 +1,52 @@
+"""Rotary position embeddings with the checkpoint's rope scaling honored.
+
+The inverse frequencies come from transformers' ROPE_INIT_FUNCTIONS (llama3, yarn, linear, ...)
+for scaled checkpoints and from the default formula otherwise, so positions match the
+reference implementation exactly. Packed tokens carry their own positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def _default_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    base = config.rope_parameters["rope_theta"]
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim)), 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+        super().__init__()
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            inv_freq, self.attention_scaling = _default_inv_freq(config, head_dim)
+        elif rope_type == "dynamic":
+            raise ValueError("dynamic NTK rope scaling depends on the sequence length; not supported")
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            inv_freq = inv_freq.float()
+        # A plain float32 CPU tensor, not a buffer: model.to(bfloat16) must not round it.
+        self.inv_freq = inv_freq  # [head_dim / 2]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim], computed once per step."""
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * inv_freq[None, :]   # [num_tokens, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None, :]
+        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None, :]
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,74 @@
+"""A fixed number of adapter slots inside the model's LoRALinear layers, with LRU eviction.
+
+A slot is pinned while running sequences use it (one pin per sequence); only unpinned slots are
+evicted, least recently used first. When every slot is pinned by other adapters, `acquire`
+returns None and the request waits.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from gpu_worker.lora.layer import LoRALinear
+from gpu_worker.lora.loader import AdapterRef, LoRAWeights
+
+
+class AdapterPool:
+    def __init__(self, layers: dict[tuple[int, str], LoRALinear], num_slots: int,
+                 load: Callable[[AdapterRef], LoRAWeights]) -> None:
+        self._layers = layers
+        self._load = load
+        self.num_slots = num_slots
+        self._slot_of: dict[str, int] = {}
+        self._rank_of_slot: dict[int, int] = {}
+        self._pins = [0] * num_slots
+        self._free = list(range(num_slots))
+        self._lru: OrderedDict[str, None] = OrderedDict()  # unpinned residents, oldest first
+
+    def acquire(self, ref: AdapterRef) -> int | None:
+        """Pin `ref`'s slot, loading it first if needed; None if no slot can be freed now."""
+        slot = self._slot_of.get(ref.name)
+        if slot is None:
+            slot = self._take_slot()
+            if slot is None:
+                return None
+            try:
+                self._install(slot, self._load(ref))
+            except Exception:
+                self._free.append(slot)
+                raise
+            self._slot_of[ref.name] = slot
+        self._lru.pop(ref.name, None)
+        self._pins[slot] += 1
+        return slot
+
+    def release(self, name: str) -> None:
+        slot = self._slot_of[name]
+        assert self._pins[slot] > 0, name
+        self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            self._lru[name] = None
+
+    def rank(self, slot: int) -> int:
+        return self._rank_of_slot[slot]
+
+    def resident(self) -> list[str]:
+        return sorted(self._slot_of)
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if not self._lru:
+            return None
+        victim, _ = self._lru.popitem(last=False)
+        slot = self._slot_of.pop(victim)
+        for layer in self._layers.values():
+            layer.reset_slot(slot)
+        del self._rank_of_slot[slot]
+        return slot
+
+    def _install(self, slot: int, weights: LoRAWeights) -> None:
+        for key, (a, b) in weights.modules.items():
+            self._layers[key].set_slot(slot, a, b, weights.scaling)
+        self._rank_of_slot[slot] = weights.rank

@@ -1,0 +1,28 @@
+"""Prometheus metrics of the worker, fed from the engine's per-step records."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from gpu_worker.engine import Engine, StepRecord
+from services.metrics import LATENCY_BUCKETS
+
+GENERATED_TOKENS = Counter("tessera_worker_generated_tokens_total", "Tokens sampled by the engine")
+STEP_SECONDS = Histogram("tessera_worker_step_seconds", "Time of one engine forward pass + sampling",
+                         buckets=LATENCY_BUCKETS)
+BATCH_TOKENS = Histogram("tessera_worker_step_tokens", "Packed tokens per engine step",
+                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+RUNNING = Gauge("tessera_worker_running_requests", "Sequences in the running batch")
+WAITING = Gauge("tessera_worker_waiting_requests", "Sequences waiting for admission")
+
+
+def record_step(step: StepRecord) -> None:
+    GENERATED_TOKENS.inc(len(step.request_ids))
+    STEP_SECONDS.observe(step.duration_s)
+    BATCH_TOKENS.observe(step.num_tokens)
+
+
+def bind_queue_gauges(engine: Engine) -> None:
+    """The gauges read the engine's stats snapshot whenever /metrics is scraped."""
+    RUNNING.set_function(lambda: engine.stats().running_requests)
+    WAITING.set_function(lambda: engine.stats().waiting_requests)

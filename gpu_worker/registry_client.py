@@ -1,0 +1,106 @@
+"""The worker's side of the registry: find the checkpoint, register, heartbeat, report placements.
+
+Every call retries with capped exponential backoff while the registry is down; a heartbeat answered
+`known=False` (the registry restarted or expired us) triggers a fresh registration, after which
+the full placement set is reported again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND)
+RPC_TIMEOUT_S = 5.0
+MAX_BACKOFF_S = 5.0
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    address: str       # host:port others dial
+    device: str
+    base_model: str
+    capacity: int
+
+
+async def retry_rpc(what: str, call: Callable[[], Awaitable[T]], stop: asyncio.Event,
+                    max_backoff_s: float = MAX_BACKOFF_S) -> T | None:
+    """Run `call` until it succeeds (None if `stop` is set first); NOT_FOUND counts as 'not yet'
+    (the launcher may register the base model after the worker starts)."""
+    delay = 0.1
+    while not stop.is_set():
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in RETRYABLE:
+                raise
+            log.warning("%s: %s (%s); retrying in %.1fs", what, err.code().name, err.details(), delay)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=delay)
+        except TimeoutError:
+            pass
+        delay = min(delay * 2, max_backoff_s)
+    return None
+
+
+async def fetch_base_model(channel: grpc.aio.Channel, name: str, stop: asyncio.Event) -> common_pb2.BaseModel | None:
+    stub = registry_pb2_grpc.RegistryStub(channel)
+    return await retry_rpc(f"GetBaseModel({name})", lambda: stub.GetBaseModel(
+        registry_pb2.GetBaseModelRequest(name=name), timeout=RPC_TIMEOUT_S), stop)
+
+
+class RegistryClient:
+    def __init__(self, channel: grpc.aio.Channel, identity: WorkerIdentity,
+                 stats: Callable[[], common_pb2.WorkerStats]) -> None:
+        self._stub = registry_pb2_grpc.RegistryStub(channel)
+        self._identity = identity
+        self._stats = stats
+        self.worker_id = ""
+
+    async def _register(self, stop: asyncio.Event) -> int | None:
+        i = self._identity
+        reply = await retry_rpc("RegisterWorker", lambda: self._stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(
+            address=i.address, device=i.device, base_model=i.base_model, capacity=i.capacity),
+            timeout=RPC_TIMEOUT_S), stop)
+        if reply is None:
+            return None
+        self.worker_id = reply.worker_id
+        log.info("registered as worker %s (%s)", self.worker_id, i.address)
+        return reply.heartbeat_interval_ms
+
+    async def run(self, stop: asyncio.Event, default_interval_ms: int) -> None:
+        """Register, then heartbeat and report placements until `stop` is set."""
+        interval_ms = await self._register(stop)
+        reported: tuple[str, ...] | None = None
+        while interval_ms is not None and not stop.is_set():
+            stats = self._stats()
+            try:
+                reply = await self._stub.Heartbeat(
+                    registry_pb2.HeartbeatRequest(worker_id=self.worker_id, stats=stats), timeout=RPC_TIMEOUT_S)
+                if not reply.known:
+                    log.warning("registry does not know worker %s; registering again", self.worker_id)
+                    interval_ms, reported = await self._register(stop), None
+                    continue
+                resident = tuple(stats.resident_adapters)
+                if resident != reported:
+                    await self._stub.ReportPlacements(registry_pb2.ReportPlacementsRequest(
+                        worker_id=self.worker_id, placements=[
+                            common_pb2.Placement(adapter=name, worker_id=self.worker_id, tier=common_pb2.TIER_GPU)
+                            for name in resident]), timeout=RPC_TIMEOUT_S)
+                    reported = resident
+            except grpc.aio.AioRpcError as err:
+                log.warning("heartbeat to the registry failed: %s", err.code().name)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=(interval_ms or default_interval_ms) / 1000)
+            except TimeoutError:
+                pass

@@ -1,0 +1,80 @@
+"""A request's life inside the engine: its tokens, adapter slot, KV progress and output text."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.detokenizer import IncrementalDetokenizer
+from gpu_worker.lora.loader import AdapterRef
+from kernels import NO_SLOT
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0    # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0              # 0: disabled
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        assert self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0 and self.max_tokens > 0, self
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"       # EOS or a stop string
+    LENGTH = "length"   # max_tokens
+    ABORT = "abort"     # the client went away, or the engine failed the request
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 adapter: AdapterRef | None, detokenizer: IncrementalDetokenizer) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.adapter = adapter
+        self.detokenizer = detokenizer
+        self.status = SequenceStatus.WAITING
+        self.slot = NO_SLOT
+        self.rank = 0
+        self.num_cached = 0          # tokens whose K/V are in the cache
+        self.finish_reason: FinishReason | None = None
+        self.generator: torch.Generator | None = None  # created by the sampler for sampled requests
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens the cache must hold: the prompt plus every generated token but the last."""
+        return self.prompt_len + self.params.max_tokens
+
+    def new_token_ids(self) -> list[int]:
+        """Tokens to run this step: the whole prompt at prefill, then the last sampled token."""
+        return self.prompt_token_ids if self.num_cached == 0 else self.output_token_ids[-1:]
+
+    def append(self, token_id: int, eos_token_id: int | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.detokenizer.append(token_id)
+        if token_id == eos_token_id or self.detokenizer.stopped:
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_token_ids) >= self.params.max_tokens:
+            self.finish_reason = FinishReason.LENGTH

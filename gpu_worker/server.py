@@ -1,0 +1,59 @@
+"""The gpu_worker process: find the checkpoint via the registry, load it, serve WorkerService."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import grpc
+
+from gpu_worker import metrics
+from gpu_worker.builder import build_engine
+from gpu_worker.registry_client import RegistryClient, WorkerIdentity, fetch_base_model
+from gpu_worker.servicer import WorkerServicer, worker_stats
+from services.config import TesseraConfig
+from services.grpc_server import start_grpc_server
+from services.logs import setup_logging
+from services.metrics import start_metrics_server
+from services.runtime import run_until_signalled
+from tessera.v1 import worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tessera.v1.WorkerService"
+
+
+async def _main(config: TesseraConfig, stop: asyncio.Event) -> None:
+    w = config.worker
+    async with grpc.aio.insecure_channel(w.registry_address) as channel:
+        base = await fetch_base_model(channel, w.base_model, stop)
+        if base is None:
+            return
+        log.info("loading %s from %s on %s", base.name, base.path, w.device)
+        engine = await asyncio.to_thread(build_engine, Path(base.path), w, config.worker_adapter_store_path,
+                                         metrics.record_step)
+        engine.start()
+        metrics.bind_queue_gauges(engine)
+        start_metrics_server(w.host, w.metrics_port)
+        server = await start_grpc_server(
+            f"{w.host}:{w.grpc_port}",
+            lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(engine), s),
+            [SERVICE_NAME])
+        # The advertised port is known only once the server is bound (port 0 in tests).
+        identity = WorkerIdentity(w.advertise_address or f"{w.host}:{server.port}", w.device, w.base_model,
+                                  w.max_num_seqs)
+        registry = RegistryClient(channel, identity, lambda: worker_stats(engine))
+        heartbeat = asyncio.create_task(registry.run(stop, config.registry.heartbeat_interval_ms))
+        try:
+            await stop.wait()
+        finally:
+            log.info("shutting down")
+            await server.stop()
+            engine.stop()
+            await heartbeat
+
+
+def serve(config: TesseraConfig) -> None:
+    setup_logging("worker", config.log_level)
+    run_until_signalled(lambda stop: _main(config, stop))

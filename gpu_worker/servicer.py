@@ -1,0 +1,90 @@
+"""tessera.v1.WorkerService: a thin translation between the proto contract and the Engine."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gpu_worker.engine import Engine, GenerationRequest, RequestOutput
+from gpu_worker.lora.loader import AdapterRef
+from gpu_worker.prompts import ChatMessage, Prompt
+from gpu_worker.sequence import FinishReason, SamplingParams
+from services.errors import InvalidArgument
+from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+DEFAULT_MAX_TOKENS = 256
+
+_FINISH_REASONS = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def generation_request(message: worker_pb2.WorkerGenerateRequest) -> GenerationRequest:
+    """Proto -> domain request; proto zero values mean 'default' (see common.proto)."""
+    s = message.sampling
+    if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0 or s.max_tokens < 0:
+        raise InvalidArgument("sampling parameters out of range (temperature >= 0, 0 <= top_p <= 1, "
+                              "top_k >= 0, max_tokens >= 0)")
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+                            max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, stop=tuple(s.stop),
+                            seed=s.seed if s.HasField("seed") else None)
+    kind = message.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgument("request has no prompt", param="prompt")
+    prompt: Prompt = message.text if kind == "text" else tuple(
+        ChatMessage(m.role, m.content) for m in message.chat.messages)
+    adapter = None
+    if message.HasField("adapter"):
+        a = message.adapter
+        adapter = AdapterRef(a.name, a.base_model, a.rank, a.sha256, a.storage_path)
+    return GenerationRequest(message.request_id or uuid.uuid4().hex, prompt, params, adapter)
+
+
+def _response(request_id: str, output: RequestOutput) -> common_pb2.GenerateResponse:
+    if output.finish_reason is None:
+        return common_pb2.GenerateResponse(
+            request_id=request_id, delta=common_pb2.TokenDelta(token_ids=output.token_ids, text=output.text))
+    return common_pb2.GenerateResponse(request_id=request_id, final=common_pb2.Completion(
+        finish_reason=_FINISH_REASONS[output.finish_reason],
+        usage=common_pb2.Usage(prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens),
+        text=output.full_text))
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Generate(self, request: worker_pb2.WorkerGenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
+        if request.base_model and request.base_model != self.engine.base_model:
+            raise InvalidArgument(f"this worker serves {self.engine.base_model}, not {request.base_model}")
+        generation = generation_request(request)
+        handle = self.engine.submit(generation, asyncio.get_running_loop())
+        try:
+            async for output in handle:
+                if output.finish_reason is not None:
+                    # The last token ids (and any held-back text) go out as a delta, then the summary.
+                    if output.token_ids or output.text:
+                        yield _response(handle.request_id, RequestOutput(output.token_ids, output.text))
+                yield _response(handle.request_id, output)
+        finally:
+            if not handle.finished:  # the client went away (cancelled) before the end
+                self.engine.abort(handle.request_id)
+
+    async def GetStats(self, request: worker_pb2.GetStatsRequest,
+                       context: grpc.aio.ServicerContext) -> common_pb2.WorkerStats:
+        return worker_stats(self.engine)
+
+
+def worker_stats(engine: Engine) -> common_pb2.WorkerStats:
+    s = engine.stats()
+    return common_pb2.WorkerStats(
+        running_requests=s.running_requests, waiting_requests=s.waiting_requests,
+        running_ranks=list(s.running_ranks), resident_adapters=list(s.resident_adapters),
+        free_kv_tokens=s.free_kv_tokens, adapter_slots=s.adapter_slots,
+        generated_tokens_total=s.generated_tokens_total)
