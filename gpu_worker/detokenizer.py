@@ -35,11 +35,23 @@ class IncrementalDetokenizer:
         full = self._decode(self._ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return  # nothing settled yet (an incomplete UTF-8 character, or a special token)
+        self._settle(full[len(prefix):])
+
+    def _flush(self) -> None:
+        """At the end nothing stays pending: an incomplete character decodes as U+FFFD, as `decode` renders it."""
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) > len(prefix):
+            self._settle(full[len(prefix):])
+
+    def _settle(self, new_text: str) -> None:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._add_text(full[len(prefix):])
+        self._add_text(new_text)
 
     def take_delta(self, final: bool) -> str:
         """Text not yet streamed; unless `final`, keep back what could start a stop string."""
+        if final and not self.stopped:
+            self._flush()
         end = len(self.text) if final or self.stopped else len(self.text) - self._stop_prefix_len()
         delta = self.text[self._emitted:end] if end > self._emitted else ""
         self._emitted = max(self._emitted, end)

@@ -42,3 +42,17 @@ def test_stop_string_prefix_is_held_back_then_cut(tokenizer):
 def test_held_back_prefix_is_released_when_it_is_not_a_stop(tokenizer):
     detok, deltas = _stream(tokenizer, "an ENDLESS loop", stop=("END!",))
     assert not detok.stopped and "".join(deltas) == "an ENDLESS loop"
+
+
+def test_generation_ending_inside_a_character_flushes_like_decode(tokenizer):
+    """Cut mid-character at max_tokens: the final text is what `tokenizer.decode` shows (U+FFFD)."""
+    ids = tokenizer("café 日本", add_special_tokens=False)["input_ids"]
+    for cut in range(1, len(ids) + 1):
+        detok = IncrementalDetokenizer(tokenizer, [tokenizer.bos_token_id], ())
+        streamed = ""
+        for token in ids[:cut]:
+            detok.append(token)
+            streamed += detok.take_delta(final=False)
+        streamed += detok.take_delta(final=True)
+        expected = tokenizer.decode(ids[:cut], skip_special_tokens=True)
+        assert detok.text == streamed == expected
