@@ -12,6 +12,9 @@ STEP_SECONDS = Histogram("tessera_worker_step_seconds", "Time of one engine forw
                          buckets=LATENCY_BUCKETS)
 BATCH_TOKENS = Histogram("tessera_worker_step_tokens", "Packed tokens per engine step",
                          buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+# Distinct models (each adapter, and the base model) sharing one forward pass.
+STEP_MODELS = Histogram("tessera_worker_step_models", "Distinct adapters (base model counted as one) per engine step",
+                        buckets=(1, 2, 3, 4, 8, 16, 32, 64))
 RUNNING = Gauge("tessera_worker_running_requests", "Sequences in the running batch")
 WAITING = Gauge("tessera_worker_waiting_requests", "Sequences waiting for admission")
 
@@ -20,6 +23,7 @@ def record_step(step: StepRecord) -> None:
     GENERATED_TOKENS.inc(len(step.request_ids))
     STEP_SECONDS.observe(step.duration_s)
     BATCH_TOKENS.observe(step.num_tokens)
+    STEP_MODELS.observe(len(set(step.adapters)))
 
 
 def bind_queue_gauges(engine: Engine) -> None:

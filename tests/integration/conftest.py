@@ -41,6 +41,7 @@ class RunningSystem:
     registry_grpc: str
     admin_base: str         # …/admin/v1
     worker_grpc: str
+    worker_metrics: str     # …/metrics
     admin_key: str
 
     def launcher_state(self) -> dict:
@@ -106,6 +107,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
         registry_grpc=f"127.0.0.1:{ports['REGISTRY__GRPC_PORT']}",
         admin_base=f"http://127.0.0.1:{ports['REGISTRY__ADMIN_PORT']}/admin/v1",
         worker_grpc=f"127.0.0.1:{ports['WORKER__GRPC_PORT']}",
+        worker_metrics=f"http://127.0.0.1:{ports['WORKER__METRICS_PORT']}/metrics",
         admin_key=(home / "admin_api_key").read_text().strip() if (home / "admin_api_key").exists() else "",
     )
     try:

@@ -110,9 +110,20 @@ def test_completions_endpoint_equals_peft_greedy(system, client, reference):
     assert streamed == reply.choices[0].text
 
 
+def mixed_steps(system) -> float:
+    """Engine steps so far whose forward pass held more than one model (worker's /metrics)."""
+    series = {}
+    for line in requests.get(system.worker_metrics, timeout=10).text.splitlines():
+        if line.startswith("tessera_worker_step_models_"):
+            name, value = line.rsplit(" ", 1)
+            series[name] = float(value)
+    return series["tessera_worker_step_models_count"] - series['tessera_worker_step_models_bucket{le="1.0"}']
+
+
 def test_concurrent_requests_for_all_models_share_batches(system, client, reference):
-    """All four models in flight at once, over REST and gRPC, still give PEFT's tokens."""
+    """All four models in flight at once, over REST and gRPC, share forward passes and still give PEFT's tokens."""
     expected = {m: reference.greedy_chat(m, chat_messages(m), MAX_TOKENS) for m in MODELS}
+    mixed_before = mixed_steps(system)
     results: dict[tuple[str, str], object] = {}
     errors: list[BaseException] = []
     barrier = threading.Barrier(len(MODELS) * 2)
@@ -133,6 +144,7 @@ def test_concurrent_requests_for_all_models_share_batches(system, client, refere
     for t in threads:
         t.join(timeout=180)
     assert not errors, errors
+    assert mixed_steps(system) > mixed_before, "no engine step mixed adapters"
     for model in MODELS:
         assert_same_greedy(reference, model, expected[model], results[("grpc", model)])
         text, _ = results[("rest", model)]
