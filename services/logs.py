@@ -13,5 +13,6 @@ def setup_logging(role: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # Request-level access logs from the WSGI server are noise at INFO.
-    logging.getLogger("waitress").setLevel(max(logging.WARNING, root.level))
+    # Per-request WSGI logs and Alembic's plugin chatter are noise at INFO.
+    for noisy in ("waitress", "alembic"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
