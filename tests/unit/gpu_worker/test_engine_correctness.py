@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gpu_worker.engine import GenerationRequest
 from gpu_worker.sequence import SamplingParams
+from services.demo_assets import DEMO_BASE_MODEL
+from tests.reference import ReferenceModels, assert_same_greedy
 
 from .conftest import run_all, tokens_of
 
 MAX_NEW = 12
-TIE_GAP = 1e-5
 PROMPTS = (
     "def",
     "import os\nimport sys\n",
@@ -24,35 +22,11 @@ ADAPTERS = (None, "demo-r8", "demo-r16", "demo-r64")
 
 @pytest.fixture(scope="module")
 def reference(tiny_assets):
-    """(adapter, prompt) -> (greedy tokens, per-step logits) from transformers + PEFT."""
-    tokenizer = AutoTokenizer.from_pretrained(tiny_assets.base_dir)
-    results = {}
-    for adapter in ADAPTERS:
-        model = AutoModelForCausalLM.from_pretrained(tiny_assets.base_dir, dtype=torch.float32)
-        if adapter is not None:
-            model = PeftModel.from_pretrained(model, tiny_assets.adapters[adapter].storage_path)
-        model.eval()
-        for prompt in PROMPTS:
-            enc = tokenizer(prompt, return_tensors="pt")
-            with torch.no_grad():
-                out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_NEW, output_logits=True,
-                                     return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
-            tokens = out.sequences[0, enc["input_ids"].shape[1]:].tolist()
-            results[(adapter, prompt)] = (tokens, [step[0] for step in out.logits])
-    return results
-
-
-def assert_same_greedy(ours: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor]) -> None:
-    """Token-exact, except at a genuine tie: there our token must be as likely as the reference's."""
-    for step, (mine, theirs) in enumerate(zip(ours, ref_tokens)):
-        if mine == theirs:
-            continue
-        logprobs = torch.log_softmax(ref_logits[step].double(), dim=-1)
-        top2 = logprobs.topk(2).values
-        assert top2[0] - top2[1] < TIE_GAP, f"step {step}: ours {mine} vs reference {theirs}, no tie\n{ours}\n{ref_tokens}"
-        assert logprobs[theirs] - logprobs[mine] < TIE_GAP, f"step {step}: our token {mine} is not a top tie"
-        return  # past a tie the continuations legitimately diverge
-    assert len(ours) == len(ref_tokens), (ours, ref_tokens)
+    """(adapter, prompt) -> transformers + PEFT greedy tokens and per-step log-probabilities."""
+    models = ReferenceModels(DEMO_BASE_MODEL, tiny_assets.base_dir,
+                             {name: ref.storage_path for name, ref in tiny_assets.adapters.items()})
+    return {(adapter, prompt): models.greedy_text(adapter or DEMO_BASE_MODEL, prompt, MAX_NEW)
+            for adapter in ADAPTERS for prompt in PROMPTS}
 
 
 def _request(adapter: str | None, prompt: str, tiny_assets, index: int) -> GenerationRequest:
@@ -63,9 +37,9 @@ def _request(adapter: str | None, prompt: str, tiny_assets, index: int) -> Gener
 def test_adapters_change_the_reference_output(reference):
     """Guards the test's power: every adapter's greedy tokens differ from the base model's."""
     for prompt in PROMPTS:
-        base = reference[(None, prompt)][0]
+        base = reference[(None, prompt)].tokens
         for adapter in ADAPTERS[1:]:
-            assert reference[(adapter, prompt)][0] != base, (adapter, prompt)
+            assert reference[(adapter, prompt)].tokens != base, (adapter, prompt)
 
 
 def test_one_at_a_time_matches_transformers_and_peft(engine_factory, tiny_assets, reference):
@@ -73,7 +47,7 @@ def test_one_at_a_time_matches_transformers_and_peft(engine_factory, tiny_assets
     for i, adapter in enumerate(ADAPTERS):
         for j, prompt in enumerate(PROMPTS):
             (outputs,) = run_all(engine, [_request(adapter, prompt, tiny_assets, 10 * i + j)])
-            assert_same_greedy(tokens_of(outputs), *reference[(adapter, prompt)])
+            assert_same_greedy(f"{adapter}: {prompt!r}", reference[(adapter, prompt)], tokens_of(outputs))
 
 
 def test_concurrent_mixed_adapters_share_batches_and_match(engine_factory, tiny_assets, reference):
@@ -84,7 +58,7 @@ def test_concurrent_mixed_adapters_share_batches_and_match(engine_factory, tiny_
     requests = [_request(a, p, tiny_assets, i) for i, (a, p) in enumerate(cases)]
     results = run_all(engine, requests)
     for (adapter, prompt), outputs in zip(cases, results):
-        assert_same_greedy(tokens_of(outputs), *reference[(adapter, prompt)])
+        assert_same_greedy(f"{adapter}: {prompt!r}", reference[(adapter, prompt)], tokens_of(outputs))
     # They really ran together: one forward pass held every adapter and the base model at once,
     # and prefills were packed with decodes of other requests.
     assert any(set(step.adapters) == set(ADAPTERS) for step in steps), steps[:3]
