@@ -1,0 +1,53 @@
+"""The engine on a CUDA device (run through the device tool: `pytest -m gpu tests/gpu`).
+
+float32 on the GPU must give transformers + PEFT's greedy tokens on the same GPU, for mixed
+adapter batches; bfloat16 (the serving default on CUDA) must run the same batches end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.engine import GenerationRequest
+from gpu_worker.sequence import SamplingParams
+from services.demo_assets import DEMO_BASE_MODEL
+from tests.reference import ReferenceModels, assert_same_greedy
+from tests.unit.gpu_worker.conftest import make_engine, run_all, tiny_assets, tokens_of  # noqa: F401 (fixture)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+MODELS = (None, "demo-r8", "demo-r16", "demo-r64")
+PROMPTS = ("def", "import os\nimport sys\n", "class Handler(object):\n    def handle(self, request):\n")
+MAX_NEW = 16
+
+
+def _requests(assets) -> list[tuple[str | None, str, GenerationRequest]]:
+    cases = [(m, PROMPTS[i % len(PROMPTS)]) for i, m in enumerate(MODELS * 2)]
+    return [(m, p, GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=MAX_NEW), assets.adapters[m] if m else None))
+            for i, (m, p) in enumerate(cases)]
+
+
+def test_float32_on_cuda_equals_peft_on_cuda(tiny_assets):
+    reference = ReferenceModels(DEMO_BASE_MODEL, tiny_assets.base_dir,
+                                {n: r.storage_path for n, r in tiny_assets.adapters.items()}, device="cuda")
+    engine = make_engine(tiny_assets, device="cuda", dtype="float32")
+    try:
+        cases = _requests(tiny_assets)
+        results = run_all(engine, [r for _, _, r in cases])
+    finally:
+        engine.stop()
+    for (model, prompt, _), outputs in zip(cases, results):
+        expected = reference.greedy_text(model or DEMO_BASE_MODEL, prompt, MAX_NEW)
+        assert_same_greedy(f"{model}: {prompt!r}", expected, tokens_of(outputs))
+
+
+def test_bfloat16_on_cuda_serves_mixed_batches(tiny_assets):
+    steps = []
+    engine = make_engine(tiny_assets, steps, device="cuda", dtype="auto")
+    try:
+        results = run_all(engine, [r for _, _, r in _requests(tiny_assets)])
+    finally:
+        engine.stop()
+    assert all(len(tokens_of(outputs)) >= 1 for outputs in results)
+    assert any(len(set(step.adapters)) == len(MODELS) for step in steps)
