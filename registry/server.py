@@ -19,14 +19,12 @@ from services.runtime import run_until_signalled
 
 log = logging.getLogger(__name__)
 
-API_KEY_FILE = "admin_api_key"
-
 
 def resolve_admin_api_key(config: TesseraConfig) -> str:
     """The configured admin API key, else the one in <home>/admin_api_key (created 0600 on first use)."""
     if config.registry.admin_api_key:
         return config.registry.admin_api_key
-    path = config.home_path / API_KEY_FILE
+    path = config.admin_api_key_path
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         # O_EXCL: two processes starting at once agree on one key; 0600 from the first byte.

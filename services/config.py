@@ -114,6 +114,11 @@ class TesseraConfig:
         return [Path(r).expanduser().resolve() for r in roots]
 
     @property
+    def admin_api_key_path(self) -> Path:
+        """Where the generated admin API key lives when none is configured."""
+        return self.home_path / "admin_api_key"
+
+    @property
     def models_path(self) -> Path:
         return self.home_path / "models"
 

@@ -96,7 +96,7 @@ def endpoint_urls(config: TesseraConfig) -> dict[str, str]:
 def admin_key_location(config: TesseraConfig) -> str:
     if config.registry.admin_api_key:
         return "set in the config (registry.admin_api_key)"
-    return str(config.home_path / "admin_api_key")
+    return str(config.admin_api_key_path)
 
 
 def check_ports_free(specs: Sequence[RoleSpec]) -> None:
