@@ -2,40 +2,103 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
+from gpu_worker.block_manager import BlockManager, blocks_for
+from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.engine import Engine, StepRecord
-from gpu_worker.kv_cache import CacheShape, ContiguousKVCache
+from gpu_worker.kv_cache import CacheShape, PagedKVCache, cuda_blocks_that_fit
 from gpu_worker.lora.adapter_pool import AdapterPool
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.models.llama import LORA_TARGETS, load_model, resolve_dtype
-from gpu_worker.scheduler import Scheduler, SchedulerLimits
+from gpu_worker.models.llama import LORA_TARGETS, LlamaForCausalLM, load_model, resolve_dtype
+from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
+from gpu_worker.sequence import SamplingParams, Sequence
+from kernels import NO_SLOT
 from services.config import WorkerConfig
+from services.errors import FailedPrecondition
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_TOKENS = 16384
 
 
 def build_engine(checkpoint_dir: Path, worker: WorkerConfig, adapter_store: Path,
                  on_step: Callable[[StepRecord], None] | None = None) -> Engine:
     device = torch.device(worker.device)
     dtype = resolve_dtype(worker.dtype, device)
-    model = load_model(checkpoint_dir, device=device, dtype=dtype, num_slots=worker.adapter_slots)
-    config = model.config
+    model = load_model(checkpoint_dir, device=device, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+    return assemble_engine(model, tokenizer, worker, adapter_store, on_step)
+
+
+def assemble_engine(model: LlamaForCausalLM, tokenizer, worker: WorkerConfig, adapter_store: Path,
+                    on_step: Callable[[StepRecord], None] | None = None) -> Engine:
+    """An engine around an already loaded model (benchmarks build theirs in memory)."""
+    config = model.config
+    device = model.lm_head.weight.device
+    model.init_lora_slots(worker.adapter_slots, worker.max_lora_rank)
     max_context = config.max_position_embeddings
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    # Budget: every admitted sequence may use a whole context window.
-    kv_cache = ContiguousKVCache(
-        CacheShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, dtype, device),
-        capacity_tokens=worker.max_num_seqs * max_context)
+    shape = CacheShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.lm_head.weight.dtype, device)
+    num_blocks = _num_kv_blocks(model, shape, worker)
+    kv_cache = PagedKVCache(shape, num_blocks, worker.kv_block_size)
+    log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, worker.kv_block_size,
+             num_blocks * shape.bytes_per_block(worker.kv_block_size) / 2**30)
 
     def load(ref: AdapterRef) -> LoRAWeights:
-        return load_adapter(ref, adapter_store, LORA_TARGETS, config.num_hidden_layers)
+        weights = load_adapter(ref, adapter_store, LORA_TARGETS, config.num_hidden_layers)
+        if weights.rank > worker.max_lora_rank:
+            raise FailedPrecondition(f"adapter {ref.name} has rank {weights.rank}; this worker serves ranks up "
+                                     f"to {worker.max_lora_rank} (max_lora_rank)")
+        return weights
 
     adapters = AdapterPool(model.lora_layers(), worker.adapter_slots, load)
-    scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens), kv_cache, adapters)
-    return Engine(base_model=worker.base_model, runner=ModelRunner(model, kv_cache, device), scheduler=scheduler,
-                  kv_cache=kv_cache, adapters=adapters, tokenizer=tokenizer, max_context=max_context, on_step=on_step)
+    blocks = BlockManager(num_blocks, worker.kv_block_size)
+    scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens), blocks, adapters)
+    graphs = None
+    if device.type == "cuda" and worker.cuda_graphs:
+        graphs = DecodeGraphs(model, kv_cache, max_batch=worker.max_num_seqs, max_context=max_context,
+                              with_lora=worker.adapter_slots > 0)
+    runner = ModelRunner(model, kv_cache, device, graphs)
+    return Engine(base_model=worker.base_model, runner=runner, scheduler=scheduler, adapters=adapters,
+                  tokenizer=tokenizer, max_context=max_context, max_lora_rank=worker.max_lora_rank, on_step=on_step)
+
+
+def _num_kv_blocks(model: LlamaForCausalLM, shape: CacheShape, worker: WorkerConfig) -> int:
+    """+1: block 0 is the scratch block."""
+    if worker.kv_cache_tokens > 0:
+        return blocks_for(worker.kv_cache_tokens, worker.kv_block_size) + 1
+    if shape.device.type != "cuda":
+        return blocks_for(CPU_KV_CACHE_TOKENS, worker.kv_block_size) + 1
+    peak = _profile_peak_bytes(model, shape, worker)
+    return cuda_blocks_that_fit(shape, worker.kv_block_size, worker.gpu_memory_utilization, peak)
+
+
+def _profile_peak_bytes(model: LlamaForCausalLM, shape: CacheShape, worker: WorkerConfig) -> int:
+    """Peak device memory of a forward pass over max_batch_tokens tokens on an adapter slot, less
+    the scratch cache it needs: what must stay free beside the KV cache."""
+    block_size, max_context = worker.kv_block_size, model.config.max_position_embeddings
+    items, next_block, remaining = [], 1, worker.max_batch_tokens
+    while remaining > 0:  # prompts of at most one context each
+        n = min(remaining, max_context)
+        seq = Sequence(f"profile-{len(items)}", [0] * n, SamplingParams(max_tokens=1), None, None)
+        seq.slot = 0 if worker.adapter_slots else NO_SLOT
+        seq.block_table = list(range(next_block, next_block + blocks_for(n, block_size)))
+        next_block += len(seq.block_table)
+        items.append(ScheduledSeq(seq, n, samples=True))
+        remaining -= n
+    cache = PagedKVCache(shape, next_block, block_size)
+    cache_bytes = next_block * shape.bytes_per_block(block_size)
+    torch.cuda.reset_peak_memory_stats(shape.device)
+    ModelRunner(model, cache, shape.device).run(items)
+    torch.cuda.synchronize(shape.device)
+    peak = torch.cuda.max_memory_allocated(shape.device) - cache_bytes
+    del cache
+    torch.cuda.empty_cache()
+    return peak

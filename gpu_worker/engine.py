@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from gpu_worker.detokenizer import IncrementalDetokenizer
-from gpu_worker.kv_cache import KVCache
+from gpu_worker.block_manager import BlockManager
 from gpu_worker.lora.adapter_pool import AdapterPool
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.prompts import Prompt, PromptEncoder
-from gpu_worker.sampler import sample
+from gpu_worker.sampler import TokenLogprobs, sample
 from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import FinishReason, SamplingParams, Sequence
 from services.errors import AlreadyExists, Internal, InvalidArgument, TesseraError
@@ -50,6 +50,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     full_text: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ class StepRecord:
     step: int
     request_ids: tuple[str, ...]
     adapters: tuple[str | None, ...]
-    num_prefills: int
+    num_prefills: int      # sequences that ran prompt tokens (a whole prompt or a chunk)
     num_tokens: int
+    num_preempted: int     # sequences preempted to make room in this step
     duration_s: float
 
 
@@ -70,7 +72,9 @@ class EngineStats:
     running_ranks: tuple[int, ...]
     resident_adapters: tuple[str, ...]
     free_kv_tokens: int
+    preemptions_total: int
     adapter_slots: int
+    pinned_adapters: int    # adapter pins held by running sequences
     generated_tokens_total: int
 
 
@@ -101,13 +105,14 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, *, base_model: str, runner: ModelRunner, scheduler: Scheduler, kv_cache: KVCache,
-                 adapters: AdapterPool, tokenizer: PreTrainedTokenizerBase, max_context: int,
+    def __init__(self, *, base_model: str, runner: ModelRunner, scheduler: Scheduler,
+                 adapters: AdapterPool, tokenizer: PreTrainedTokenizerBase, max_context: int, max_lora_rank: int,
                  on_step: Callable[[StepRecord], None] | None = None) -> None:
         self.base_model = base_model
         self._runner = runner
         self._scheduler = scheduler
-        self._kv_cache = kv_cache
+        self._blocks: BlockManager = scheduler.blocks
+        self._max_lora_rank = max_lora_rank
         self._adapters = adapters
         self._tokenizer = tokenizer
         self._prompts = PromptEncoder(tokenizer, max_context)
@@ -136,10 +141,14 @@ class Engine:
         if request.adapter is not None and request.adapter.base_model != self.base_model:
             raise InvalidArgument(f"adapter {request.adapter.name} is for base model "
                                   f"{request.adapter.base_model}, this worker serves {self.base_model}")
+        if request.adapter is not None and request.adapter.rank > self._max_lora_rank:
+            raise InvalidArgument(f"adapter {request.adapter.name} has rank {request.adapter.rank}; this worker "
+                                  f"serves ranks up to {self._max_lora_rank} (max_lora_rank)")
         ids = self._prompts.encode(request.prompt, request.params.max_tokens)
-        if len(ids) > self._scheduler.limits.max_batch_tokens:
-            raise InvalidArgument(f"prompt has {len(ids)} tokens; this worker runs at most "
-                                  f"{self._scheduler.limits.max_batch_tokens} tokens per step")
+        needed = len(ids) + request.params.max_tokens - 1
+        if needed > self._blocks.capacity_tokens:
+            raise InvalidArgument(f"prompt ({len(ids)} tokens) plus max_tokens ({request.params.max_tokens}) needs "
+                                  f"{needed} KV-cache tokens; this worker holds {self._blocks.capacity_tokens}")
         with self._lock:
             if request.request_id in self._in_flight:
                 raise AlreadyExists(f"request {request.request_id} is already running")
@@ -200,34 +209,36 @@ class Engine:
         batch = self._scheduler.schedule()
         for seq, error in batch.failed:
             self._fail(seq, error)
-        seqs = batch.seqs
-        if not seqs:
+        if not batch.items:
             self._publish_stats()
             time.sleep(0.001)  # everything waits for an adapter slot; let aborts arrive
             return
         started = time.perf_counter()
-        num_tokens = sum(len(seq.new_token_ids()) for seq in seqs)
-        logits = self._runner.run(seqs)
-        for seq, token in zip(seqs, sample(logits, seqs)):
+        sampling, logits = self._runner.run(batch.items)
+        tokens, logprobs = sample(logits, sampling)
+        for seq, token, token_logprobs in zip(sampling, tokens, logprobs):
             seq.append(token, self._eos)
             self._generated_total += 1
-            self._emit(seq)
+            self._emit(seq, token_logprobs)
         self._step += 1
         if self._on_step is not None:
-            self._on_step(StepRecord(self._step, tuple(s.request_id for s in seqs),
-                                     tuple(s.adapter.name if s.adapter else None for s in seqs),
-                                     len(batch.prefills), num_tokens, time.perf_counter() - started))
+            seqs = [item.seq for item in batch.items]
+            self._on_step(StepRecord(
+                self._step, tuple(s.request_id for s in seqs), tuple(s.adapter.name if s.adapter else None for s in seqs),
+                sum(1 for item in batch.items if item.num_new > 1 or not item.samples), batch.num_tokens,
+                len(batch.preempted), time.perf_counter() - started))
         self._publish_stats()
 
-    def _emit(self, seq: Sequence) -> None:
+    def _emit(self, seq: Sequence, logprobs: TokenLogprobs | None) -> None:
         final = seq.finish_reason is not None
-        output = RequestOutput(token_ids=seq.output_token_ids[-1:], text=seq.detokenizer.take_delta(final))
+        output = RequestOutput(token_ids=seq.output_token_ids[-1:], text=seq.detokenizer.take_delta(final),
+                               logprobs=(logprobs,) if logprobs is not None else ())
         if not final:
             self._handles[seq.request_id]._put(output)
             return
         self._handles[seq.request_id]._put(RequestOutput(
             output.token_ids, output.text, seq.finish_reason, seq.prompt_len,
-            len(seq.output_token_ids), seq.detokenizer.text))
+            len(seq.output_token_ids), seq.detokenizer.text, output.logprobs))
         self._retire(seq, seq.finish_reason)
 
     def _fail(self, seq: Sequence, error: TesseraError) -> None:
@@ -258,6 +269,8 @@ class Engine:
             waiting_requests=len(self._scheduler.waiting),
             running_ranks=tuple(seq.rank for seq in running),
             resident_adapters=tuple(self._adapters.resident()),
-            free_kv_tokens=self._kv_cache.free_tokens(),
+            free_kv_tokens=self._blocks.free_tokens(),
+            preemptions_total=self._scheduler.num_preemptions,
             adapter_slots=self._adapters.num_slots,
+            pinned_adapters=self._adapters.num_pinned(),
             generated_tokens_total=self._generated_total)

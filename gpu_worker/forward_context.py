@@ -12,26 +12,18 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kernels import LoRABatchInfo
+from kernels import LoRABatch
+from kernels.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from gpu_worker.kv_cache import KVCache
-
-
-@dataclass(frozen=True)
-class SeqSlice:
-    """Where one sequence's new tokens sit in the packed batch and in its KV cache."""
-    seq_id: int
-    token_start: int    # first row of the sequence's new tokens in the packed batch
-    num_new: int        # new tokens this step (whole prompt for prefill, 1 for decode)
-    cache_start: int    # tokens already in the cache before this step (= position of the first new token)
+    from gpu_worker.kv_cache import PagedKVCache
 
 
 @dataclass(frozen=True)
 class ForwardContext:
-    seqs: tuple[SeqSlice, ...]
-    kv_cache: KVCache
-    lora: LoRABatchInfo
+    attention: AttentionMetadata
+    kv_cache: PagedKVCache
+    lora: LoRABatch
 
 
 _CONTEXT: ContextVar[ForwardContext | None] = ContextVar("tessera_forward_context", default=None)

@@ -1,43 +1,56 @@
-"""Runs one packed forward pass for the scheduled sequences and returns their next-token logits."""
+"""Runs one packed forward pass for a step and returns the next-token logits of the sequences
+that sample. Decode-only steps on CUDA replay a captured graph when one fits the batch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
-
 import torch
 
-from gpu_worker.forward_context import ForwardContext, SeqSlice, forward_context
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.lora.batch_info import build_lora_batch_info
+from gpu_worker.cuda_graphs import DecodeGraphs
+from gpu_worker.forward_context import ForwardContext, forward_context
+from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import Sequence
+from gpu_worker.step_inputs import StepInputs, build_step_inputs
+from kernels import LoRABatch
+from kernels.attention import AttentionMetadata
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, device: torch.device,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.graphs = graphs
 
     @torch.inference_mode()
-    def run(self, seqs: Seq[Sequence]) -> torch.Tensor:
-        """Prefill and decode sequences together, packed -> float32 logits [len(seqs), vocab]."""
-        # Build host lists first, then one copy per tensor.
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slices: list[SeqSlice] = []
-        for seq in seqs:
-            new = seq.new_token_ids()
-            slices.append(SeqSlice(seq.seq_id, len(input_ids), len(new), seq.num_cached))
-            input_ids.extend(new)
-            positions.extend(range(seq.num_cached, seq.num_cached + len(new)))
-        lora = build_lora_batch_info([s.num_new for s in slices], [seq.slot for seq in seqs], [seq.rank for seq in seqs])
-        context = ForwardContext(tuple(slices), self.kv_cache, lora)
-        ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        with forward_context(context):
-            hidden = self.model(ids_t, pos_t)  # [num_tokens, hidden]
-        last = torch.tensor([s.token_start + s.num_new - 1 for s in slices], device=self.device)
-        for seq, s in zip(seqs, slices):
-            seq.num_cached += s.num_new
-        return self.model.compute_logits(hidden[last])
+    def run(self, items: list[ScheduledSeq]) -> tuple[list[Sequence], torch.Tensor]:
+        """-> (the sequences that sample, their float32 logits [len(them), vocab])."""
+        inputs = build_step_inputs(items, self.kv_cache.block_size)
+        if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(len(items)):
+            logits = self.graphs.replay(inputs)
+        else:
+            logits = self._run_eager(inputs)
+        for item in items:
+            item.seq.num_cached += item.num_new
+        return inputs.sampling, logits
+
+    def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
+        def device_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        width = max(len(table) for table in inputs.block_tables)
+        query_start_loc = [0]
+        for n in inputs.query_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+        attention = AttentionMetadata(
+            query_start_loc=device_tensor(query_start_loc, torch.int32),
+            seq_lens=device_tensor(inputs.seq_lens, torch.int32),
+            block_tables=device_tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], torch.int32),
+            slot_mapping=device_tensor(inputs.slot_mapping, torch.int64),
+            max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens))
+        lora = LoRABatch.build(inputs.seg_lens, inputs.seg_slots, self.device)
+        with forward_context(ForwardContext(attention, self.kv_cache, lora)):
+            hidden = self.model(device_tensor(inputs.input_ids, torch.long), device_tensor(inputs.positions, torch.long))
+        return self.model.compute_logits(hidden[device_tensor(inputs.logit_rows, torch.long)])

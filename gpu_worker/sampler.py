@@ -1,31 +1,64 @@
-"""Turns the last-position logits of each sequence into its next token.
+"""Turns the last-position logits of each sequence into its next token, on the logits' device.
 
-Greedy rows take the argmax; sampled rows apply temperature, top-k, then top-p, and draw with the
-sequence's own torch.Generator, so a seeded request gives the same tokens however it is batched.
+Greedy rows take the argmax. Sampled rows are filtered together (temperature, then top-k, then
+top-p, each row with its own values) over one descending sort, and drawn by the exponential race
+(argmax of p / E with E ~ Exp(1)) with noise from the sequence's own torch.Generator, so a seeded
+request gives the same tokens however it is batched. One host transfer per step returns the
+tokens (and, where asked, log-probabilities).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from gpu_worker.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
-    """logits: float32 [num_seqs, vocab] -> one token id per sequence."""
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float                          # of the chosen token, under the model's distribution
+    top: tuple[tuple[int, float], ...]      # the `logprobs` most likely tokens, best first
+
+
+def _is_greedy(seq: Sequence) -> bool:
+    return seq.params.temperature == 0 or seq.params.top_k == 1
+
+
+def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: float32 [num_seqs, vocab] -> (one token id per sequence, its log-probabilities if asked)."""
     assert logits.shape[0] == len(seqs)
-    greedy = logits.argmax(dim=-1).tolist()
-    tokens = []
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        if p.temperature == 0 or p.top_k == 1:
-            tokens.append(greedy[row])
-            continue
-        probs = _filtered_probs(logits[row] / p.temperature, p.top_k, p.top_p)
-        tokens.append(int(torch.multinomial(probs, 1, generator=_generator(seq, logits.device)).item()))
-    return tokens
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [row for row, seq in enumerate(seqs) if not _is_greedy(seq)]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        tokens[rows] = _sample_rows(logits[rows], [seqs[row] for row in sampled_rows])
+    wanted = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+    if wanted:
+        for row, entry in zip(wanted, _logprobs(logits, tokens, wanted, [seqs[r].params.logprobs for r in wanted])):
+            logprobs[row] = entry
+    return tokens.tolist(), logprobs
+
+
+def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [n, vocab] of sampled rows -> token ids [n]."""
+    device, vocab = logits.device, logits.shape[1]
+    temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
+    top_k = torch.tensor([s.params.top_k or vocab for s in seqs], device=device)
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
+    sorted_logits, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep a token if the mass before it is below top_p (so the top token always stays).
+    probs = probs.masked_fill((probs.cumsum(-1) - probs) >= top_p[:, None], 0.0)
+    noise = torch.stack([torch.empty(vocab, device=device).exponential_(generator=_generator(s, device))
+                         for s in seqs])
+    choice = (probs / noise).argmax(dim=-1, keepdim=True)
+    return order.gather(1, choice).squeeze(1)
 
 
 def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
@@ -39,15 +72,12 @@ def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
     return seq.generator
 
 
-def _filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: [vocab] -> probabilities with everything outside top-k / the top-p nucleus at 0."""
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[0])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep a token if the mass before it is below top_p (so the top token always stays).
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return probs
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], counts: list[int]) -> list[TokenLogprobs]:
+    """Log-probabilities of the chosen tokens and the top-`count` alternatives of `rows`."""
+    index = torch.tensor(rows, device=logits.device)
+    logp = torch.log_softmax(logits[index], dim=-1)
+    chosen = logp.gather(1, tokens[index][:, None]).squeeze(1).tolist()
+    top_values, top_ids = logp.topk(max(max(counts), 1), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprobs(chosen[i], tuple(zip(top_ids[i][:count], top_values[i][:count])))
+            for i, count in enumerate(counts)]

@@ -1,9 +1,13 @@
-"""Continuous batching: which sequences run in the next forward pass.
+"""Continuous batching over a token budget, with chunked prefill and preemption by recompute.
 
-Each step keeps every running sequence (one decode token each) and admits waiting ones in FIFO
-order while the step stays within max_num_seqs and max_batch_tokens, the KV cache has room, and
-the adapter can be given a slot. A request whose adapter cannot get a slot (every slot pinned)
-stays waiting without blocking requests behind it; one whose adapter fails to load is failed.
+Every step is built from the sequences' pending tokens (vLLM v1's view): a decoding sequence has
+one, a prefilling one the rest of its prompt. Running sequences go first, decodes before prefill
+chunks, so a long prompt never stalls the decodes; then waiting sequences are admitted in FIFO
+order while the step stays within max_batch_tokens and max_num_seqs, the KV cache has blocks and
+the adapter gets a slot. A prompt longer than the remaining budget is prefilled in chunks over
+several steps. When a running sequence needs a block and none is free, the newest running
+sequence is preempted: its blocks are freed and it goes back to the head of the queue, to be
+recomputed (prompt and outputs so far) when blocks free up.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from gpu_worker.kv_cache import KVCache
+from gpu_worker.block_manager import BlockManager
 from gpu_worker.lora.adapter_pool import AdapterPool
 from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus
 from kernels import NO_SLOT
@@ -24,24 +28,35 @@ class SchedulerLimits:
     max_batch_tokens: int
 
 
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int      # tokens this sequence runs in the step
+    samples: bool     # the step completes its pending tokens, so a token is sampled for it
+
+
 @dataclass
 class ScheduledBatch:
-    prefills: list[Sequence] = field(default_factory=list)
-    decodes: list[Sequence] = field(default_factory=list)
+    items: list[ScheduledSeq] = field(default_factory=list)
     failed: list[tuple[Sequence, TesseraError]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.items.append(ScheduledSeq(seq, num_new, seq.num_cached + num_new == seq.num_tokens))
 
     @property
-    def seqs(self) -> list[Sequence]:
-        return self.prefills + self.decodes
+    def num_tokens(self) -> int:
+        return sum(item.num_new for item in self.items)
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv_cache: KVCache, adapters: AdapterPool) -> None:
+    def __init__(self, limits: SchedulerLimits, blocks: BlockManager, adapters: AdapterPool) -> None:
         self.limits = limits
-        self.kv_cache = kv_cache
+        self.blocks = blocks
         self.adapters = adapters
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -50,49 +65,90 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch(decodes=list(self.running))
-        budget = self.limits.max_batch_tokens - len(batch.decodes)
+        batch = ScheduledBatch()
+        budget = self.limits.max_batch_tokens
+        # Decodes first (stable sort keeps admission order within each group); the tail, where
+        # victims are taken from, then holds the newest prefills.
+        self.running.sort(key=lambda s: s.num_pending > 1)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_pending, budget)
+            if not self._make_room(seq, num_new, batch):
+                break  # `seq` itself was preempted, and so was everything after it
+            self.blocks.grow(seq, num_new)
+            batch.add(seq, num_new)
+            budget -= num_new
+            index += 1
+        if not batch.preempted:  # blocks are short: admitting more would only preempt again
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
+        """Preempt from the tail of `running` until `seq` can grow; False if `seq` was preempted."""
+        while not self.blocks.can_grow(seq, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         still_waiting: deque[Sequence] = deque()
         while self.waiting:
             seq = self.waiting.popleft()
-            fits = (len(self.running) < self.limits.max_num_seqs and seq.prompt_len <= budget
-                    and self.kv_cache.can_allocate(seq.kv_capacity))
-            if not fits:
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
                 still_waiting.append(seq)
+                continue
+            num_new = min(seq.num_pending, budget)
+            if not self.blocks.can_grow(seq, num_new):
+                still_waiting.append(seq)  # FIFO: nobody behind it jumps the queue for blocks
                 still_waiting.extend(self.waiting)
                 self.waiting.clear()
                 break
             try:
-                admitted = self._admit(seq)
+                if not self._acquire_adapter(seq):
+                    still_waiting.append(seq)  # its adapter waits for a slot; others may go ahead
+                    continue
             except TesseraError as exc:
                 batch.failed.append((seq, exc))
                 continue
-            if admitted:
-                batch.prefills.append(seq)
-                budget -= seq.prompt_len
-            else:
-                still_waiting.append(seq)  # its adapter waits for a slot; others may go ahead
+            self.blocks.grow(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_new)
+            budget -= num_new
         self.waiting = still_waiting
-        return batch
 
-    def _admit(self, seq: Sequence) -> bool:
-        if seq.adapter is not None:
-            slot = self.adapters.acquire(seq.adapter)
-            if slot is None:
-                return False
-            seq.slot, seq.rank = slot, self.adapters.rank(slot)
-        self.kv_cache.allocate(seq.seq_id, seq.kv_capacity)
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def _acquire_adapter(self, seq: Sequence) -> bool:
+        if seq.adapter is None:
+            return True
+        slot = self.adapters.acquire(seq.adapter)
+        if slot is None:
+            return False
+        seq.slot, seq.rank = slot, self.adapters.rank(slot)
         return True
 
+    def _release(self, seq: Sequence) -> None:
+        """Give back what a running sequence holds: its KV blocks and its adapter pin."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        if seq.slot != NO_SLOT:
+            self.adapters.release(seq.adapter.name)
+            seq.slot = NO_SLOT
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Retire `seq` (finished, aborted or failed): free its KV and unpin its adapter."""
+        """Retire `seq` (finished, aborted or failed): free its KV blocks and unpin its adapter."""
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            self.kv_cache.free(seq.seq_id)
-            if seq.slot != NO_SLOT:
-                self.adapters.release(seq.adapter.name)
+            self._release(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED

@@ -13,6 +13,9 @@ from gpu_worker.lora.loader import AdapterRef
 from kernels import NO_SLOT
 
 
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0    # 0: greedy
@@ -21,9 +24,11 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None  # None: none; n >= 0: the chosen token's and the n most likely ones
 
     def __post_init__(self) -> None:
         assert self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0 and self.max_tokens > 0, self
+        assert self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, self
 
 
 class FinishReason(enum.Enum):
@@ -33,8 +38,8 @@ class FinishReason(enum.Enum):
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
+    WAITING = "waiting"      # not admitted yet, or preempted (its KV blocks were freed)
+    RUNNING = "running"      # holds KV blocks and an adapter slot
     FINISHED = "finished"
 
 
@@ -54,7 +59,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.slot = NO_SLOT
         self.rank = 0
-        self.num_cached = 0          # tokens whose K/V are in the cache
+        self.num_cached = 0                 # leading tokens whose K/V are in the cache
+        self.block_table: list[int] = []    # KV-cache blocks holding those tokens, in order
+        self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.generator: torch.Generator | None = None  # created by the sampler for sampled requests
 
@@ -63,13 +70,27 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
-    def kv_capacity(self) -> int:
-        """Tokens the cache must hold: the prompt plus every generated token but the last."""
-        return self.prompt_len + self.params.max_tokens
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def new_token_ids(self) -> list[int]:
-        """Tokens to run this step: the whole prompt at prefill, then the last sampled token."""
-        return self.prompt_token_ids if self.num_cached == 0 else self.output_token_ids[-1:]
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens the cache may have to hold: the prompt and every generated token but the last."""
+        return self.prompt_len + self.params.max_tokens - 1
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_cached
+
+    def pending_token_ids(self, count: int) -> list[int]:
+        """The next `count` tokens to run: a prompt chunk (or, after preemption, the recomputed
+        prompt and outputs), or the last sampled token when decoding."""
+        start = self.num_cached
+        if start >= self.prompt_len:
+            return self.output_token_ids[start - self.prompt_len:start - self.prompt_len + count]
+        tokens = self.prompt_token_ids[start:start + count]
+        return tokens + self.output_token_ids[:count - len(tokens)]
 
     def append(self, token_id: int, eos_token_id: int | None) -> None:
         self.output_token_ids.append(token_id)

@@ -70,8 +70,15 @@ class WorkerConfig:
     device: str = "cpu"  # "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     max_num_seqs: int = 32
-    max_batch_tokens: int = 4096
+    max_batch_tokens: int = 4096  # tokens per forward pass; longer prompts are prefilled in chunks
     adapter_slots: int = 8  # adapters resident in the engine at once
+    max_lora_rank: int = 64  # adapters of higher rank are refused by this worker
+    kv_block_size: int = 16  # tokens per KV-cache block
+    # KV-cache size in tokens; 0: on CUDA, what fits in gpu_memory_utilization of the device after the
+    # weights and a profiled forward pass; on CPU, 16384.
+    kv_cache_tokens: int = 0
+    gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool = True  # replay captured decode steps on CUDA
     adapter_store: str = ""  # "" -> {home}/adapters; adapters outside it are refused
 
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+import torch
+
 from gpu_worker.lora.layer import LoRALinear
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights
 
 
 class AdapterPool:
-    def __init__(self, layers: dict[tuple[int, str], LoRALinear], num_slots: int,
+    def __init__(self, layers: dict[tuple[int, str], tuple[LoRALinear, int]], num_slots: int,
                  load: Callable[[AdapterRef], LoRAWeights]) -> None:
-        self._layers = layers
+        self._layers = layers  # (layer, PEFT target) -> (module, output slice)
+        self._modules = list({id(module): module for module, _ in layers.values()}.values())
         self._load = load
         self.num_slots = num_slots
         self._slot_of: dict[str, int] = {}
@@ -50,6 +53,10 @@ class AdapterPool:
         if self._pins[slot] == 0:
             self._lru[name] = None
 
+    def num_pinned(self) -> int:
+        """Pins held by running sequences (0 when the engine is idle)."""
+        return sum(self._pins)
+
     def rank(self, slot: int) -> int:
         return self._rank_of_slot[slot]
 
@@ -63,12 +70,20 @@ class AdapterPool:
             return None
         victim, _ = self._lru.popitem(last=False)
         slot = self._slot_of.pop(victim)
-        for layer in self._layers.values():
-            layer.reset_slot(slot)
+        for module in self._modules:
+            module.reset_slot(slot)
         del self._rank_of_slot[slot]
         return slot
 
     def _install(self, slot: int, weights: LoRAWeights) -> None:
+        """Write every targeted slice; modules the adapter does not target get an empty slot."""
+        slices: dict[LoRALinear, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {m: {} for m in self._modules}
         for key, (a, b) in weights.modules.items():
-            self._layers[key].set_slot(slot, a, b, weights.scaling)
+            module, out_slice = self._layers[key]
+            slices[module][out_slice] = (a, b)
+        for module, module_slices in slices.items():
+            if module_slices:
+                module.set_slot(slot, module_slices, weights.scaling)
+            else:
+                module.reset_slot(slot)
         self._rank_of_slot[slot] = weights.rank

@@ -1,11 +1,16 @@
-"""LoRALinear: a base projection plus per-slot LoRA weights, applied through `kernels`.
+"""LoRALinear: a base projection plus stacked adapter slots, applied through `kernels`.
 
-Lifecycle (as in vLLM): created with the base weight and `num_slots` empty slots; `set_slot`
-copies an adapter's A/B in, `reset_slot` empties it; each forward reads the step's segment →
-slot mapping from the forward context. One class serves every projection (q/k/v/o/gate/up/down).
+Lifecycle (as in vLLM): created with the base weight; `init_slots` allocates `num_slots` empty
+slots (one LoRAStack: every slot's A/B in one tensor, so CUDA graphs see fixed addresses);
+`set_slot` copies an adapter's A/B in, `reset_slot` empties it; each forward reads the step's
+segment -> slot mapping from the forward context. A fused projection (qkv, gate_up) has one
+output slice per original projection, and an adapter may target any subset of them. One class
+serves every projection.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -16,34 +21,36 @@ from gpu_worker.forward_context import get_forward_context
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, num_slots: int) -> None:
+    def __init__(self, in_features: int, out_sizes: Sequence[int], *, bias: bool) -> None:
         super().__init__()
         self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        # Per slot: A [rank, in], B [out, rank], scaling alpha / rank; None where the slot's
-        # adapter does not target this projection (or the slot is empty).
-        self.lora_a: list[torch.Tensor | None] = [None] * num_slots
-        self.lora_b: list[torch.Tensor | None] = [None] * num_slots
-        self.scalings: list[float] = [0.0] * num_slots
+        self.out_sizes = tuple(out_sizes)
+        self.out_features = sum(out_sizes)
+        # Slice s is rows out_offsets[s]:out_offsets[s + 1] of the weight and the output.
+        self.out_offsets = tuple(sum(self.out_sizes[:s]) for s in range(len(self.out_sizes) + 1))
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+        self.lora: kernels.LoRAStack | None = None
 
-    def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-        rank = a.shape[0]
-        assert a.shape == (rank, self.in_features) and b.shape == (self.out_features, rank), (a.shape, b.shape)
-        self.lora_a[slot] = a.to(self.weight.device, self.weight.dtype)
-        self.lora_b[slot] = b.to(self.weight.device, self.weight.dtype)
-        self.scalings[slot] = scaling
+    def init_slots(self, num_slots: int, max_rank: int) -> None:
+        """Allocate the adapter slots on the weight's device and dtype (after the model is moved)."""
+        self.lora = kernels.LoRAStack.empty(num_slots, self.in_features, self.out_sizes, max_rank,
+                                            self.weight.dtype, self.weight.device)
+
+    def set_slot(self, slot: int, slices: Mapping[int, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
+        """slices: output slice -> (A [rank, in_features], B [slice out size, rank])."""
+        assert self.lora is not None, "init_slots first"
+        self.lora.set_slot(slot, slices, scaling)
 
     def reset_slot(self, slot: int) -> None:
-        self.lora_a[slot] = self.lora_b[slot] = None
-        self.scalings[slot] = 0.0
+        assert self.lora is not None, "init_slots first"
+        self.lora.reset_slot(slot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
         out = F.linear(x, self.weight, self.bias)
-        lora = get_forward_context().lora
-        if lora.has_lora:
-            y = kernels.lora_shrink(x, self.lora_a, self.scalings, lora)
-            kernels.lora_expand(out, y, self.lora_b, lora)
+        batch = get_forward_context().lora
+        if self.lora is not None and batch.has_lora:
+            y = kernels.lora_shrink(x, self.lora, batch)
+            kernels.lora_expand(out, y, self.lora, batch)
         return out

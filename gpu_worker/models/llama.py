@@ -2,7 +2,9 @@
 
 The module tree mirrors the Hugging Face checkpoint names (model.layers.{i}.self_attn.q_proj, ...),
 so every checkpoint tensor maps to exactly one parameter by name; the loader insists on an exact
-match (no substring matching). The projections adapters may target are LoRALinear modules.
+match (no substring matching), except that q/k/v and gate/up are fused into one projection each
+(one matmul instead of three or two); their checkpoint tensors land in slices of the fused weight.
+The projections adapters may target are LoRALinear modules.
 
 forward() takes the packed new tokens of every sequence in the step (no padding); attention and
 LoRA read the per-step layout from the forward context.
@@ -11,6 +13,7 @@ LoRA read the per-step layout from the forward context.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +27,10 @@ from gpu_worker.forward_context import get_forward_context
 from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
 from gpu_worker.lora.layer import LoRALinear
+from kernels.attention import paged_attention, store_kv
 
-# PEFT target-module name -> path of that projection inside a decoder layer.
+# PEFT target-module name -> path of that projection inside a Hugging Face decoder layer (the
+# names in checkpoints and in PEFT adapter files).
 LORA_TARGETS: dict[str, str] = {
     "q_proj": "self_attn.q_proj",
     "k_proj": "self_attn.k_proj",
@@ -34,6 +39,16 @@ LORA_TARGETS: dict[str, str] = {
     "gate_proj": "mlp.gate_proj",
     "up_proj": "mlp.up_proj",
     "down_proj": "mlp.down_proj",
+}
+# Hugging Face projection path -> (our fused projection's path, output slice).
+FUSED_PATHS: dict[str, tuple[str, int]] = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "self_attn.o_proj": ("self_attn.o_proj", 0),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.down_proj": ("mlp.down_proj", 0),
 }
 
 
@@ -58,49 +73,49 @@ def _head_dim(config: PretrainedConfig) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int, spec: ArchSpec, num_slots: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer: int, spec: ArchSpec) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = _head_dim(config)
-        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = LoRALinear(hidden, q_size, bias=spec.qkv_bias, num_slots=num_slots)
-        self.k_proj = LoRALinear(hidden, kv_size, bias=spec.qkv_bias, num_slots=num_slots)
-        self.v_proj = LoRALinear(hidden, kv_size, bias=spec.qkv_bias, num_slots=num_slots)
-        self.o_proj = LoRALinear(q_size, hidden, bias=spec.o_bias, num_slots=num_slots)
+        hidden, self.q_size, self.kv_size = (config.hidden_size, self.num_heads * self.head_dim,
+                                             self.num_kv_heads * self.head_dim)
+        self.qkv_proj = LoRALinear(hidden, (self.q_size, self.kv_size, self.kv_size), bias=spec.qkv_bias)
+        self.o_proj = LoRALinear(self.q_size, (hidden,), bias=spec.o_bias)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden] -> [num_tokens, hidden]."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         context = get_forward_context()
-        attended = context.kv_cache.attend(self.layer, q, k, v, context.seqs, self.scale)
-        return self.o_proj(attended.reshape(n, self.num_heads * self.head_dim))
+        k_cache, v_cache = context.kv_cache.layer(self.layer)
+        store_kv(k, v.view(n, self.num_kv_heads, self.head_dim), k_cache, v_cache, context.attention.slot_mapping)
+        attended = paged_attention(q, k_cache, v_cache, context.attention, self.scale)
+        return self.o_proj(attended.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, num_slots: int) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         assert config.hidden_act == "silu", config.hidden_act
-        hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = LoRALinear(hidden, inter, bias=False, num_slots=num_slots)
-        self.up_proj = LoRALinear(hidden, inter, bias=False, num_slots=num_slots)
-        self.down_proj = LoRALinear(inter, hidden, bias=False, num_slots=num_slots)
+        hidden, self.inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = LoRALinear(hidden, (self.inter, self.inter), bias=False)
+        self.down_proj = LoRALinear(self.inter, (hidden,), bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int, spec: ArchSpec, num_slots: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer: int, spec: ArchSpec) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer, spec, num_slots)
-        self.mlp = MLP(config, num_slots)
+        self.self_attn = Attention(config, layer, spec)
+        self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -112,11 +127,11 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """`model.*` in the checkpoint: embeddings, layers, final norm."""
 
-    def __init__(self, config: PretrainedConfig, spec: ArchSpec, num_slots: int) -> None:
+    def __init__(self, config: PretrainedConfig, spec: ArchSpec) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, spec, num_slots) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, spec) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, _head_dim(config))
 
@@ -129,10 +144,10 @@ class DecoderStack(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, num_slots: int) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, arch_spec(config), num_slots)
+        self.model = DecoderStack(config, arch_spec(config))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
 
@@ -144,29 +159,63 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [num_seqs, hidden] (last token of each sequence) -> float32 [num_seqs, vocab]."""
         return self.lm_head(hidden).float()
 
-    def lora_layers(self) -> dict[tuple[int, str], LoRALinear]:
-        """(layer index, PEFT target name) -> the LoRALinear serving it."""
-        return {(i, target): layer.get_submodule(path)
-                for i, layer in enumerate(self.model.layers) for target, path in LORA_TARGETS.items()}
+    def lora_layers(self) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
+        """(layer index, PEFT target name) -> the LoRALinear serving it and its output slice."""
+        served = {}
+        for i, layer in enumerate(self.model.layers):
+            for target, hf_path in LORA_TARGETS.items():
+                path, out_slice = FUSED_PATHS[hf_path]
+                served[(i, target)] = (layer.get_submodule(path), out_slice)
+        return served
 
-    def load_weights(self, checkpoint_dir: Path) -> None:
+    def init_lora_slots(self, num_slots: int, max_rank: int) -> None:
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                module.init_slots(num_slots, max_rank)
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered exactly."""
         params = dict(self.named_parameters())
         seen: set[str] = set()
-        for name, tensor in _iter_checkpoint(checkpoint_dir):
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            assert params[name].shape == tensor.shape, (name, params[name].shape, tensor.shape)
-            params[name].data.copy_(tensor)
+        for name, tensor in tensors:
+            param_name, rows = self._param_rows(name)
+            if param_name not in params:
+                raise ValueError(f"{source}: tensor {name!r} has no parameter in {type(self).__name__}")
+            target = params[param_name].data[rows]
+            if target.shape != tensor.shape:
+                raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor)
             seen.add(name)
         if self.config.tie_word_embeddings and "lm_head.weight" not in seen:
             self.lm_head.weight = self.model.embed_tokens.weight
             seen.add("lm_head.weight")
-        missing = sorted(set(params) - seen)
+        expected = {hf for name, param in self.named_parameters() for hf in self._checkpoint_names(name)}
+        missing = sorted(expected - seen)
         if missing:
-            raise ValueError(f"checkpoint {checkpoint_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+            raise ValueError(f"{source} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _param_rows(self, name: str) -> tuple[str, slice]:
+        """Checkpoint tensor name -> (our parameter, its rows that hold the tensor)."""
+        for hf_path, (path, out_slice) in FUSED_PATHS.items():
+            marker = f".{hf_path}."
+            if marker in name:
+                prefix, kind = name.split(marker)
+                module = self.get_submodule(f"{prefix}.{path}")
+                offsets = module.out_offsets
+                return f"{prefix}.{path}.{kind}", slice(offsets[out_slice], offsets[out_slice + 1])
+        return name, slice(None)
+
+    def _checkpoint_names(self, param_name: str) -> list[str]:
+        """Our parameter -> the checkpoint tensors that fill it."""
+        for path in {path for path, _ in FUSED_PATHS.values()}:
+            marker = f".{path}."
+            if marker in param_name:
+                prefix, kind = param_name.split(marker)
+                return [f"{prefix}.{hf}.{kind}" for hf, (p, _) in FUSED_PATHS.items() if p == path]
+        return [param_name]
 
 
-def _iter_checkpoint(checkpoint_dir: Path):
+def _iter_checkpoint(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) over model.safetensors or the shards listed in model.safetensors.index.json."""
     index = checkpoint_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -190,10 +239,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def load_model(checkpoint_dir: Path, *, device: torch.device, dtype: torch.dtype, num_slots: int) -> LlamaForCausalLM:
+def load_model(checkpoint_dir: Path, *, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     config = AutoConfig.from_pretrained(checkpoint_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, num_slots)
+        model = LlamaForCausalLM(config)
     model = model.to_empty(device="cpu")
-    model.load_weights(checkpoint_dir)
+    model.load_weights(_iter_checkpoint(checkpoint_dir), str(checkpoint_dir))
     return model.to(device=device, dtype=dtype).eval()

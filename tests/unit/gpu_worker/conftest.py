@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from gpu_worker.builder import build_engine
-from gpu_worker.engine import Engine, GenerationRequest, RequestOutput, StepRecord
+from gpu_worker.engine import Engine, EngineStats, GenerationRequest, RequestOutput, StepRecord
 from gpu_worker.lora.loader import AdapterRef
 from services.config import WorkerConfig
 from services.demo_assets import DEMO_ADAPTERS, DEMO_BASE_MODEL, build_llama, build_lora_adapter
@@ -71,3 +72,11 @@ def run_all(engine: Engine, requests: list[GenerationRequest]) -> list[list[Requ
 
 def tokens_of(outputs: list[RequestOutput]) -> list[int]:
     return [t for out in outputs for t in out.token_ids]
+
+
+def idle_stats(engine: Engine, timeout_s: float = 10.0) -> EngineStats:
+    """The engine's stats once nothing runs (they are published at the end of each step)."""
+    deadline = time.monotonic() + timeout_s
+    while engine.stats().running_requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return engine.stats()

@@ -57,8 +57,8 @@ class _Layer:
     def __init__(self):
         self.slots = {}
 
-    def set_slot(self, slot, a, b, scaling):
-        self.slots[slot] = a
+    def set_slot(self, slot, slices, scaling):
+        self.slots[slot] = slices[0][0]
 
     def reset_slot(self, slot):
         self.slots.pop(slot, None)
@@ -76,7 +76,7 @@ def test_pool_evicts_lru_and_waits_when_all_pinned():
         loads.append(ref.name)
         return LoRAWeights(ref.name, 4, 1.0, {(0, "q_proj"): (ref.name, None)})
 
-    pool = AdapterPool({(0, "q_proj"): layer}, num_slots=2, load=load)
+    pool = AdapterPool({(0, "q_proj"): (layer, 0)}, num_slots=2, load=load)
     slot_a, slot_b = pool.acquire(_ref("a")), pool.acquire(_ref("b"))
     assert pool.acquire(_ref("c")) is None            # both pinned: c waits
     pool.release("a")

@@ -9,7 +9,7 @@ from gpu_worker.sequence import SamplingParams
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels, assert_same_greedy
 
-from .conftest import run_all, tokens_of
+from .conftest import idle_stats, run_all, tokens_of
 
 MAX_NEW = 12
 PROMPTS = (
@@ -64,3 +64,33 @@ def test_concurrent_mixed_adapters_share_batches_and_match(engine_factory, tiny_
     assert any(set(step.adapters) == set(ADAPTERS) for step in steps), steps[:3]
     assert max(len(step.request_ids) for step in steps) == len(requests)
     assert any(0 < step.num_prefills < len(step.request_ids) for step in steps), steps[:3]
+
+
+def test_tiny_kv_pool_preempts_and_still_matches(engine_factory, tiny_assets, reference):
+    """A KV pool of 8 blocks (128 tokens) cannot hold the batch: sequences are preempted, recomputed
+    later, and still produce exactly the reference tokens."""
+    steps = []
+    engine = engine_factory(steps=steps, kv_cache_tokens=128, kv_block_size=16)
+    cases = [(adapter, prompt) for prompt in PROMPTS for adapter in ADAPTERS]
+    requests = [_request(a, p, tiny_assets, 100 + i) for i, (a, p) in enumerate(cases)]
+    results = run_all(engine, requests)
+    for (adapter, prompt), outputs in zip(cases, results):
+        assert_same_greedy(f"{adapter}: {prompt!r}", reference[(adapter, prompt)], tokens_of(outputs))
+    assert sum(step.num_preempted for step in steps) > 0
+    assert idle_stats(engine).free_kv_tokens == 128
+
+
+def test_chunked_prefill_keeps_decodes_running_and_matches(engine_factory, tiny_assets, reference):
+    """A 6-token budget splits every longer prompt into chunks; decodes of other requests keep
+    running in the same steps, and the output is unchanged."""
+    steps = []
+    engine = engine_factory(steps=steps, max_batch_tokens=6)
+    long_prompt = PROMPTS[2]
+    cases = [("demo-r16", PROMPTS[0]), (None, long_prompt), ("demo-r64", long_prompt), ("demo-r8", PROMPTS[1])]
+    requests = [_request(a, p, tiny_assets, 200 + i) for i, (a, p) in enumerate(cases)]
+    results = run_all(engine, requests)
+    for (adapter, prompt), outputs in zip(cases, results):
+        assert_same_greedy(f"{adapter}: {prompt!r}", reference[(adapter, prompt)], tokens_of(outputs))
+    assert all(step.num_tokens <= 6 for step in steps)
+    # Some step ran a prompt chunk next to another request's decode.
+    assert any(step.num_prefills and step.num_prefills < len(step.request_ids) for step in steps)

@@ -1,0 +1,129 @@
+"""Decode steps replayed from CUDA graphs, one per batch-size bucket.
+
+A decode step launches hundreds of small kernels; replaying a captured graph removes the launch
+gaps. Everything that changes between steps lives in static device buffers that the graph reads:
+token ids, positions, KV slots, block tables, context lengths and the LoRA segment table (which
+adapter slot each run of tokens uses). So a batch that mixes adapters replays the same graph as a
+batch with one adapter. Two graphs per bucket: with the LoRA kernels and without them, so a
+base-only batch pays nothing for LoRA.
+
+Padding rows (bucket larger than the batch) run one token with context 1 whose K/V go to the
+scratch block, and belong to no LoRA segment.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gpu_worker.block_manager import SCRATCH_BLOCK
+from gpu_worker.forward_context import ForwardContext, forward_context
+from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.step_inputs import StepInputs
+from kernels import NO_SLOT, LoRABatch
+from kernels.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return small + list(range(16, max_batch, 16)) + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, *, max_batch: int,
+                 max_context: int, with_lora: bool) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = max_batch
+        self.max_context = max_context
+        device = model.lm_head.weight.device
+        blocks_per_seq = -(-max_context // kv_cache.block_size)
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self._input_ids = zeros(max_batch, dtype=torch.long)
+        self._positions = zeros(max_batch, dtype=torch.long)
+        self._slot_mapping = zeros(max_batch, dtype=torch.long)
+        self._query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._seq_lens = zeros(max_batch)
+        self._block_tables = zeros(max_batch, blocks_per_seq)
+        self._seg_starts, self._seg_lens, self._seg_slots = zeros(max_batch), zeros(max_batch), zeros(max_batch)
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        self._capture_all(with_lora)
+
+    def fits(self, batch_size: int) -> bool:
+        return batch_size <= self.max_batch
+
+    def _bucket(self, batch_size: int) -> int:
+        return next(b for b in self.buckets if b >= batch_size)
+
+    def _forward(self, bucket: int, lora_on: bool) -> torch.Tensor:
+        attention = AttentionMetadata(
+            query_start_loc=self._query_start_loc[:bucket + 1], seq_lens=self._seq_lens[:bucket],
+            block_tables=self._block_tables[:bucket], slot_mapping=self._slot_mapping[:bucket],
+            max_query_len=1, max_seq_len=self.max_context)
+        # The host-side segment view only decides whether LoRA kernels are recorded at all; the
+        # kernels themselves read the device segment table, rewritten before every replay.
+        host_slot = 0 if lora_on else NO_SLOT
+        lora = LoRABatch(num_tokens=bucket, seg_starts=(0,), seg_lens=(bucket,), seg_slots=(host_slot,),
+                         max_seg_len=bucket, starts=self._seg_starts[:bucket], lens=self._seg_lens[:bucket],
+                         slots=self._seg_slots[:bucket])
+        with forward_context(ForwardContext(attention, self.kv_cache, lora)):
+            hidden = self.model(self._input_ids[:bucket], self._positions[:bucket])
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_all(self, with_lora: bool) -> None:
+        self._seq_lens.fill_(1)
+        self._slot_mapping.fill_(SCRATCH_BLOCK * self.kv_cache.block_size)
+        self._seg_slots.fill_(NO_SLOT)
+        for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
+            for lora_on in (False, True) if with_lora else (False,):
+                for _ in range(2):  # compile kernels and settle allocations outside the capture
+                    self._forward(bucket, lora_on)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    logits = self._forward(bucket, lora_on)
+                self._graphs[(bucket, lora_on)] = (graph, logits)
+        torch.cuda.synchronize()
+        log.info("captured %d decode graphs for batch buckets %s", len(self._graphs), self.buckets)
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """Decode-only `inputs` -> float32 logits [batch, vocab] (a view into the graph's output)."""
+        n = len(inputs.items)
+        bucket = self._bucket(n)
+        pad = bucket - n
+        scratch_slot = SCRATCH_BLOCK * self.kv_cache.block_size
+        width = self._block_tables.shape[1]
+        seg_starts, start = [], 0
+        for length in inputs.seg_lens:
+            seg_starts.append(start)
+            start += length
+        num_segs = len(inputs.seg_lens)
+        seg_pad = bucket - num_segs
+        host = {
+            self._input_ids: (inputs.input_ids + [0] * pad, torch.long),
+            self._positions: (inputs.positions + [0] * pad, torch.long),
+            self._slot_mapping: (inputs.slot_mapping + [scratch_slot] * pad, torch.long),
+            self._seq_lens: (inputs.seq_lens + [1] * pad, torch.int32),
+            self._seg_starts: (seg_starts + [0] * seg_pad, torch.int32),
+            self._seg_lens: (inputs.seg_lens + [0] * seg_pad, torch.int32),
+            self._seg_slots: (inputs.seg_slots + [NO_SLOT] * seg_pad, torch.int32),
+        }
+        for buffer, (values, dtype) in host.items():
+            buffer[:bucket].copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
+        tables = [t + [SCRATCH_BLOCK] * (width - len(t)) for t in inputs.block_tables]
+        tables += [[SCRATCH_BLOCK] * width] * pad
+        self._block_tables[:bucket].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        lora_on = any(slot != NO_SLOT for slot in inputs.seg_slots)
+        graph, logits = self._graphs[(bucket, lora_on)]
+        graph.replay()
+        return logits[:n]

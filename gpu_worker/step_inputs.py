@@ -1,0 +1,59 @@
+"""One step's model inputs, built on the host from the scheduled sequences.
+
+Sequences are ordered by adapter slot so that tokens sharing an adapter form one LoRA segment
+(a batch of 32 decodes on one adapter is one segment, not 32). Everything is a plain list here;
+the model runner makes device tensors of them with one copy each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_worker.scheduler import ScheduledSeq
+from gpu_worker.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    items: list[ScheduledSeq]        # batch order
+    input_ids: list[int]             # [num_tokens]
+    positions: list[int]             # [num_tokens]
+    slot_mapping: list[int]          # [num_tokens] KV-cache slot (block * block_size + offset) of each token
+    query_lens: list[int]            # [num_seqs] new tokens of each sequence
+    seq_lens: list[int]              # [num_seqs] cached + new tokens of each sequence
+    block_tables: list[list[int]]    # [num_seqs][its blocks]
+    seg_lens: list[int]              # LoRA segments: runs of consecutive tokens on one slot
+    seg_slots: list[int]
+    logit_rows: list[int]            # the last token of each sequence that samples
+    sampling: list[Sequence]         # those sequences, in logit_rows order
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens) and len(self.sampling) == len(self.items)
+
+
+def build_step_inputs(items: list[ScheduledSeq], block_size: int) -> StepInputs:
+    items = sorted(items, key=lambda item: item.seq.slot)
+    inputs = StepInputs(items, [], [], [], [], [], [], [], [], [], [])
+    for item in items:
+        seq, start, n = item.seq, item.seq.num_cached, item.num_new
+        inputs.input_ids.extend(seq.pending_token_ids(n))
+        inputs.positions.extend(range(start, start + n))
+        table = seq.block_table
+        inputs.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        inputs.query_lens.append(n)
+        inputs.seq_lens.append(start + n)
+        inputs.block_tables.append(table)
+        if inputs.seg_slots and inputs.seg_slots[-1] == seq.slot:
+            inputs.seg_lens[-1] += n
+        else:
+            inputs.seg_lens.append(n)
+            inputs.seg_slots.append(seq.slot)
+        if item.samples:
+            inputs.logit_rows.append(len(inputs.input_ids) - 1)
+            inputs.sampling.append(seq)
+    return inputs
