@@ -13,7 +13,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
@@ -24,6 +24,7 @@ from tessera.v1 import common_pb2
 
 from gateway.bridge import CoreBridge
 from gateway.http_errors import error_body
+from gateway.logprobs import chat_logprobs, completion_logprobs
 from gateway.schemas import ApiRequest, parse_chat_request, parse_completion_request
 
 log = logging.getLogger(__name__)
@@ -45,14 +46,18 @@ class Shape:
     chunk_object: str
     chat: bool
 
-    def choice(self, text: str, finish_reason: str) -> dict[str, Any]:
+    def choice(self, text: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def chunk_choice(self, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+    def chunk_choice(self, delta: dict[str, str], finish_reason: str | None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         # delta: {"role": ...} / {"content": ...} / {} for chat; text chunks carry {"text": ...}.
         body = {"delta": delta} if self.chat else {"text": delta.get("content", "")}
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, entries: list[common_pb2.TokenLogprob], text_offsets: list[int]) -> dict[str, Any]:
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries, text_offsets)
 
 
 CHAT = Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)
@@ -70,6 +75,20 @@ class Reply:
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.shape.id_prefix + self.api.generate.request_id, "object": obj,
                 "created": self.created, "model": self.api.generate.model}
+
+    def logprobs(self, deltas: Sequence[common_pb2.TokenDelta], start: int = 0) -> dict[str, Any] | None:
+        """The logprobs object of consecutive deltas whose text begins at character `start` of the
+        completion; None when the request did not ask for log-probabilities."""
+        if not self.api.generate.sampling.HasField("logprobs"):
+            return None
+        entries: list[common_pb2.TokenLogprob] = []
+        offsets: list[int] = []
+        for delta in deltas:
+            entries += delta.logprobs
+            # The engine streams one token per delta, so a token's text starts where its delta's does.
+            offsets += [start] * len(delta.logprobs)
+            start += len(delta.text)
+        return self.shape.logprobs(entries, offsets)
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         body = {**self.head(self.shape.chunk_object), "choices": choices}
@@ -134,12 +153,19 @@ def _answer(reply: Reply) -> Response:
     if reply.api.stream:
         return Response(_stream(reply, first, responses), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    deltas: list[common_pb2.TokenDelta] = []
     try:
-        final = next(r.final for r in itertools.chain([first], responses) if r.WhichOneof("payload") == "final")
+        for response in itertools.chain([first], responses):
+            if response.WhichOneof("payload") == "final":
+                final = response.final
+                break
+            deltas.append(response.delta)
+        else:
+            raise Internal(f"request {reply.api.generate.request_id} ended without a final message")
     finally:
         responses.close()
     return jsonify({**reply.head(reply.shape.object),
-                    "choices": [reply.shape.choice(final.text, _finish_reason(final))],
+                    "choices": [reply.shape.choice(final.text, _finish_reason(final), reply.logprobs(deltas))],
                     "usage": _usage(final)})
 
 
@@ -149,10 +175,15 @@ def _stream(reply: Reply, first: common_pb2.GenerateResponse,
     try:
         if shape.chat:
             yield reply.chunk([shape.chunk_choice({"role": "assistant", "content": ""}, None)])
+        chars = 0  # of the completion's text streamed so far
         for response in itertools.chain([first], responses):
             if response.WhichOneof("payload") == "delta":
-                if response.delta.text:  # a token that ends mid-character decodes to ""
-                    yield reply.chunk([shape.chunk_choice({"content": response.delta.text}, None)])
+                delta = response.delta
+                logprobs = reply.logprobs([delta], chars)
+                chars += len(delta.text)
+                # A token that ends mid-character decodes to "": no chunk, unless it carries logprobs.
+                if delta.text or logprobs is not None:
+                    yield reply.chunk([shape.chunk_choice({"content": delta.text}, None, logprobs)])
                 continue
             yield reply.chunk([shape.chunk_choice({}, _finish_reason(response.final))])
             if reply.api.include_usage:

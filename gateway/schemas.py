@@ -30,6 +30,8 @@ IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
 MAX_STOP_SEQUENCES = 4
 MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1  # SamplingParams.seed is a uint64
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, and the most a worker returns (either door)
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, OpenAI's limit for the legacy API
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,6 +75,11 @@ def check_stop(stop: list[str]) -> None:
         raise InvalidArgument("stop sequences must be non-empty strings", param="stop")
 
 
+def check_logprobs(value: int, limit: int, param: str) -> None:
+    if not 0 <= value <= limit:
+        raise InvalidArgument(f"{param} must be an integer between 0 and {limit}, got {value}", param=param)
+
+
 def check_role(role: str, param: str) -> None:
     if role not in CHAT_ROLES:
         raise InvalidArgument(f"{param} must be one of {sorted(CHAT_ROLES)}, got {role!r}", param=param)
@@ -110,6 +117,8 @@ def validate_generate_request(request: inference_pb2.GenerateRequest,
         check_top_p(sampling.top_p)
     check_top_k(sampling.top_k)
     check_stop(list(sampling.stop))
+    if sampling.HasField("logprobs"):
+        check_logprobs(sampling.logprobs, MAX_TOP_LOGPROBS, "logprobs")
     checked = inference_pb2.GenerateRequest()
     checked.CopyFrom(request)
     if sampling.max_tokens == 0:
@@ -158,9 +167,33 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
     return value
 
 
-def _sampling(body: Mapping[str, Any], max_tokens_key: str, config: GatewayConfig) -> common_pb2.SamplingParams:
-    """Unset fields stay zero: greedy decoding and the configured max_tokens by default."""
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat asks with `logprobs: true`, and for alternatives with `top_logprobs: 0..20`."""
+    top = _int(body, "top_logprobs")
+    if not _bool(body, "logprobs"):
+        if top is not None:
+            raise InvalidArgument("top_logprobs requires logprobs to be true", param="top_logprobs")
+        return None
+    if top is not None:
+        check_logprobs(top, MAX_TOP_LOGPROBS, "top_logprobs")
+    return top or 0
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Completions ask with `logprobs: 0..5`, the number of alternatives."""
+    logprobs = _int(body, "logprobs")
+    if logprobs is not None:
+        check_logprobs(logprobs, MAX_COMPLETION_LOGPROBS, "logprobs")
+    return logprobs
+
+
+def _sampling(body: Mapping[str, Any], max_tokens_key: str, logprobs: int | None,
+              config: GatewayConfig) -> common_pb2.SamplingParams:
+    """Unset fields stay zero: greedy decoding and the configured max_tokens by default.
+    `logprobs` comes checked: its JSON differs between chat and completions."""
     sampling = common_pb2.SamplingParams()
+    if logprobs is not None:
+        sampling.logprobs = logprobs
     max_tokens = _int(body, max_tokens_key)
     if max_tokens is not None:
         check_max_tokens(max_tokens, config, max_tokens_key)
@@ -257,7 +290,8 @@ def parse_chat_request(body: Any, config: GatewayConfig) -> ApiRequest:
     # Newer OpenAI clients send max_completion_tokens; older ones max_tokens.
     max_tokens_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     request = inference_pb2.GenerateRequest(
-        model=_model(body), chat=_messages(body), sampling=_sampling(body, max_tokens_key, config),
+        model=_model(body), chat=_messages(body),
+        sampling=_sampling(body, max_tokens_key, _chat_logprobs(body), config),
         request_id=_request_id())
     stream, include_usage = _stream_options(body)
     return ApiRequest(validate_generate_request(request, config), stream, include_usage)
@@ -267,7 +301,8 @@ def parse_completion_request(body: Any, config: GatewayConfig) -> ApiRequest:
     """Validate a /v1/completions body."""
     body = _object(body)
     request = inference_pb2.GenerateRequest(
-        model=_model(body), text=_prompt(body), sampling=_sampling(body, "max_tokens", config),
+        model=_model(body), text=_prompt(body),
+        sampling=_sampling(body, "max_tokens", _completion_logprobs(body), config),
         request_id=_request_id())
     stream, include_usage = _stream_options(body)
     return ApiRequest(validate_generate_request(request, config), stream, include_usage)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gpu_worker.block_manager import BlockManager, blocks_for
 from gpu_worker.cuda_graphs import DecodeGraphs
@@ -37,37 +38,57 @@ def build_engine(checkpoint_dir: Path, worker: WorkerConfig, adapter_store: Path
     return assemble_engine(model, tokenizer, worker, adapter_store, on_step)
 
 
-def assemble_engine(model: LlamaForCausalLM, tokenizer, worker: WorkerConfig, adapter_store: Path,
-                    on_step: Callable[[StepRecord], None] | None = None) -> Engine:
-    """An engine around an already loaded model (benchmarks build theirs in memory)."""
+@dataclass(frozen=True)
+class EngineParts:
+    """The engine's machinery without its thread and request plumbing (benchmarks drive these)."""
+    model: LlamaForCausalLM
+    runner: ModelRunner
+    scheduler: Scheduler
+    adapters: AdapterPool
+
+
+def assemble_engine(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, worker: WorkerConfig,
+                    adapter_store: Path, on_step: Callable[[StepRecord], None] | None = None) -> Engine:
+    """An engine around an already loaded model."""
+    parts = assemble_parts(model, worker, adapter_store)
+    return Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
+                  adapters=parts.adapters, tokenizer=tokenizer, max_context=model.config.max_position_embeddings,
+                  max_lora_rank=worker.max_lora_rank, on_step=on_step)
+
+
+def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store: Path,
+                   load: Callable[[AdapterRef], LoRAWeights] | None = None) -> EngineParts:
+    """Adapter slots, KV cache, scheduler and runner (with CUDA graphs on CUDA) for `model`.
+    `load` replaces reading adapters from the store (benchmarks use random weights)."""
     config = model.config
     device = model.lm_head.weight.device
-    model.init_lora_slots(worker.adapter_slots, worker.max_lora_rank)
-    max_context = config.max_position_embeddings
+    model.init_lora_slots(worker.adapter_slots, worker.max_lora_rank, worker.lora_targets)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = CacheShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.lm_head.weight.dtype, device)
     num_blocks = _num_kv_blocks(model, shape, worker)
     kv_cache = PagedKVCache(shape, num_blocks, worker.kv_block_size)
     log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, worker.kv_block_size,
              num_blocks * shape.bytes_per_block(worker.kv_block_size) / 2**30)
+    served_paths = {target: LORA_TARGETS[target] for target in worker.lora_targets}
 
-    def load(ref: AdapterRef) -> LoRAWeights:
-        weights = load_adapter(ref, adapter_store, LORA_TARGETS, config.num_hidden_layers)
+    def load_from_store(ref: AdapterRef) -> LoRAWeights:
+        return load_adapter(ref, adapter_store, served_paths, config.num_hidden_layers)
+
+    def load_checked(ref: AdapterRef) -> LoRAWeights:
+        weights = (load or load_from_store)(ref)
         if weights.rank > worker.max_lora_rank:
             raise FailedPrecondition(f"adapter {ref.name} has rank {weights.rank}; this worker serves ranks up "
                                      f"to {worker.max_lora_rank} (max_lora_rank)")
         return weights
 
-    adapters = AdapterPool(model.lora_layers(), worker.adapter_slots, load)
-    blocks = BlockManager(num_blocks, worker.kv_block_size)
-    scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens), blocks, adapters)
+    adapters = AdapterPool(model.lora_layers(worker.lora_targets), worker.adapter_slots, load_checked)
+    scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
+                          BlockManager(num_blocks, worker.kv_block_size), adapters)
     graphs = None
     if device.type == "cuda" and worker.cuda_graphs:
-        graphs = DecodeGraphs(model, kv_cache, max_batch=worker.max_num_seqs, max_context=max_context,
-                              with_lora=worker.adapter_slots > 0)
-    runner = ModelRunner(model, kv_cache, device, graphs)
-    return Engine(base_model=worker.base_model, runner=runner, scheduler=scheduler, adapters=adapters,
-                  tokenizer=tokenizer, max_context=max_context, max_lora_rank=worker.max_lora_rank, on_step=on_step)
+        graphs = DecodeGraphs(model, kv_cache, max_batch=worker.max_num_seqs,
+                              max_context=config.max_position_embeddings, with_lora=worker.adapter_slots > 0)
+    return EngineParts(model, ModelRunner(model, kv_cache, device, graphs), scheduler, adapters)
 
 
 def _num_kv_blocks(model: LlamaForCausalLM, shape: CacheShape, worker: WorkerConfig) -> int:

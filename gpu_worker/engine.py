@@ -166,6 +166,11 @@ class Engine:
         with self._lock:
             return self._stats
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each id decoded alone, special tokens kept ("</s>"): the `token` of log-probability entries."""
+        return self._tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
+                                            clean_up_tokenization_spaces=False)
+
     # --- engine thread ---
 
     def _loop(self) -> None:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from gpu_worker.engine import Engine, GenerationRequest, RequestOutput
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.prompts import ChatMessage, Prompt
-from gpu_worker.sequence import FinishReason, SamplingParams
+from gpu_worker.sequence import MAX_LOGPROBS, FinishReason, SamplingParams
 from services.errors import InvalidArgument
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -30,9 +30,12 @@ def generation_request(message: worker_pb2.WorkerGenerateRequest) -> GenerationR
     if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0 or s.max_tokens < 0:
         raise InvalidArgument("sampling parameters out of range (temperature >= 0, 0 <= top_p <= 1, "
                               "top_k >= 0, max_tokens >= 0)")
+    logprobs = s.logprobs if s.HasField("logprobs") else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                             max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, stop=tuple(s.stop),
-                            seed=s.seed if s.HasField("seed") else None)
+                            seed=s.seed if s.HasField("seed") else None, logprobs=logprobs)
     kind = message.WhichOneof("prompt")
     if kind is None:
         raise InvalidArgument("request has no prompt", param="prompt")
@@ -45,10 +48,30 @@ def generation_request(message: worker_pb2.WorkerGenerateRequest) -> GenerationR
     return GenerationRequest(message.request_id or uuid.uuid4().hex, prompt, params, adapter)
 
 
-def _response(request_id: str, output: RequestOutput) -> common_pb2.GenerateResponse:
-    if output.finish_reason is None:
-        return common_pb2.GenerateResponse(
-            request_id=request_id, delta=common_pb2.TokenDelta(token_ids=output.token_ids, text=output.text))
+def _token_logprobs(output: RequestOutput,
+                    token_texts: Callable[[list[int]], list[str]]) -> list[common_pb2.TokenLogprob]:
+    """RequestOutput.logprobs as protos, with every chosen and top token's text (one tokenizer call)."""
+    if not output.logprobs:
+        return []
+    assert len(output.logprobs) == len(output.token_ids), output
+    # dict keeps first-seen order and drops repeats: the chosen token is usually also the top one.
+    ids = list(dict.fromkeys(i for token, lp in zip(output.token_ids, output.logprobs)
+                             for i in (token, *(alt for alt, _ in lp.top))))
+    text = dict(zip(ids, token_texts(ids)))
+    return [common_pb2.TokenLogprob(
+                token_id=token, token=text[token], logprob=lp.logprob,
+                top_logprobs=[common_pb2.TopLogprob(token_id=alt, token=text[alt], logprob=value)
+                              for alt, value in lp.top])
+            for token, lp in zip(output.token_ids, output.logprobs)]
+
+
+def _delta(request_id: str, output: RequestOutput,
+           token_texts: Callable[[list[int]], list[str]]) -> common_pb2.GenerateResponse:
+    return common_pb2.GenerateResponse(request_id=request_id, delta=common_pb2.TokenDelta(
+        token_ids=output.token_ids, text=output.text, logprobs=_token_logprobs(output, token_texts)))
+
+
+def _final(request_id: str, output: RequestOutput) -> common_pb2.GenerateResponse:
     return common_pb2.GenerateResponse(request_id=request_id, final=common_pb2.Completion(
         finish_reason=_FINISH_REASONS[output.finish_reason],
         usage=common_pb2.Usage(prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens),
@@ -67,11 +90,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         handle = self.engine.submit(generation, asyncio.get_running_loop())
         try:
             async for output in handle:
+                # The last output's token ids (and any held-back text) go out as a delta, then the summary.
+                if output.finish_reason is None or output.token_ids or output.text:
+                    yield _delta(handle.request_id, output, self.engine.token_texts)
                 if output.finish_reason is not None:
-                    # The last token ids (and any held-back text) go out as a delta, then the summary.
-                    if output.token_ids or output.text:
-                        yield _response(handle.request_id, RequestOutput(output.token_ids, output.text))
-                yield _response(handle.request_id, output)
+                    yield _final(handle.request_id, output)
         finally:
             if not handle.finished:  # the client went away (cancelled) before the end
                 self.engine.abort(handle.request_id)

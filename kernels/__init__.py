@@ -1,10 +1,40 @@
 """LoRA ops behind one API; this module is the one place that chooses their backend.
 
-Only the torch reference exists for now; Triton kernels will be selected here (on CUDA) behind
-the same signatures, so layers never branch on the platform.
+CUDA tensors go to the Triton kernels (graph-capturable, no host syncs), anything else to the
+torch reference. Layers call only these names and never branch on the platform.
 """
 
-from kernels.batch import NO_SLOT, LoRABatchInfo
-from kernels.reference import lora_expand, lora_shrink
+from __future__ import annotations
 
-__all__ = ["NO_SLOT", "LoRABatchInfo", "lora_expand", "lora_shrink"]
+import torch
+
+from kernels import reference
+from kernels.batch import NO_SLOT, LoRABatch
+from kernels.lora_stack import LoRAStack
+
+__all__ = ["NO_SLOT", "LoRABatch", "LoRAStack", "lora_expand", "lora_shrink"]
+
+
+def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
+    """x [num_tokens, in_features] -> y float32 [num_tokens, num_slices, max_rank].
+
+    y[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of segments with a slot and
+    slices of rank r > 0; other entries are unspecified.
+    """
+    if x.is_cuda:
+        from kernels import triton_lora  # imported on first GPU use: CPU-only installs have no triton
+        return triton_lora.lora_shrink(x, stack, batch)
+    return reference.lora_shrink(x, stack, batch)
+
+
+def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> None:
+    """out [num_tokens, out_features] += y[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
+
+    Accumulated in float32, for tokens of segments with a slot and slices of rank r > 0; other
+    rows and columns of out are untouched.
+    """
+    if out.is_cuda:
+        from kernels import triton_lora
+        triton_lora.lora_expand(out, y, stack, batch)
+    else:
+        reference.lora_expand(out, y, stack, batch)

@@ -1,61 +1,59 @@
-"""Torch reference LoRA ops: per-segment matmuls accumulated in float32.
+"""Torch reference LoRA ops: per-segment, per-slice matmuls accumulated in float32.
 
-Used on CPU, and as the ground truth the Triton kernels are checked against. Weights are given
-per slot: `lora_a[slot]` / `lora_b[slot]` is None when the slot is empty or the adapter in it does
-not target this projection; those segments are skipped.
+Used on CPU, and as the ground truth the Triton kernels are checked against. It walks the batch's
+host tuples and the stack's host ranks, so it never syncs with a device but cannot be captured in
+a CUDA graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from kernels.batch import NO_SLOT, LoRABatchInfo
+from kernels.batch import NO_SLOT, LoRABatch
+from kernels.lora_stack import LoRAStack
 
 
-def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor | None], scalings: Sequence[float],
-                batch: LoRABatchInfo) -> torch.Tensor:
-    """y = (x @ A_slotᵀ) * scaling_slot for every token of every segment.
+def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
+    """y[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of segments using a slot.
 
-    x:        [num_tokens, in_features]
-    lora_a:   [num_slots] of [rank_slot, in_features] or None
-    scalings: [num_slots] alpha / rank of each slot
-    returns   y: [num_tokens, batch.max_rank] float32; a segment with rank r fills y[:, :r],
-              the remaining columns (and rows of base-only tokens) are zero.
+    x:      [num_tokens, in_features]
+    returns y: float32 [num_tokens, num_slices, max_rank]; entries of base-only tokens, untargeted
+            slices and rank columns >= r are zero.
     """
-    assert x.dim() == 2 and x.shape[0] == batch.num_tokens, (x.shape, batch.num_tokens)
-    assert len(lora_a) == len(scalings)
-    y = torch.zeros(batch.num_tokens, batch.max_rank, dtype=torch.float32, device=x.device)
+    stack.check_shrink_args(x, batch)
+    y = torch.zeros(batch.num_tokens, stack.num_slices, stack.max_rank, dtype=torch.float32, device=x.device)
     if not batch.has_lora:
         return y
     for start, length, slot in zip(batch.seg_starts, batch.seg_lens, batch.seg_slots):
-        if slot == NO_SLOT or length == 0 or lora_a[slot] is None:
+        if slot == NO_SLOT or length == 0:
             continue
-        a = lora_a[slot]
-        assert a.dim() == 2 and a.shape[1] == x.shape[1] and a.shape[0] <= batch.max_rank, (a.shape, x.shape)
-        rows = slice(start, start + length)
-        y[rows, : a.shape[0]] = (x[rows].float() @ a.float().t()) * scalings[slot]
+        rows = x[start:start + length].float()  # [length, in_features]
+        for s, rank in enumerate(stack.host_ranks[slot]):
+            if rank == 0:
+                continue
+            a = stack.a[slot, s, :rank].float()  # [rank, in_features]
+            y[start:start + length, s, :rank] = (rows @ a.t()) * stack.scalings[slot]
     return y
 
 
-def lora_expand(out: torch.Tensor, y: torch.Tensor, lora_b: Sequence[torch.Tensor | None],
-                batch: LoRABatchInfo) -> None:
-    """out += y @ B_slotᵀ for every token of every segment, in place.
+def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> None:
+    """out[t, slice s columns] += y[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
 
-    out:    [num_tokens, out_features] the base projection's output (any float dtype)
-    y:      [num_tokens, batch.max_rank] float32, from lora_shrink
-    lora_b: [num_slots] of [out_features, rank_slot] or None
+    out: [num_tokens, out_features] the base projection's output (any float dtype)
+    y:   float32 [num_tokens, num_slices, max_rank] from lora_shrink
+    Rows of base-only tokens and columns of untargeted slices are left untouched.
     """
-    assert out.dim() == 2 and out.shape[0] == batch.num_tokens, (out.shape, batch.num_tokens)
-    assert y.shape == (batch.num_tokens, batch.max_rank), (y.shape, batch.max_rank)
+    stack.check_expand_args(out, y, batch)
     if not batch.has_lora:
         return
     for start, length, slot in zip(batch.seg_starts, batch.seg_lens, batch.seg_slots):
-        if slot == NO_SLOT or length == 0 or lora_b[slot] is None:
+        if slot == NO_SLOT or length == 0:
             continue
-        b = lora_b[slot]
-        assert b.dim() == 2 and b.shape[0] == out.shape[1], (b.shape, out.shape)
-        rows = slice(start, start + length)
-        delta = y[rows, : b.shape[1]] @ b.float().t()  # [length, out_features] float32
-        out[rows] = (out[rows].float() + delta).to(out.dtype)
+        for s, rank in enumerate(stack.host_ranks[slot]):
+            if rank == 0:
+                continue
+            cols = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
+            b = stack.b[slot, cols, :rank].float()  # [out_size, rank]
+            delta = y[start:start + length, s, :rank] @ b.t()  # [length, out_size] float32
+            target = out[start:start + length, cols]
+            target.copy_(target.float() + delta)

@@ -73,6 +73,10 @@ class WorkerConfig:
     max_batch_tokens: int = 4096  # tokens per forward pass; longer prompts are prefilled in chunks
     adapter_slots: int = 8  # adapters resident in the engine at once
     max_lora_rank: int = 64  # adapters of higher rank are refused by this worker
+    # Projections that get adapter slots (memory: every slot holds max_lora_rank for each);
+    # adapters targeting others are refused.
+    lora_targets: list[str] = dataclasses.field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     kv_block_size: int = 16  # tokens per KV-cache block
     # KV-cache size in tokens; 0: on CUDA, what fits in gpu_memory_utilization of the device after the
     # weights and a profiled forward pass; on CPU, 16384.

@@ -159,19 +159,22 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [num_seqs, hidden] (last token of each sequence) -> float32 [num_seqs, vocab]."""
         return self.lm_head(hidden).float()
 
-    def lora_layers(self) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
+    def lora_layers(self, targets: Iterable[str]) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
         """(layer index, PEFT target name) -> the LoRALinear serving it and its output slice."""
+        unknown = sorted(set(targets) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"unknown LoRA targets {unknown}; known: {sorted(LORA_TARGETS)}")
         served = {}
         for i, layer in enumerate(self.model.layers):
-            for target, hf_path in LORA_TARGETS.items():
-                path, out_slice = FUSED_PATHS[hf_path]
+            for target in targets:
+                path, out_slice = FUSED_PATHS[LORA_TARGETS[target]]
                 served[(i, target)] = (layer.get_submodule(path), out_slice)
         return served
 
-    def init_lora_slots(self, num_slots: int, max_rank: int) -> None:
-        for module in self.modules():
-            if isinstance(module, LoRALinear):
-                module.init_slots(num_slots, max_rank)
+    def init_lora_slots(self, num_slots: int, max_rank: int, targets: Iterable[str]) -> None:
+        """Give the projections serving `targets` their adapter slots."""
+        for module in {id(m): m for m, _ in self.lora_layers(targets).values()}.values():
+            module.init_slots(num_slots, max_rank)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered exactly."""

@@ -110,6 +110,30 @@ def test_completions_endpoint_equals_peft_greedy(system, client, reference):
     assert streamed == reply.choices[0].text
 
 
+def test_chat_logprobs_equal_peft(client, reference):
+    """logprobs=true, top_logprobs=2: every token's log-probability, and the two likeliest, are PEFT's."""
+    model = "demo-r16"
+    expected = reference.greedy_chat(model, chat_messages(model), MAX_TOKENS)
+    ask = dict(model=model, messages=chat_messages(model), max_tokens=MAX_TOKENS, temperature=0,
+               logprobs=True, top_logprobs=2)
+    reply = client.chat.completions.create(**ask)
+    assert reply.choices[0].message.content == reference.decode(expected.tokens)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == len(expected.tokens)
+    texts = reference.tokenizer.batch_decode([[t] for t in expected.tokens], skip_special_tokens=False)
+    for step, (entry, token, text, logprobs) in enumerate(zip(content, expected.tokens, texts, expected.logprobs)):
+        assert entry.token == text, step
+        assert abs(entry.logprob - float(logprobs[token])) < 1e-4, step
+        top = entry.top_logprobs
+        assert len(top) == 2 and top[0].logprob >= top[1].logprob, step
+        assert (top[0].token, top[0].logprob) == (entry.token, entry.logprob), "the greedy token is the likeliest"
+        assert all(abs(t.logprob - float(r)) < 1e-4 for t, r in zip(top, logprobs.topk(2).values)), step
+    streamed = [e for chunk in client.chat.completions.create(**ask, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(abs(s.logprob - e.logprob) < 1e-5 for s, e in zip(streamed, content))
+
+
 def mixed_steps(system) -> float:
     """Engine steps so far whose forward pass held more than one model (worker's /metrics)."""
     series = {}

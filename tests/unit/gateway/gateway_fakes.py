@@ -63,9 +63,17 @@ class FakeRegistry(registry_pb2_grpc.RegistryServicer):
         return registry_pb2.ListWorkersResponse(workers=self.workers)
 
 
+def fake_logprobs(token_id: int, count: int) -> common_pb2.TokenLogprob:
+    """Token i's log-probability -0.25, with the alternatives i, i+1, ... at -0.25, -1.25, ... (best first)."""
+    return common_pb2.TokenLogprob(token_id=token_id, token=f"w{token_id} ", logprob=-0.25, top_logprobs=[
+        common_pb2.TopLogprob(token_id=token_id + k, token=f"w{token_id + k} ", logprob=-0.25 - k)
+        for k in range(count)])
+
+
 @dataclasses.dataclass
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
-    """Streams `max_tokens` deltas "w0 ", "w1 ", ... (token ids 0, 1, ...), then the final.
+    """Streams `max_tokens` deltas "w0 ", "w1 ", ... (token ids 0, 1, ...), then the final;
+    each delta carries `fake_logprobs` when the request asks for log-probabilities.
 
     fail_after: abort with UNAVAILABLE after that many deltas (a worker dying mid-stream).
     reject: abort at once with this (code, details), e.g. INVALID_ARGUMENT for a long prompt.
@@ -85,6 +93,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             await context.abort(*self.reject)
         prompt = request.text if request.WhichOneof("prompt") == "text" else request.chat.messages[-1].content
         texts = []
+        wants_logprobs = request.sampling.HasField("logprobs")
         try:
             for i in range(request.sampling.max_tokens):
                 if self.fail_after is not None and i == self.fail_after:
@@ -92,8 +101,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 texts.append(f"w{i} ")
-                yield common_pb2.GenerateResponse(request_id=request.request_id,
-                                                  delta=common_pb2.TokenDelta(token_ids=[i], text=texts[-1]))
+                logprobs = [fake_logprobs(i, request.sampling.logprobs)] if wants_logprobs else []
+                yield common_pb2.GenerateResponse(request_id=request.request_id, delta=common_pb2.TokenDelta(
+                    token_ids=[i], text=texts[-1], logprobs=logprobs))
         except asyncio.CancelledError:
             self.cancelled += 1
             raise

@@ -32,6 +32,35 @@ def test_chat_defaults_and_fields() -> None:
     assert api.generate.request_id
 
 
+@pytest.mark.parametrize(("fields", "wanted"), [
+    ({}, None),
+    ({"logprobs": False}, None),
+    ({"logprobs": True}, 0),
+    ({"logprobs": True, "top_logprobs": 20}, 20),
+    ({"logprobs": True, "top_logprobs": None}, 0),
+])
+def test_chat_logprobs_set_the_count_of_alternatives(fields: dict, wanted: int | None) -> None:
+    sampling = parse_chat_request({**CHAT, **fields}, CONFIG).generate.sampling
+    assert sampling.HasField("logprobs") == (wanted is not None)
+    assert sampling.logprobs == (wanted or 0)
+
+
+def test_completion_logprobs_are_a_count() -> None:
+    body = {"model": "m", "prompt": "hi"}
+    assert not parse_completion_request(body, CONFIG).generate.sampling.HasField("logprobs")
+    sampling = parse_completion_request({**body, "logprobs": 0}, CONFIG).generate.sampling
+    assert sampling.HasField("logprobs") and sampling.logprobs == 0
+    assert parse_completion_request({**body, "logprobs": 5}, CONFIG).generate.sampling.logprobs == 5
+
+
+@pytest.mark.parametrize(("logprobs", "phrase"), [
+    (6, "between 0 and 5"), (-1, "between 0 and 5"), (True, "must be an integer"), ("2", "must be an integer")])
+def test_completion_rejects_logprobs(logprobs: object, phrase: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        parse_completion_request({"model": "m", "prompt": "hi", "logprobs": logprobs}, CONFIG)
+    assert info.value.param == "logprobs" and phrase in info.value.message
+
+
 def test_text_parts_are_joined_and_max_completion_tokens_is_accepted() -> None:
     api = parse_chat_request({**CHAT, "max_completion_tokens": 9, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, CONFIG)
@@ -70,6 +99,13 @@ def test_text_parts_are_joined_and_max_completion_tokens_is_accepted() -> None:
     ({"n": 2}, "n", "only n=1"),
     ({"stream": "yes"}, "stream", "boolean"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+    ({"logprobs": 1}, "logprobs", "must be a boolean"),
+    ({"logprobs": "true"}, "logprobs", "must be a boolean"),
+    ({"top_logprobs": 2}, "top_logprobs", "requires logprobs to be true"),
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "requires logprobs to be true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "between 0 and 20"),
+    ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs", "must be an integer"),
 ])
 def test_chat_rejects(fields: dict, param: str, phrase: str) -> None:
     error = chat_error(**fields)
@@ -110,6 +146,10 @@ def test_proto_zero_values_mean_default() -> None:
     (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(temperature=3)),
      "temperature"),
     (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(top_p=-0.5)), "top_p"),
+    (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(logprobs=21)),
+     "logprobs"),
+    (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(logprobs=-1)),
+     "logprobs"),
 ])
 def test_proto_rejects(request_: inference_pb2.GenerateRequest, param: str) -> None:
     with pytest.raises(InvalidArgument) as info:

@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 import pytest
+from transformers import AutoTokenizer
 
 from gpu_worker.servicer import WorkerServicer
 from services.demo_assets import DEMO_BASE_MODEL
@@ -39,7 +40,12 @@ def test_generate_streams_deltas_then_final_and_stats(engine_factory, tiny_asset
         request = _request(tiny_assets, chat=common_pb2.ChatPrompt(messages=[
             common_pb2.ChatMessage(role="user", content="Say hi")]), sampling=common_pb2.SamplingParams(max_tokens=6))
         replies = [r async for r in stub.Generate(request)]
-        stats = await stub.GetStats(worker_pb2.GetStatsRequest())
+        # Stats are published at the end of the engine step, which may come after the final reply.
+        for _ in range(500):
+            stats = await stub.GetStats(worker_pb2.GetStatsRequest())
+            if stats.running_requests == 0:
+                break
+            await asyncio.sleep(0.01)
         return replies, stats
 
     replies, stats = asyncio.run(_with_server(engine, body))
@@ -80,3 +86,46 @@ def test_client_cancel_aborts_the_sequence(engine_factory, tiny_assets):
 
     stats = asyncio.run(_with_server(engine, body))
     assert stats.running_requests == 0 and stats.generated_tokens_total < 200
+
+
+def test_logprobs_stream_with_each_token_and_its_text(engine_factory, tiny_assets):
+    engine = engine_factory()
+
+    async def body(stub):
+        sampling = common_pb2.SamplingParams(max_tokens=5, logprobs=3)
+        return [r async for r in stub.Generate(_request(tiny_assets, text="hello", sampling=sampling))]
+
+    deltas = [r.delta for r in asyncio.run(_with_server(engine, body)) if r.HasField("delta")]
+    entries = [e for d in deltas for e in d.logprobs]
+    assert [e.token_id for e in entries] == [t for d in deltas for t in d.token_ids] and len(entries) == 5
+    for e in entries:
+        top = [(t.token_id, t.logprob) for t in e.top_logprobs]
+        assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert top[0] == (e.token_id, e.logprob), "greedy: the chosen token is the most likely one"
+        assert [e.token, *(t.token for t in e.top_logprobs)] == engine.token_texts(
+            [e.token_id, *(i for i, _ in top)])
+
+
+def test_no_logprobs_unless_asked_and_out_of_range_is_invalid(engine_factory, tiny_assets):
+    engine = engine_factory()
+
+    async def body(stub):
+        plain = [r async for r in stub.Generate(_request(
+            tiny_assets, text="hello", sampling=common_pb2.SamplingParams(max_tokens=2)))]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Generate(_request(
+                    tiny_assets, text="hello", sampling=common_pb2.SamplingParams(max_tokens=2, logprobs=21))):
+                pass
+        return plain, err.value
+
+    plain, err = asyncio.run(_with_server(engine, body))
+    assert all(not r.delta.logprobs for r in plain if r.HasField("delta"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs must be between 0 and 20" in err.details()
+
+
+def test_token_texts_decode_each_id_alone(engine_factory, tiny_assets):
+    engine = engine_factory()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets.base_dir)
+    ids = tokenizer("def main(): pass").input_ids + [tokenizer.eos_token_id]
+    assert engine.token_texts(ids) == [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    assert engine.token_texts([tokenizer.eos_token_id]) == [tokenizer.eos_token]

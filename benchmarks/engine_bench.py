@@ -1,0 +1,315 @@
+"""Engine benchmark on a 7B-shaped Llama (Llama-2-7B config, random bf16 weights), one GPU.
+
+Measures in one run, on the device it names:
+  1. the ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 matmul's rate;
+  2. the decode step (host scheduling + forward + sampling, wall clock, CUDA graphs on) at batch
+     1, 8, 32, 64 for (a) base only, (b) every request on one rank-64 q,k,v,o adapter, (c) every
+     request on its own rank-64 q,k,v,o adapter; each against its weight-streaming floor: the
+     bytes the step must read at least once (base weights less the embedding table, plus every
+     adapter the step uses) over the copy bandwidth;
+  3. prefill throughput of 2048-token prompts against the matmul rate;
+  4. end-to-end generation throughput against the naive alternative: transformers + PEFT
+     `generate` with `adapter_names`, on the same requests (32 distinct adapters, and one).
+
+    python3 benchmarks/engine_bench.py [--quick] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from gpu_worker.builder import EngineParts, assemble_parts
+from gpu_worker.lora.loader import AdapterRef, LoRAWeights
+from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.sampler import sample
+from gpu_worker.scheduler import ScheduledSeq
+from gpu_worker.sequence import SamplingParams, Sequence
+from kernels import NO_SLOT
+from services.config import WorkerConfig
+
+LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+RANK = 64
+DECODE_BATCHES = (1, 8, 32, 64)
+DECODE_CONTEXT = 128       # prompt tokens cached before the timed decode steps
+PREFILL_LEN = 2048
+E2E_BATCH, E2E_PROMPT, E2E_NEW = 32, 128, 32
+
+
+@dataclass
+class Report:
+    device: str
+    rows: list[dict] = field(default_factory=list)
+
+    def add(self, **row) -> None:
+        self.rows.append(row)
+        print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+
+
+# --- ceilings ---------------------------------------------------------------------------------
+
+def cuda_time_s(fn: Callable[[], None], repeats: int) -> float:
+    """Median seconds of `fn` timed with CUDA events, after a warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(2**29, device="cuda")  # 2 GiB of float32
+    dst = torch.empty_like(src)
+    seconds = cuda_time_s(lambda: dst.copy_(src), repeats=10)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def matmul_flops() -> float:
+    """FLOP/s of an 8192^3 bf16 matmul on random data."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    seconds = cuda_time_s(lambda: a @ b, repeats=10)
+    return 2 * 8192**3 / seconds
+
+
+# --- Tessera ----------------------------------------------------------------------------------
+
+def random_llama(config: LlamaConfig) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cuda").to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+    return model
+
+
+def random_adapter(config: LlamaConfig) -> Callable[[AdapterRef], LoRAWeights]:
+    """A loader that makes a random rank-64 q,k,v,o adapter (bf16 on the GPU) for any name."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    out = {"q_proj": config.num_attention_heads * head_dim, "k_proj": config.num_key_value_heads * head_dim,
+           "v_proj": config.num_key_value_heads * head_dim, "o_proj": config.hidden_size}
+    inp = {"q_proj": config.hidden_size, "k_proj": config.hidden_size, "v_proj": config.hidden_size,
+           "o_proj": config.num_attention_heads * head_dim}
+
+    def load(ref: AdapterRef) -> LoRAWeights:
+        modules = {(layer, t): (torch.randn(RANK, inp[t], device="cuda", dtype=torch.bfloat16) * 0.01,
+                                torch.randn(out[t], RANK, device="cuda", dtype=torch.bfloat16) * 0.01)
+                   for layer in range(config.num_hidden_layers) for t in TARGETS}
+        return LoRAWeights(ref.name, RANK, 2.0, modules)
+    return load
+
+
+def adapter_bytes(config: LlamaConfig) -> int:
+    """One rank-64 q,k,v,o adapter at its true size, bf16."""
+    h, kv = config.hidden_size, config.num_key_value_heads * config.hidden_size // config.num_attention_heads
+    per_layer = RANK * (h + h) + RANK * (h + kv) * 2 + RANK * (h + h)
+    return 2 * per_layer * config.num_hidden_layers
+
+
+def new_sequences(parts: EngineParts, count: int, prompt_len: int, adapters: list[str | None],
+                  generator: torch.Generator) -> list[Sequence]:
+    seqs = []
+    for i in range(count):
+        ids = torch.randint(0, parts.model.config.vocab_size, (prompt_len,), generator=generator).tolist()
+        seq = Sequence(f"bench-{i}", ids, SamplingParams(max_tokens=4096), None, None)
+        name = adapters[i % len(adapters)]
+        if name is not None:
+            seq.adapter = AdapterRef(name, "bench", RANK, "", "")
+            seq.slot = parts.adapters.acquire(seq.adapter)
+        seqs.append(seq)
+    return seqs
+
+
+def release(parts: EngineParts, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        parts.scheduler.blocks.free(seq)
+        if seq.adapter is not None:
+            parts.adapters.release(seq.adapter.name)
+
+
+def run_step(parts: EngineParts, seqs: list[Sequence], num_new: list[int]) -> None:
+    """One engine step without the engine thread: grow blocks, run, sample, append."""
+    items = []
+    for seq, n in zip(seqs, num_new):
+        parts.scheduler.blocks.grow(seq, n)
+        items.append(ScheduledSeq(seq, n, seq.num_cached + n == seq.num_tokens))
+    sampling, logits = parts.runner.run(items)
+    tokens, _ = sample(logits, sampling)
+    for seq, token in zip(sampling, tokens):
+        seq.output_token_ids.append(token)
+
+
+def prefill(parts: EngineParts, seqs: list[Sequence], budget: int) -> None:
+    """Prefill `seqs` in steps of at most `budget` tokens."""
+    pending = list(seqs)
+    while pending:
+        batch, counts, room = [], [], budget
+        for seq in pending:
+            n = min(seq.num_pending, room)
+            if n:
+                batch.append(seq)
+                counts.append(n)
+                room -= n
+        run_step(parts, batch, counts)
+        pending = [s for s in pending if s.num_pending > 1 or not s.output_token_ids]
+
+
+def decode_step_seconds(parts: EngineParts, seqs: list[Sequence], steps: int) -> float:
+    for _ in range(3):
+        run_step(parts, seqs, [1] * len(seqs))
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        run_step(parts, seqs, [1] * len(seqs))  # sampling syncs: the tokens are on the host
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_flops: float, quick: bool) -> dict:
+    model = random_llama(config)
+    max_batch = max(DECODE_BATCHES)
+    worker = WorkerConfig(device="cuda", dtype="bfloat16", max_num_seqs=max_batch, max_batch_tokens=4 * PREFILL_LEN,
+                          adapter_slots=max_batch, max_lora_rank=RANK, lora_targets=TARGETS,
+                          kv_cache_tokens=max(max_batch * 256, 4 * PREFILL_LEN + 64))
+    started = time.perf_counter()
+    parts = assemble_parts(model, worker, Path("/nonexistent"), load=random_adapter(config))
+    print(f"engine ready in {time.perf_counter() - started:.1f} s (CUDA graphs captured)", flush=True)
+    base_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    one_adapter = adapter_bytes(config)
+    gen = torch.Generator().manual_seed(0)
+    results: dict = {"decode": {}}
+
+    print(f"decode step (context {DECODE_CONTEXT} + steps), wall clock per step:", flush=True)
+    steps = 10 if quick else 30
+    for batch in DECODE_BATCHES:
+        for case, adapters in (("a_base", [None]), ("b_one_adapter", ["shared"]),
+                               ("c_own_adapters", [f"own-{i}" for i in range(batch)])):
+            seqs = new_sequences(parts, batch, DECODE_CONTEXT, adapters, gen)
+            prefill(parts, seqs, worker.max_batch_tokens)
+            seconds = decode_step_seconds(parts, seqs, steps)
+            release(parts, seqs)
+            used = len({a for a in adapters if a is not None})
+            floor = (base_bytes + used * one_adapter) / bandwidth
+            results["decode"][(batch, case)] = seconds
+            report.add(kind="decode", batch=batch, case=case, step_ms=seconds * 1e3, floor_ms=floor * 1e3,
+                       over_floor=seconds / floor)
+    for batch in DECODE_BATCHES:
+        a, b = results["decode"][(batch, "a_base")], results["decode"][(batch, "b_one_adapter")]
+        report.add(kind="ratio", batch=batch, b_over_a=b / a, c_over_a=results["decode"][(batch, "c_own_adapters")] / a)
+
+    print(f"prefill, 4 prompts x {PREFILL_LEN} tokens in one step:", flush=True)
+    tokens = 4 * PREFILL_LEN
+    layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+    h, layers = config.hidden_size, config.num_hidden_layers
+    flops = 2 * layer_params * tokens + 4 * PREFILL_LEN * (PREFILL_LEN + 1) / 2 * h * layers * 4  # + causal attention
+    for case, adapters in (("base", [None]), ("own_adapters", ["own-0", "own-1", "own-2", "own-3"])):
+        times = []
+        for _ in range(2 if quick else 4):
+            seqs = new_sequences(parts, 4, PREFILL_LEN, adapters, gen)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            run_step(parts, seqs, [PREFILL_LEN] * 4)
+            times.append(time.perf_counter() - started)
+            release(parts, seqs)
+        seconds = statistics.median(times[1:])
+        report.add(kind="prefill", case=case, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
+                   tflops=flops / seconds / 1e12, of_matmul_peak=flops / seconds / peak_flops)
+
+    print(f"end to end: {E2E_BATCH} requests x ({E2E_PROMPT} prompt + {E2E_NEW} new tokens):", flush=True)
+    results["e2e"] = {}
+    for case, adapters in (("distinct", [f"own-{i}" for i in range(E2E_BATCH)]), ("one", ["shared"])):
+        seqs = new_sequences(parts, E2E_BATCH, E2E_PROMPT, adapters, gen)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        prefill(parts, seqs, worker.max_batch_tokens)
+        for _ in range(E2E_NEW - 1):
+            run_step(parts, seqs, [1] * len(seqs))
+        seconds = time.perf_counter() - started
+        release(parts, seqs)
+        results["e2e"][case] = E2E_BATCH * E2E_NEW / seconds
+        report.add(kind="e2e_tessera", adapters=case, tokens_per_s=results["e2e"][case])
+    del parts, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return results
+
+
+# --- the naive alternative: transformers + PEFT generate --------------------------------------
+
+def bench_peft(report: Report, config: LlamaConfig, tessera: dict, quick: bool) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = HFLlama(config).eval()
+        lora = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS, init_lora_weights=False)
+        model = get_peft_model(model, lora, adapter_name="own-0")
+        for i in range(1, E2E_BATCH):
+            model.add_adapter(f"own-{i}", lora)
+    torch.set_default_dtype(default)
+    ids = torch.randint(0, config.vocab_size, (E2E_BATCH, E2E_PROMPT), device="cuda")
+    for case, names in (("distinct", [f"own-{i}" for i in range(E2E_BATCH)]), ("one", ["own-0"] * E2E_BATCH)):
+        new = 8 if quick else E2E_NEW
+
+        def generate() -> None:
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names,
+                           max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        with torch.inference_mode():
+            generate()  # warm-up
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            generate()
+            torch.cuda.synchronize()
+        throughput = E2E_BATCH * new / (time.perf_counter() - started)
+        report.add(kind="e2e_peft", adapters=case, tokens_per_s=throughput,
+                   tessera_over_peft=tessera["e2e"][case] / throughput)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    parser.add_argument("--skip-peft", action="store_true", help="skip the transformers + PEFT baseline")
+    parser.add_argument("--json", type=Path, help="write every row here")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
+    report = Report(device=torch.cuda.get_device_name())
+    print(f"device: {report.device}; torch {torch.__version__}", flush=True)
+    bandwidth, peak = copy_bandwidth(), matmul_flops()
+    report.add(kind="ceiling", copy_tb_per_s=bandwidth / 1e12, bf16_matmul_tflops=peak / 1e12)
+    config = LlamaConfig(**LLAMA2_7B)
+    tessera = bench_tessera(report, config, bandwidth, peak, args.quick)
+    if not args.skip_peft:
+        bench_peft(report, config, tessera, args.quick)
+    if args.json:
+        args.json.write_text(json.dumps({"device": report.device, "rows": report.rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The Triton kernels on a CUDA device in bfloat16 (the interpreter cannot run bf16), against the
+float32 torch references on the same inputs: relative error ||out - ref|| / ||ref|| under 1e-2.
+Run through the device tool: `python3 -m pytest -m gpu tests/gpu -q`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import NO_SLOT, LoRABatch, LoRAStack, reference
+from kernels.attention import AttentionMetadata, paged_attention, paged_attention_reference
+from tests.unit.kernels.test_attention import CASES as ATTENTION_CASES
+from tests.unit.kernels.test_attention import HEADS, _make_batch
+from tests.unit.kernels.test_lora_reference import CASES as LORA_CASES
+from tests.unit.kernels.test_lora_reference import LAYOUTS, make_batch, make_inputs, make_stack
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+BF16_REL = 1e-2
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-12)).item()
+
+
+def _on_cuda(stack: LoRAStack, dtype: torch.dtype) -> LoRAStack:
+    return LoRAStack(stack.a.to("cuda", dtype), stack.b.to("cuda", dtype), stack.ranks.cuda(), stack.scalings.cuda(),
+                     stack.out_offsets, [list(r) for r in stack.host_ranks])
+
+
+def _lora_reference(stack, batch, x, out):
+    y = reference.lora_shrink(x, stack, batch)
+    expected = out.clone()
+    reference.lora_expand(expected, y, stack, batch)
+    return expected
+
+
+@pytest.mark.parametrize("case", [c for c in sorted(LORA_CASES) if make_batch(c).has_lora])  # others: CPU tests
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_lora_bf16_matches_float32_reference(case, layout):
+    stack, _ = make_stack(layout, torch.float32)
+    batch = make_batch(case)
+    x, out = make_inputs(batch, stack.out_features, torch.float32)
+    expected = _lora_reference(stack, batch, x.to(torch.bfloat16).float(), out.to(torch.bfloat16).float())
+    cuda_stack = _on_cuda(stack, torch.bfloat16)
+    cuda_batch = LoRABatch.build(batch.seg_lens, batch.seg_slots, "cuda", capacity=batch.capacity)
+    actual = out.to("cuda", torch.bfloat16)
+    y = kernels.lora_shrink(x.to("cuda", torch.bfloat16), cuda_stack, cuda_batch)
+    kernels.lora_expand(actual, y, cuda_stack, cuda_batch)
+    assert _rel_err(actual.cpu(), expected) < BF16_REL
+
+
+def test_lora_graph_replays_new_segments():
+    """Captured with one segment table, replayed after another was copied in: the kernels read the
+    device tables, so the replay computes the new batch."""
+    stack, _ = make_stack("qkv", torch.float32)
+    cuda_stack = _on_cuda(stack, torch.bfloat16)
+    static = LoRABatch.build([2, 2, 2, 2], [0, NO_SLOT, 1, 2], "cuda", capacity=8, max_seg_len=8)
+    x = torch.randn(8, stack.in_features, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(8, stack.out_features, device="cuda", dtype=torch.bfloat16)
+    base = torch.randn_like(out)
+
+    def step():
+        out.copy_(base)
+        kernels.lora_expand(out, kernels.lora_shrink(x, cuda_stack, static), cuda_stack, static)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    live = LoRABatch.build([5, 1, 2], [2, 0, NO_SLOT], "cuda", capacity=8)
+    live.copy_into(static)
+    graph.replay()
+    host_live = LoRABatch.build(live.seg_lens, live.seg_slots, "cpu")
+    expected = _lora_reference(stack, host_live, x.float().cpu(), base.float().cpu())
+    assert _rel_err(out.cpu(), expected) < BF16_REL
+
+
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
+@pytest.mark.parametrize("heads", sorted(HEADS))
+def test_paged_attention_bf16_matches_float32_reference(case, heads):
+    batch = _make_batch(case, heads, 16, torch.float32)
+    expected = paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.meta, 32 ** -0.5)
+    meta = AttentionMetadata(*(getattr(batch.meta, f).cuda() for f in
+                               ("query_start_loc", "seq_lens", "block_tables", "slot_mapping")),
+                             max_query_len=batch.meta.max_query_len, max_seq_len=batch.meta.max_seq_len)
+    actual = paged_attention(batch.q.to("cuda", torch.bfloat16), batch.k_cache.to("cuda", torch.bfloat16),
+                             batch.v_cache.to("cuda", torch.bfloat16), meta, 32 ** -0.5)
+    rows = batch.meta.query_start_loc[-1].item()  # rows past the last sequence are padding
+    assert _rel_err(actual[:rows].float().cpu(), expected[:rows]) < BF16_REL
+
+
+def test_paged_attention_long_prefill_head_dim_128():
+    """One 1500-token prompt after a 300-token cached prefix, 8 query / 2 KV heads of dim 128,
+    blocks of 16 in shuffled order: the shapes of a 7B-class prefill chunk."""
+    torch.manual_seed(0)
+    cached, new, heads, kv_heads, dim, block = 300, 1500, 8, 2, 128, 16
+    num_blocks = -(-(cached + new) // block) + 1
+    table = (torch.randperm(num_blocks - 1) + 1).to(torch.int32)
+    k_cache = torch.randn(num_blocks, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(new, heads, dim, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(cached, cached + new)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, new], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([cached + new], dtype=torch.int32, device="cuda"),
+        block_tables=table[None].cuda(),
+        slot_mapping=(table[positions // block].long() * block + positions % block).cuda(),
+        max_query_len=new, max_seq_len=cached + new)
+    actual = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
+    assert _rel_err(actual.float(), expected) < BF16_REL

@@ -1,0 +1,228 @@
+"""LoRABatch, LoRAStack and the torch reference ops against a naive per-token float64 loop.
+
+The case grid and helpers here are shared with test_lora_triton.py, which checks the Triton
+kernels against the reference on the same cases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import NO_SLOT, LoRABatch, LoRAStack, lora_expand, lora_shrink
+
+IN_FEATURES = 40  # not a multiple of any block size
+MAX_RANK = 16
+LAYOUTS = {  # projection name -> out sizes of its slices
+    "qkv": (48, 16, 16),
+    "gate_up": (24, 24),
+    "single": (20,),
+}
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    rank: int
+    targets: tuple[int, ...]  # slice indices it targets (those past a layout's slices are dropped)
+    scaling: float
+
+
+# Slot -> adapter; slot 3 stays empty. Mixed ranks, up to MAX_RANK; slot 1 targets q and v only,
+# slot 2 only k (so in the single-slice layout it targets nothing).
+ADAPTERS = {0: AdapterSpec(4, (0, 1, 2), 2.0), 1: AdapterSpec(8, (0, 2), 0.5),
+            2: AdapterSpec(16, (1,), 1.25), 4: AdapterSpec(8, (0, 1, 2), -0.75)}
+NUM_SLOTS = 5
+
+CASES = {  # name -> (seg_lens, seg_slots, capacity)
+    "mixed": ((5, 1, 3, 1, 4), (0, NO_SLOT, 2, 1, 4), None),
+    "empty_segments": ((3, 0, 4, 0), (1, 0, 2, 2), None),
+    "single_tokens": ((1, 1, 1, 1, 1), (0, 1, 2, NO_SLOT, 4), None),
+    "base_only_and_empty_slot": ((4, 3, 2), (NO_SLOT, 3, 1), None),
+    "empty_slot_only": ((3,), (3,), None),
+    "no_lora": ((7,), (NO_SLOT,), None),
+    "long_segments": ((37, 2, 19), (1, 0, 4), None),  # several M-tiles, ragged ends
+    "padded_capacity": ((2, 3), (0, 1), 6),  # as a CUDA graph's batch: 4 padded segments
+}
+
+
+def make_stack(layout: str, dtype: torch.dtype, seed: int = 0):
+    """A stack holding ADAPTERS, plus their weights: {slot: {slice: (A [r, in], B [out_s, r])}}."""
+    out_sizes = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(seed)
+    stack = LoRAStack.empty(NUM_SLOTS, IN_FEATURES, out_sizes, MAX_RANK, dtype, "cpu")
+    weights = {}
+    for slot, spec in ADAPTERS.items():
+        weights[slot] = {s: ((torch.randn(spec.rank, IN_FEATURES, generator=g) / IN_FEATURES ** 0.5).to(dtype),
+                             torch.randn(out_sizes[s], spec.rank, generator=g).to(dtype))
+                         for s in spec.targets if s < len(out_sizes)}
+        stack.set_slot(slot, weights[slot], spec.scaling)
+    return stack, weights
+
+
+def poison_unused_storage(stack: LoRAStack) -> None:
+    """NaN in every stored weight an op must not read: rank padding, untargeted slices, empty slots."""
+    for slot in range(stack.num_slots):
+        for s, rank in enumerate(stack.host_ranks[slot]):
+            lo, hi = stack.out_offsets[s], stack.out_offsets[s + 1]
+            stack.a[slot, s, rank:] = float("nan")
+            stack.b[slot, lo:hi, rank:] = float("nan")
+
+
+def make_batch(case: str, device: str = "cpu", loose_bound: bool = False) -> LoRABatch:
+    """loose_bound: max_seg_len well above the longest segment, as for a captured CUDA graph."""
+    seg_lens, seg_slots, capacity = CASES[case]
+    return LoRABatch.build(seg_lens, seg_slots, device, capacity, sum(seg_lens) + 17 if loose_bound else None)
+
+
+def make_inputs(batch: LoRABatch, out_features: int, dtype: torch.dtype, seed: int = 1):
+    """x [num_tokens, IN_FEATURES] and the base output [num_tokens, out_features]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch.num_tokens, IN_FEATURES, generator=g).to(dtype)
+    out = torch.randn(batch.num_tokens, out_features, generator=g).to(dtype)
+    return x, out
+
+
+def lora_masks(stack: LoRAStack, batch: LoRABatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the ops must write: y entries [num_tokens, num_slices, max_rank] and out entries
+    [num_tokens, out_features] of tokens whose slot's adapter targets the slice."""
+    y_mask = torch.zeros(batch.num_tokens, stack.num_slices, stack.max_rank, dtype=torch.bool)
+    out_mask = torch.zeros(batch.num_tokens, stack.out_features, dtype=torch.bool)
+    for start, length, slot in zip(batch.seg_starts, batch.seg_lens, batch.seg_slots):
+        if slot == NO_SLOT:
+            continue
+        for s, rank in enumerate(stack.host_ranks[slot]):
+            if rank > 0:
+                y_mask[start:start + length, s, :rank] = True
+                out_mask[start:start + length, stack.out_offsets[s]:stack.out_offsets[s + 1]] = True
+    return y_mask, out_mask
+
+
+def naive(x: torch.Tensor, out: torch.Tensor, weights, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
+    """out + scaling * B A x, token by token and slice by slice, in float64, from the adapters'
+    own weights (not the stack's storage)."""
+    expected = out.double().clone()
+    for start, length, slot in zip(batch.seg_starts, batch.seg_lens, batch.seg_slots):
+        for t in range(start, start + length):
+            for s, (a, b) in weights.get(slot, {}).items():
+                cols = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
+                expected[t, cols] += ADAPTERS[slot].scaling * (b.double() @ (a.double() @ x[t].double()))
+    return expected
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reference_matches_naive_loop(case, layout, dtype):
+    stack, weights = make_stack(layout, dtype)
+    poison_unused_storage(stack)
+    batch = make_batch(case)
+    x, out = make_inputs(batch, stack.out_features, dtype)
+    expected = naive(x, out, weights, stack, batch)
+    _, out_mask = lora_masks(stack, batch)
+    untouched = out.clone()
+
+    y = lora_shrink(x, stack, batch)
+    assert y.dtype == torch.float32 and y.shape == (batch.num_tokens, stack.num_slices, MAX_RANK)
+    lora_expand(out, y, stack, batch)
+
+    tol = tolerance(dtype)
+    scale = expected.abs().max().item() if expected.numel() else 1.0
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * scale)
+    assert torch.equal(out[~out_mask], untouched[~out_mask])
+
+
+def test_no_lora_exits_early_and_leaves_output_untouched():
+    stack, _ = make_stack("qkv", torch.float32)
+    batch = LoRABatch.build([3, 0], [NO_SLOT, 0], "cpu")  # a slot but no tokens: still no LoRA
+    assert not batch.has_lora
+    y = lora_shrink(torch.randn(3, IN_FEATURES), stack, batch)
+    assert torch.equal(y, torch.zeros(3, 3, MAX_RANK))
+    out = torch.ones(3, stack.out_features)
+    lora_expand(out, y, stack, batch)
+    assert torch.equal(out, torch.ones(3, stack.out_features))
+
+
+def test_shape_mismatches_are_rejected():
+    stack, _ = make_stack("qkv", torch.float32)
+    batch = LoRABatch.build([2], [0], "cpu")
+    with pytest.raises(AssertionError):
+        lora_shrink(torch.randn(3, IN_FEATURES), stack, batch)  # wrong token count
+    with pytest.raises(AssertionError):
+        lora_shrink(torch.randn(2, IN_FEATURES + 1), stack, batch)
+    with pytest.raises(AssertionError):
+        lora_expand(torch.zeros(2, stack.out_features), torch.zeros(2, 3, MAX_RANK, dtype=torch.float16), stack, batch)
+
+
+def test_batch_build_lays_segments_end_to_end_and_pads():
+    batch = LoRABatch.build([5, 1, 0, 2], [2, NO_SLOT, 0, 1], "cpu", capacity=6)
+    assert batch.num_tokens == 8 and batch.max_seg_len == 5 and batch.capacity == 6
+    assert batch.seg_starts == (0, 5, 6, 6)
+    assert batch.starts.tolist() == [0, 5, 6, 6, 8, 8]
+    assert batch.lens.tolist() == [5, 1, 0, 2, 0, 0]
+    assert batch.slots.tolist() == [2, NO_SLOT, 0, 1, NO_SLOT, NO_SLOT]
+    assert batch.has_lora
+    assert LoRABatch.build([4], [NO_SLOT], "cpu").has_lora is False
+    with pytest.raises(AssertionError):
+        LoRABatch.build([4, 4], [0, 1], "cpu", capacity=1)
+    with pytest.raises(AssertionError):
+        LoRABatch.build([4, 4], [0, 1], "cpu", max_seg_len=3)
+
+
+def test_batch_copy_into_replaces_device_contents_and_clears_padding():
+    static = LoRABatch.build([4, 4, 4], [0, 1, 2], "cpu", capacity=4, max_seg_len=8)
+    LoRABatch.build([3, 5], [4, NO_SLOT], "cpu").copy_into(static)
+    assert static.starts[:2].tolist() == [0, 3]
+    assert static.lens.tolist() == [3, 5, 0, 0]
+    assert static.slots.tolist() == [4, NO_SLOT, NO_SLOT, NO_SLOT]
+    with pytest.raises(AssertionError):  # a longer segment than the static batch's bound
+        LoRABatch.build([9], [0], "cpu").copy_into(static)
+
+
+def test_set_slot_places_slices_and_ranks():
+    stack = LoRAStack.empty(2, 8, (6, 2, 2), 4, torch.float32, "cpu")
+    a_q, b_q = torch.randn(3, 8), torch.randn(6, 3)
+    a_v, b_v = torch.randn(3, 8), torch.randn(2, 3)
+    stack.set_slot(1, {0: (a_q, b_q), 2: (a_v, b_v)}, 0.25)
+    assert stack.host_ranks == [[0, 0, 0], [3, 0, 3]]
+    assert stack.ranks.tolist() == [[0, 0, 0], [3, 0, 3]]
+    assert stack.scalings.tolist() == [0.0, 0.25]
+    assert torch.equal(stack.a[1, 0, :3], a_q) and torch.equal(stack.a[1, 2, :3], a_v)
+    assert torch.equal(stack.b[1, 0:6, :3], b_q) and torch.equal(stack.b[1, 8:10, :3], b_v)
+    assert not stack.a[1, 1].any() and not stack.b[1, 6:8].any()  # k: not targeted
+    assert not stack.a[1, :, 3:].any() and not stack.b[1, :, 3:].any()  # rank padding
+    assert not stack.a[0].any() and not stack.b[0].any()  # the other slot
+
+
+def test_set_slot_zeroes_what_the_previous_adapter_left():
+    stack = LoRAStack.empty(1, 8, (4, 4), 4, torch.float32, "cpu")
+    stack.set_slot(0, {0: (torch.randn(4, 8), torch.randn(4, 4)), 1: (torch.randn(4, 8), torch.randn(4, 4))}, 1.0)
+    a, b = torch.randn(2, 8), torch.randn(4, 2)
+    stack.set_slot(0, {1: (a, b)}, 0.5)
+    assert stack.host_ranks == [[0, 2]] and stack.ranks.tolist() == [[0, 2]]
+    assert not stack.a[0, 0].any() and not stack.b[0, 0:4].any()
+    assert not stack.a[0, 1, 2:].any() and not stack.b[0, 4:8, 2:].any()
+    assert torch.equal(stack.a[0, 1, :2], a) and torch.equal(stack.b[0, 4:8, :2], b)
+
+    stack.reset_slot(0)
+    assert stack.host_ranks == [[0, 0]] and stack.ranks.tolist() == [[0, 0]]
+    assert stack.scalings.tolist() == [0.0]
+    assert not stack.a.any() and not stack.b.any()
+
+
+def test_set_slot_rejects_adapters_that_do_not_fit():
+    stack = LoRAStack.empty(2, 8, (4, 4), 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="rank 8 exceeds"):
+        stack.set_slot(0, {0: (torch.randn(8, 8), torch.randn(4, 8))}, 1.0)
+    with pytest.raises(ValueError, match="share a rank"):
+        stack.set_slot(0, {0: (torch.randn(2, 8), torch.randn(4, 2)), 1: (torch.randn(3, 8), torch.randn(4, 3))}, 1.0)
+    with pytest.raises(ValueError, match="slice 2 out of range"):
+        stack.set_slot(0, {2: (torch.randn(2, 8), torch.randn(4, 2))}, 1.0)
+    with pytest.raises(ValueError, match="expected A"):
+        stack.set_slot(0, {0: (torch.randn(2, 7), torch.randn(4, 2))}, 1.0)
+    assert stack.host_ranks == [[0, 0], [0, 0]]  # a rejected adapter leaves the slot as it was

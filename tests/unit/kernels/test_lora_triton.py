@@ -1,0 +1,95 @@
+"""Triton LoRA kernels (CPU interpreter, see conftest.py) against the torch reference.
+
+Same case grid as test_lora_reference.py. Unused weight storage is NaN (reading it would show),
+y entries expand must not read are NaN, and out entries expand must not touch are -0.0: a kernel
+that reads and writes back even an unchanged value turns them into +0.0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import NO_SLOT, LoRABatch, reference
+from kernels.triton_lora import ExpandConfig, ShrinkConfig, lora_expand, lora_shrink
+from tests.unit.kernels.test_lora_reference import (CASES, LAYOUTS, lora_masks, make_batch,
+                                                    make_inputs, make_stack, poison_unused_storage, tolerance)
+
+CONFIGS = {  # name -> (shrink config, expand config, loose max_seg_len bound); None: the heuristics
+    "default": (None, None, False),
+    "default_loose": (None, None, True),  # programs search their tile (segments may span tiles)
+    "split_k_loose": (ShrinkConfig(block_m=16, block_k=16, split_k=3, num_warps=4, num_stages=2),
+                      ExpandConfig(block_m=16, block_n=16, num_warps=4, num_stages=2), True),
+    "wide": (ShrinkConfig(block_m=32, block_k=32, split_k=1, num_warps=4, num_stages=2),
+             ExpandConfig(block_m=32, block_n=32, num_warps=4, num_stages=2), False),
+}
+
+
+def run_and_check(stack, batch, x, out, shrink_cfg=None, expand_cfg=None) -> None:
+    """Triton shrink + expand on poisoned buffers vs the reference on clean ones."""
+    poison_unused_storage(stack)
+    y_mask, out_mask = lora_masks(stack, batch)
+    y_ref = reference.lora_shrink(x, stack, batch)
+    out_ref = out.clone()
+    reference.lora_expand(out_ref, y_ref, stack, batch)
+    tol = tolerance(x.dtype)
+
+    y = lora_shrink(x, stack, batch, shrink_cfg)
+    assert y.dtype == torch.float32 and y.shape == y_ref.shape
+    torch.testing.assert_close(y[y_mask], y_ref[y_mask], rtol=tol, atol=tol)
+
+    y_poisoned = torch.where(y_mask, y, float("nan"))
+    out = torch.where(out_mask, out, -0.0)
+    lora_expand(out, y_poisoned, stack, batch, expand_cfg)
+    scale = max(out_ref.abs().max().item(), 1.0) if out_ref.numel() else 1.0
+    torch.testing.assert_close(out[out_mask].double(), out_ref[out_mask].double(), rtol=tol, atol=tol * scale)
+    untouched = out[~out_mask]
+    assert torch.equal(untouched, torch.zeros_like(untouched)) and untouched.signbit().all(), "expand wrote outside"
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_matches_reference(config, case, layout, dtype):
+    shrink_cfg, expand_cfg, loose_bound = CONFIGS[config]
+    stack, _ = make_stack(layout, dtype)
+    batch = make_batch(case, loose_bound=loose_bound)
+    x, out = make_inputs(batch, stack.out_features, dtype)
+    run_and_check(stack, batch, x, out, shrink_cfg, expand_cfg)
+
+
+def test_expand_adds_into_a_wider_output_dtype():
+    """out in float32 while the weights are float16 (the base layer may keep a wider output)."""
+    stack, _ = make_stack("qkv", torch.float16)
+    batch = make_batch("mixed")
+    x, _ = make_inputs(batch, stack.out_features, torch.float16)
+    _, out = make_inputs(batch, stack.out_features, torch.float32)
+    run_and_check(stack, batch, x, out)
+
+
+def test_replay_reads_only_device_contents():
+    """As in a CUDA graph: the kernels run on a static batch whose device tensors were overwritten
+    by another batch's; its host tuples are stale and must not matter."""
+    stack, _ = make_stack("qkv", torch.float32)
+    static = LoRABatch.build([1] * 6, [NO_SLOT] * 6, "cpu", capacity=8, max_seg_len=4)
+    live = LoRABatch.build([4, 1, 1], [1, NO_SLOT, 0], "cpu")
+    live.copy_into(static)
+    x, out = make_inputs(static, stack.out_features, torch.float32)
+    x[live.num_tokens:] = float("nan")  # rows past the live batch: padding nobody may read
+
+    out_ref = out.clone()
+    y_ref = reference.lora_shrink(x[:live.num_tokens], stack, live)
+    reference.lora_expand(out_ref[:live.num_tokens], y_ref, stack, live)
+
+    y = lora_shrink(x, stack, static)
+    lora_expand(out, y, stack, static)
+    torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_mismatched_dtypes_are_rejected():
+    stack, _ = make_stack("single", torch.float16)
+    batch = make_batch("mixed")
+    x, _ = make_inputs(batch, stack.out_features, torch.float32)
+    with pytest.raises(AssertionError):
+        lora_shrink(x, stack, batch)
