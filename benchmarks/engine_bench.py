@@ -273,6 +273,7 @@ def bench_peft(report: Report, config: LlamaConfig, tessera: dict, quick: bool) 
         model = get_peft_model(model, lora, adapter_name="own-0")
         for i in range(1, E2E_BATCH):
             model.add_adapter(f"own-{i}", lora)
+    model.eval()  # PEFT takes adapter_names only in eval mode
     torch.set_default_dtype(default)
     ids = torch.randint(0, config.vocab_size, (E2E_BATCH, E2E_PROMPT), device="cuda")
     for case, names in (("distinct", [f"own-{i}" for i in range(E2E_BATCH)]), ("one", ["own-0"] * E2E_BATCH)):

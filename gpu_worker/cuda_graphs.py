@@ -13,6 +13,7 @@ scratch block, and belong to no LoRA segment.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -42,18 +43,17 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.max_context = max_context
         device = model.lm_head.weight.device
-        blocks_per_seq = -(-max_context // kv_cache.block_size)
-
-        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self._input_ids = zeros(max_batch, dtype=torch.long)
-        self._positions = zeros(max_batch, dtype=torch.long)
-        self._slot_mapping = zeros(max_batch, dtype=torch.long)
+        width = -(-max_context // kv_cache.block_size)  # block-table entries per sequence
+        # The graph's inputs live in two device tensors (one per dtype) with a pinned host twin
+        # each, so a replay costs two host-to-device copies whatever the batch holds.
+        self._host_i64 = torch.zeros(3, max_batch, dtype=torch.long).pin_memory()
+        self._host_i32 = torch.zeros(4 + width, max_batch, dtype=torch.int32).pin_memory()
+        self._dev_i64 = torch.zeros_like(self._host_i64, device=device)
+        self._dev_i32 = torch.zeros_like(self._host_i32, device=device)
+        self._input_ids, self._positions, self._slot_mapping = self._dev_i64
+        self._seq_lens, self._seg_starts, self._seg_lens, self._seg_slots = self._dev_i32[:4]
+        self._block_tables = self._dev_i32[4:].view(max_batch, width)  # row-major [max_batch, width]
         self._query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self._seq_lens = zeros(max_batch)
-        self._block_tables = zeros(max_batch, blocks_per_seq)
-        self._seg_starts, self._seg_lens, self._seg_slots = zeros(max_batch), zeros(max_batch), zeros(max_batch)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._capture_all(with_lora)
@@ -84,6 +84,7 @@ class DecodeGraphs:
         self._seq_lens.fill_(1)
         self._slot_mapping.fill_(SCRATCH_BLOCK * self.kv_cache.block_size)
         self._seg_slots.fill_(NO_SLOT)
+        self._block_tables.fill_(SCRATCH_BLOCK)
         for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
             for lora_on in (False, True) if with_lora else (False,):
                 for _ in range(2):  # compile kernels and settle allocations outside the capture
@@ -98,31 +99,22 @@ class DecodeGraphs:
 
     def replay(self, inputs: StepInputs) -> torch.Tensor:
         """Decode-only `inputs` -> float32 logits [batch, vocab] (a view into the graph's output)."""
-        n = len(inputs.items)
+        n, num_segs = len(inputs.items), len(inputs.seg_lens)
         bucket = self._bucket(n)
-        pad = bucket - n
-        scratch_slot = SCRATCH_BLOCK * self.kv_cache.block_size
+        i64, i32 = self._host_i64.numpy(), self._host_i32.numpy()
+        i64[0, :n], i64[1, :n], i64[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        i64[2, n:bucket] = SCRATCH_BLOCK * self.kv_cache.block_size
+        i32[0, :n], i32[0, n:bucket] = inputs.seq_lens, 1
+        i32[2, :num_segs], i32[3, :num_segs] = inputs.seg_lens, inputs.seg_slots
+        i32[1, :num_segs] = [0, *itertools.accumulate(inputs.seg_lens)][:num_segs]
+        i32[2, num_segs:bucket], i32[3, num_segs:bucket] = 0, NO_SLOT
+        tables = i32[4:].reshape(-1)
         width = self._block_tables.shape[1]
-        seg_starts, start = [], 0
-        for length in inputs.seg_lens:
-            seg_starts.append(start)
-            start += length
-        num_segs = len(inputs.seg_lens)
-        seg_pad = bucket - num_segs
-        host = {
-            self._input_ids: (inputs.input_ids + [0] * pad, torch.long),
-            self._positions: (inputs.positions + [0] * pad, torch.long),
-            self._slot_mapping: (inputs.slot_mapping + [scratch_slot] * pad, torch.long),
-            self._seq_lens: (inputs.seq_lens + [1] * pad, torch.int32),
-            self._seg_starts: (seg_starts + [0] * seg_pad, torch.int32),
-            self._seg_lens: (inputs.seg_lens + [0] * seg_pad, torch.int32),
-            self._seg_slots: (inputs.seg_slots + [NO_SLOT] * seg_pad, torch.int32),
-        }
-        for buffer, (values, dtype) in host.items():
-            buffer[:bucket].copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
-        tables = [t + [SCRATCH_BLOCK] * (width - len(t)) for t in inputs.block_tables]
-        tables += [[SCRATCH_BLOCK] * width] * pad
-        self._block_tables[:bucket].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        for row, table in enumerate(inputs.block_tables):  # entries past a table's end are never read
+            tables[row * width:row * width + len(table)] = table
+        tables[n * width:bucket * width:width] = SCRATCH_BLOCK
+        self._dev_i64.copy_(self._host_i64, non_blocking=True)
+        self._dev_i32.copy_(self._host_i32, non_blocking=True)
         lora_on = any(slot != NO_SLOT for slot in inputs.seg_slots)
         graph, logits = self._graphs[(bucket, lora_on)]
         graph.replay()

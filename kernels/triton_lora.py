@@ -41,7 +41,8 @@ class ShrinkConfig:
 @dataclass(frozen=True)
 class ExpandConfig:
     block_m: int     # tokens per tile (>= 16 for tl.dot)
-    block_n: int     # out_features per tile; a tile never straddles two slices
+    block_n: int     # out_features per step; a program's columns never straddle two slices
+    n_steps: int     # block_n steps per program: amortizes its prologue, pipelines B loads
     num_warps: int
     num_stages: int
 
@@ -77,7 +78,7 @@ def expand_config(batch: LoRABatch, stack: LoRAStack) -> ExpandConfig:
     """Starting points, measured on an H200; the lead tunes these. The rank fits one tile: no K loop."""
     max_slice = max(hi - lo for lo, hi in zip(stack.out_offsets, stack.out_offsets[1:]))
     block_n = max(16, min(128, triton.next_power_of_2(max_slice)))
-    return ExpandConfig(_block_m(batch.max_seg_len), block_n, num_warps=4, num_stages=2)
+    return ExpandConfig(_block_m(batch.max_seg_len), block_n, n_steps=1, num_warps=4, num_stages=2)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -152,10 +153,10 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         return
     sizes = [hi - lo for lo, hi in zip(stack.out_offsets, stack.out_offsets[1:])]
     cfg = config or expand_config(batch, stack)
-    assert cfg.block_m >= 16 and cfg.block_n >= 16, cfg
+    assert cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.n_steps >= 1, cfg
     # N-tiles are numbered slice after slice. The kernel always sees 3 slices: missing ones
     # start at the last tile and end at out_features, so no program maps to them.
-    tiles = [triton.cdiv(n, cfg.block_n) for n in sizes]
+    tiles = [triton.cdiv(n, cfg.block_n * cfg.n_steps) for n in sizes]
     tile_starts = [sum(tiles[:s]) for s in range(1, MAX_SLICES)]  # first N-tile of slices 1, 2
     ends = [stack.out_offsets[min(s, len(sizes))] for s in range(1, MAX_SLICES + 1)]  # slices 0, 1, 2
     grid = (_m_tile_bound(batch, cfg.block_m), sum(tiles))
@@ -166,7 +167,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         *stack.b.stride(),
         out.stride(0), out.stride(1),
         stack.ranks.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_block_r(stack.max_rank),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, N_STEPS=cfg.n_steps, BLOCK_R=_block_r(stack.max_rank),
         SEG_BLOCK=_seg_block(batch.capacity), ONE_TILE=_one_tile_per_segment(batch, cfg.block_m),
         DOT_PRECISION=_dot_precision(stack.b.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -262,7 +263,7 @@ def _expand_kernel(
     stride_b_slot, stride_bn, stride_b_rank,
     stride_om, stride_on,
     stride_ranks_slot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_STEPS: tl.constexpr, BLOCK_R: tl.constexpr,
     SEG_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # grid: (M-tile, N-tile); N-tiles run through slice 0, then 1, then 2, and slice s spans
@@ -285,17 +286,20 @@ def _expand_kernel(
     rows = row_begin + tl.arange(0, BLOCK_M)  # [BLOCK_M] token indices
     m_mask = rows < row_end
     rows = rows.to(tl.int64)
-    offs_n = n_begin + (pid_n - first_tile) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_end
+    offs_n = n_begin + (pid_n - first_tile) * (BLOCK_N * N_STEPS) + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     y = tl.load(y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank,
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R] fp32
-    b = tl.load(b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank
-                + offs_n[None, :] * stride_bn,
-                mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N] = Bᵀ tile
-    delta = tl.dot(y.to(b.dtype), b, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+    y = y.to(b_ptr.dtype.element_ty)
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
-    tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=out_mask)
+    for step in range(N_STEPS):
+        n_mask = offs_n + step * BLOCK_N < n_end
+        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N] = Bᵀ tile
+        delta = tl.dot(y, b, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=out_mask)
+        b_ptrs += BLOCK_N * stride_bn
+        out_ptrs += BLOCK_N * stride_on

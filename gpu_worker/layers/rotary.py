@@ -29,13 +29,15 @@ class RotaryEmbedding(nn.Module):
         else:
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
             inv_freq = inv_freq.float()
-        # A plain float32 CPU tensor, not a buffer: model.to(bfloat16) must not round it.
+        # A plain float32 tensor, not a buffer: model.to(bfloat16) must not round it. Copied to the
+        # positions' device at the first step (never during CUDA-graph capture, which runs after warm-up).
         self.inv_freq = inv_freq  # [head_dim / 2]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim], computed once per step."""
-        inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * inv_freq[None, :]   # [num_tokens, head_dim / 2]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]   # [num_tokens, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None, :]
         sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None, :]

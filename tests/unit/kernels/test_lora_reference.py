@@ -73,7 +73,7 @@ def poison_unused_storage(stack: LoRAStack) -> None:
 def make_batch(case: str, device: str = "cpu", loose_bound: bool = False) -> LoRABatch:
     """loose_bound: max_seg_len well above the longest segment, as for a captured CUDA graph."""
     seg_lens, seg_slots, capacity = CASES[case]
-    return LoRABatch.build(seg_lens, seg_slots, device, capacity, sum(seg_lens) + 17 if loose_bound else None)
+    return LoRABatch.build(seg_lens, seg_slots, device, capacity, sum(seg_lens) + 64 if loose_bound else None)
 
 
 def make_inputs(batch: LoRABatch, out_features: int, dtype: torch.dtype, seed: int = 1):

@@ -19,9 +19,9 @@ CONFIGS = {  # name -> (shrink config, expand config, loose max_seg_len bound); 
     "default": (None, None, False),
     "default_loose": (None, None, True),  # programs search their tile (segments may span tiles)
     "split_k_loose": (ShrinkConfig(block_m=16, block_k=16, split_k=3, num_warps=4, num_stages=2),
-                      ExpandConfig(block_m=16, block_n=16, num_warps=4, num_stages=2), True),
+                      ExpandConfig(block_m=16, block_n=16, n_steps=3, num_warps=4, num_stages=2), True),
     "wide": (ShrinkConfig(block_m=32, block_k=32, split_k=1, num_warps=4, num_stages=2),
-             ExpandConfig(block_m=32, block_n=32, num_warps=4, num_stages=2), False),
+             ExpandConfig(block_m=32, block_n=32, n_steps=1, num_warps=4, num_stages=2), False),
 }
 
 
