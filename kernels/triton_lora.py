@@ -26,12 +26,12 @@ from kernels.batch import LoRABatch
 from kernels.lora_stack import LoRAStack
 
 MAX_SLICES = 3  # the expand kernel maps N-tiles to at most 3 slices (fused qkv)
-TARGET_PROGRAMS = 264  # shrink splits K until about this many programs run: 2 per SM of an H100/H200
+TARGET_PROGRAMS = 528  # shrink splits K until about this many programs run: 4 per SM of an H100/H200
 
 
 @dataclass(frozen=True)
 class ShrinkConfig:
-    block_m: int     # tokens per tile (>= 16 for tl.dot)
+    block_m: int     # tokens per tile; < 16: CUDA-core multiply-sum instead of tl.dot (decode)
     block_k: int     # in_features per inner step
     split_k: int     # programs sharing one tile's K range, reduced by fp32 atomics into y
     num_warps: int
@@ -40,7 +40,7 @@ class ShrinkConfig:
 
 @dataclass(frozen=True)
 class ExpandConfig:
-    block_m: int     # tokens per tile (>= 16 for tl.dot)
+    block_m: int     # tokens per tile; < 16: CUDA-core multiply-sum instead of tl.dot (decode)
     block_n: int     # out_features per step; a program's columns never straddle two slices
     n_steps: int     # block_n steps per program: amortizes its prologue, pipelines B loads
     num_warps: int
@@ -48,6 +48,10 @@ class ExpandConfig:
 
 
 def _block_m(max_seg_len: int) -> int:
+    """Segments of <= 4 tokens (decode, short speculation) get tiles that fit them: a 16-row
+    tl.dot would waste 15/16 of its work and pay a shared-memory layout change on the weights."""
+    if max_seg_len <= 4:
+        return triton.next_power_of_2(max(max_seg_len, 1))
     return 16 if max_seg_len <= 16 else 32 if max_seg_len <= 32 else 64
 
 
@@ -59,26 +63,35 @@ def _block_r(max_rank: int) -> int:
 def shrink_config(batch: LoRABatch, stack: LoRAStack) -> ShrinkConfig:
     """Starting points, measured on an H200; the lead tunes these.
 
-    Few M-tiles (decode) leave few programs: (tiles x slices) may not fill the SMs, and each
-    would stream its whole A[slot, slice] alone. Split-K then spreads each tile's K range over
-    up to TARGET_PROGRAMS programs in all, each adding its partial sum into y with fp32 atomics
-    (results may differ in the last bits between runs). Long segments have M-tiles enough and
-    keep split_k = 1 (plain stores).
+    Decode-like batches (short segments) leave few programs: (tiles x slices) may not fill the
+    SMs, and each would stream its whole A[slot, slice] alone. Split-K then spreads each tile's
+    K range over up to TARGET_PROGRAMS programs in all (~1024 of K each at least), each adding
+    its partial sum into y with fp32 atomics (results may differ in the last bits between runs).
+    Longer tiles keep split_k = 1 (plain stores): split 4 made a 4x512-token prefill 3x slower.
     """
     block_m = _block_m(batch.max_seg_len)
     block_r = _block_r(stack.max_rank)
-    block_k = max(16, min(64 if block_m == 16 or block_r > 64 else 128, triton.next_power_of_2(stack.in_features)))
-    programs = _m_tile_bound(batch, block_m) * stack.num_slices
-    max_split = max(1, stack.in_features // (2 * block_k))  # each split keeps >= 2 K steps
-    split_k = min(triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, programs)), max_split)
+    if block_m < 16:  # multiply-sum tiles [block_m, block_k, block_r]: 32 fp32 registers a thread
+        block_k = max(16, 4096 // (block_m * block_r))
+    else:
+        block_k = 64 if block_m <= 32 or block_r > 64 else 128
+    block_k = min(block_k, max(16, triton.next_power_of_2(stack.in_features)))
+    split_k = 1
+    if block_m <= 32:
+        programs = _m_tile_bound(batch, block_m) * stack.num_slices
+        split_k = min(triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, programs)),
+                      max(1, stack.in_features // 1024))
     return ShrinkConfig(block_m, block_k, split_k, num_warps=4, num_stages=3 if block_r <= 64 else 2)
 
 
 def expand_config(batch: LoRABatch, stack: LoRAStack) -> ExpandConfig:
     """Starting points, measured on an H200; the lead tunes these. The rank fits one tile: no K loop."""
     max_slice = max(hi - lo for lo, hi in zip(stack.out_offsets, stack.out_offsets[1:]))
-    block_n = max(16, min(128, triton.next_power_of_2(max_slice)))
-    return ExpandConfig(_block_m(batch.max_seg_len), block_n, n_steps=1, num_warps=4, num_stages=2)
+    block_m = _block_m(batch.max_seg_len)
+    # multiply-sum tiles [block_m, block_r, block_n]: 64 fp32 registers a thread
+    block_n = max(16, 8192 // (block_m * _block_r(stack.max_rank))) if block_m < 16 else 128
+    block_n = min(block_n, max(16, triton.next_power_of_2(max_slice)))
+    return ExpandConfig(block_m, block_n, n_steps=2, num_warps=4, num_stages=2)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -118,7 +131,7 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
     if batch.num_tokens == 0 or batch.capacity == 0:
         return y
     cfg = config or shrink_config(batch, stack)
-    assert cfg.block_m >= 16 and cfg.block_k >= 16 and cfg.split_k >= 1, cfg
+    assert cfg.block_m >= 1 and cfg.block_k >= 16 and cfg.split_k >= 1, cfg
     # K range of one split, a multiple of block_k; trailing splits may get an empty range.
     k_per_split = triton.cdiv(triton.cdiv(stack.in_features, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (_m_tile_bound(batch, cfg.block_m), stack.num_slices * cfg.split_k)
@@ -143,8 +156,8 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
 
     out: [num_tokens, out_features] the base projection's output (any float dtype)
     y:   float32 [num_tokens, num_slices, max_rank] from lora_shrink
-    The product runs in B's dtype (y is rounded to it, as vLLM does, for 16-bit tensor cores)
-    and is accumulated and added to out in fp32. Rows of base-only tokens and columns of
+    Tiles of >= 16 rows multiply in B's dtype (y is rounded to it, as vLLM does, for 16-bit
+    tensor cores), smaller ones in fp32; all accumulate and add to out in fp32. Rows of base-only tokens and columns of
     untargeted slices are never written.
     """
     stack.check_expand_args(out, y, batch)
@@ -153,7 +166,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         return
     sizes = [hi - lo for lo, hi in zip(stack.out_offsets, stack.out_offsets[1:])]
     cfg = config or expand_config(batch, stack)
-    assert cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.n_steps >= 1, cfg
+    assert cfg.block_m >= 1 and cfg.block_n >= 16 and cfg.n_steps >= 1, cfg
     # N-tiles are numbered slice after slice. The kernel always sees 3 slices: missing ones
     # start at the last tile and end at out_features, so no program maps to them.
     tiles = [triton.cdiv(n, cfg.block_n * cfg.n_steps) for n in sizes]
@@ -206,6 +219,18 @@ def _find_tile(starts_ptr, lens_ptr, slots_ptr, num_segments,
 
 
 @triton.jit
+def _matmul(a, b, acc, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b in fp32; a: [BLOCK_M, K], b: [K, N]. tl.dot needs 16 rows and runs in b's
+    dtype (a is rounded to it); fewer rows (decode tiles) multiply and sum in fp32 on CUDA
+    cores, which needs neither padding nor shared memory."""
+    if BLOCK_M >= 16:
+        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+    else:
+        acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, y_ptr, ranks_ptr, scalings_ptr, starts_ptr, lens_ptr, slots_ptr,
     num_segments, in_features, k_per_split,
@@ -243,7 +268,7 @@ def _shrink_kernel(
         k_mask = offs_k + k < in_features
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=r_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+        acc = _matmul(x, a, acc, BLOCK_M, DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
     acc = acc * scaling
@@ -291,13 +316,12 @@ def _expand_kernel(
     r_mask = offs_r < rank
     y = tl.load(y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank,
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R] fp32
-    y = y.to(b_ptr.dtype.element_ty)
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     for step in range(N_STEPS):
         n_mask = offs_n + step * BLOCK_N < n_end
         b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N] = Bᵀ tile
-        delta = tl.dot(y, b, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        delta = _matmul(y, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_M, DOT_PRECISION)
         out_mask = m_mask[:, None] & n_mask[None, :]
         prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
         tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=out_mask)

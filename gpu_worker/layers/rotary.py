@@ -2,7 +2,8 @@
 
 The inverse frequencies come from transformers' ROPE_INIT_FUNCTIONS (llama3, yarn, linear, ...)
 for scaled checkpoints and from the default formula otherwise, so positions match the
-reference implementation exactly. Packed tokens carry their own positions.
+reference implementation exactly. Packed tokens carry their own positions. The rotation itself
+is applied by kernels.fused.rotary_store_kv.
 """
 
 from __future__ import annotations
@@ -34,21 +35,10 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq  # [head_dim / 2]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim], computed once per step."""
+        """positions: [num_tokens] -> cos, sin: [num_tokens, head_dim] in dtype, computed once per step
+        and read by every layer's kernels.fused.rotary_store_kv."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]   # [num_tokens, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None, :]
-        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None, :]
-        return cos, sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]."""
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)

@@ -18,16 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from gpu_worker.forward_context import get_forward_context
 from gpu_worker.layers.norm import RMSNorm
-from gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
+from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.lora.layer import LoRALinear
-from kernels.attention import paged_attention, store_kv
+from kernels.attention import paged_attention
+from kernels.fused import rotary_store_kv, silu_and_mul
 
 # PEFT target-module name -> path of that projection inside a Hugging Face decoder layer (the
 # names in checkpoints and in PEFT adapter files).
@@ -86,16 +86,14 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, hidden] -> [num_tokens, hidden]."""
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        """x: [num_tokens, hidden]; cos, sin: [num_tokens, head_dim] -> [num_tokens, hidden]."""
         context = get_forward_context()
         k_cache, v_cache = context.kv_cache.layer(self.layer)
-        store_kv(k, v.view(n, self.num_kv_heads, self.head_dim), k_cache, v_cache, context.attention.slot_mapping)
+        # One launch: rotary on q and k, and this step's K/V into the cache.
+        q = rotary_store_kv(self.qkv_proj(x), cos, sin, k_cache, v_cache, context.attention.slot_mapping,
+                            self.num_heads, self.num_kv_heads, self.head_dim)  # [num_tokens, heads, head_dim]
         attended = paged_attention(q, k_cache, v_cache, context.attention, self.scale)
-        return self.o_proj(attended.reshape(n, self.q_size))
+        return self.o_proj(attended.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -107,8 +105,7 @@ class MLP(nn.Module):
         self.down_proj = LoRALinear(self.inter, (hidden,), bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -119,9 +116,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream travels beside the sublayer output so that each residual add fuses
+        into the next norm: the layer's hidden state is x + residual. residual is None on the first
+        layer, whose x is the embedding. Returns (mlp output, residual), both [num_tokens, hidden]."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin), residual)
+        return self.mlp(x), residual
 
 
 class DecoderStack(nn.Module):
@@ -137,10 +142,12 @@ class DecoderStack(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)  # [num_tokens, head_dim] each, shared by every layer
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin)
+        x, _ = self.norm(x, residual)  # the last layer's residual add fused into the final norm
+        return x
 
 
 class LlamaForCausalLM(nn.Module):

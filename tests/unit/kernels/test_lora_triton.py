@@ -15,14 +15,18 @@ from kernels.triton_lora import ExpandConfig, ShrinkConfig, lora_expand, lora_sh
 from tests.unit.kernels.test_lora_reference import (CASES, LAYOUTS, lora_masks, make_batch,
                                                     make_inputs, make_stack, poison_unused_storage, tolerance)
 
-CONFIGS = {  # name -> (shrink config, expand config, loose max_seg_len bound); None: the heuristics
-    "default": (None, None, False),
-    "default_loose": (None, None, True),  # programs search their tile (segments may span tiles)
+F32, F16 = torch.float32, torch.float16
+CONFIGS = {  # name -> (shrink config, expand config, loose max_seg_len bound, dtypes); None: heuristics
+    "default": (None, None, False, (F32, F16)),
+    "default_loose": (None, None, True, (F32,)),  # programs search their tile (segments may span tiles)
     "split_k_loose": (ShrinkConfig(block_m=16, block_k=16, split_k=3, num_warps=4, num_stages=2),
-                      ExpandConfig(block_m=16, block_n=16, n_steps=3, num_warps=4, num_stages=2), True),
+                      ExpandConfig(block_m=16, block_n=16, n_steps=3, num_warps=4, num_stages=2), True, (F32,)),
+    "fma": (ShrinkConfig(block_m=4, block_k=16, split_k=2, num_warps=4, num_stages=2),  # decode tiles
+            ExpandConfig(block_m=4, block_n=16, n_steps=2, num_warps=4, num_stages=2), False, (F16,)),
     "wide": (ShrinkConfig(block_m=32, block_k=32, split_k=1, num_warps=4, num_stages=2),
-             ExpandConfig(block_m=32, block_n=32, n_steps=1, num_warps=4, num_stages=2), False),
+             ExpandConfig(block_m=32, block_n=32, n_steps=1, num_warps=4, num_stages=2), False, (F32,)),
 }
+GRID = [(config, dtype) for config, (*_, dtypes) in CONFIGS.items() for dtype in dtypes]
 
 
 def run_and_check(stack, batch, x, out, shrink_cfg=None, expand_cfg=None) -> None:
@@ -47,12 +51,11 @@ def run_and_check(stack, batch, x, out, shrink_cfg=None, expand_cfg=None) -> Non
     assert torch.equal(untouched, torch.zeros_like(untouched)) and untouched.signbit().all(), "expand wrote outside"
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("config,dtype", GRID, ids=[f"{c}-{str(d)[6:]}" for c, d in GRID])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_matches_reference(config, case, layout, dtype):
-    shrink_cfg, expand_cfg, loose_bound = CONFIGS[config]
+def test_triton_matches_reference(config, dtype, case, layout):
+    shrink_cfg, expand_cfg, loose_bound, _ = CONFIGS[config]
     stack, _ = make_stack(layout, dtype)
     batch = make_batch(case, loose_bound=loose_bound)
     x, out = make_inputs(batch, stack.out_features, dtype)
