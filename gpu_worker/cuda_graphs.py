@@ -4,8 +4,14 @@ A decode step launches hundreds of small kernels; replaying a captured graph rem
 gaps. Everything that changes between steps lives in static device buffers that the graph reads:
 token ids, positions, KV slots, block tables, context lengths and the LoRA segment table (which
 adapter slot each run of tokens uses). So a batch that mixes adapters replays the same graph as a
-batch with one adapter. Two graphs per bucket: with the LoRA kernels and without them, so a
-base-only batch pays nothing for LoRA.
+batch with one adapter.
+
+Kernel configurations (tile sizes, split counts) are fixed when a graph is captured, so each
+bucket has a few graphs, picked at replay from host facts about the batch:
+- LoRA mode: none (a base-only batch pays nothing for LoRA); one token per segment (every
+  sequence on its own adapter: 1-row tiles); grouped (sequences sharing adapters form longer
+  segments: tensor-core tiles, few programs each spread wide);
+- context bound: short contexts (<= SHORT_CONTEXT) split attention's keys less than long ones.
 
 Padding rows (bucket larger than the batch) run one token with context 1 whose K/V go to the
 scratch block, and belong to no LoRA segment.
@@ -13,6 +19,7 @@ scratch block, and belong to no LoRA segment.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 
@@ -27,6 +34,21 @@ from kernels import NO_SLOT, LoRABatch
 from kernels.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
+
+SHORT_CONTEXT = 512
+
+
+class LoRAMode(enum.Enum):
+    NONE = "none"
+    TOKENS = "tokens"     # every segment one token long
+    GROUPED = "grouped"   # some segment longer than one token
+
+
+def lora_mode(seg_lens: list[int], seg_slots: list[int]) -> LoRAMode:
+    used = [n for n, slot in zip(seg_lens, seg_slots) if slot != NO_SLOT]
+    if not used:
+        return LoRAMode.NONE
+    return LoRAMode.TOKENS if max(seg_lens) == 1 else LoRAMode.GROUPED
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -54,7 +76,8 @@ class DecodeGraphs:
         self._seq_lens, self._seg_starts, self._seg_lens, self._seg_slots = self._dev_i32[:4]
         self._block_tables = self._dev_i32[4:].view(max_batch, width)  # row-major [max_batch, width]
         self._query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._context_bounds = sorted({min(SHORT_CONTEXT, max_context), max_context})
+        self._graphs: dict[tuple[int, LoRAMode, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._capture_all(with_lora)
 
@@ -64,20 +87,26 @@ class DecodeGraphs:
     def _bucket(self, batch_size: int) -> int:
         return next(b for b in self.buckets if b >= batch_size)
 
-    def _forward(self, bucket: int, lora_on: bool) -> torch.Tensor:
+    def _forward(self, bucket: int, mode: LoRAMode, context_bound: int) -> torch.Tensor:
         attention = AttentionMetadata(
             query_start_loc=self._query_start_loc[:bucket + 1], seq_lens=self._seq_lens[:bucket],
             block_tables=self._block_tables[:bucket], slot_mapping=self._slot_mapping[:bucket],
-            max_query_len=1, max_seq_len=self.max_context)
-        # The host-side segment view only decides whether LoRA kernels are recorded at all; the
-        # kernels themselves read the device segment table, rewritten before every replay.
-        host_slot = 0 if lora_on else NO_SLOT
-        lora = LoRABatch(num_tokens=bucket, seg_starts=(0,), seg_lens=(bucket,), seg_slots=(host_slot,),
-                         max_seg_len=bucket, starts=self._seg_starts[:bucket], lens=self._seg_lens[:bucket],
-                         slots=self._seg_slots[:bucket])
+            max_query_len=1, max_seq_len=context_bound)
+        # The host-side segment view only chooses whether LoRA kernels are recorded and with which
+        # configuration; the kernels read the device segment table, rewritten before every replay.
+        seg_lens = {LoRAMode.NONE: (bucket,), LoRAMode.TOKENS: (1,) * bucket, LoRAMode.GROUPED: (bucket,)}[mode]
+        slot = NO_SLOT if mode is LoRAMode.NONE else 0
+        lora = LoRABatch(num_tokens=bucket, seg_starts=tuple(range(0, bucket, seg_lens[0])), seg_lens=seg_lens,
+                         seg_slots=(slot,) * len(seg_lens), max_seg_len=max(seg_lens),
+                         starts=self._seg_starts[:bucket], lens=self._seg_lens[:bucket], slots=self._seg_slots[:bucket])
         with forward_context(ForwardContext(attention, self.kv_cache, lora)):
             hidden = self.model(self._input_ids[:bucket], self._positions[:bucket])
         return self.model.compute_logits(hidden)
+
+    def _modes(self, bucket: int, with_lora: bool) -> list[LoRAMode]:
+        if not with_lora:
+            return [LoRAMode.NONE]
+        return [LoRAMode.NONE, LoRAMode.TOKENS] + ([LoRAMode.GROUPED] if bucket > 1 else [])
 
     @torch.inference_mode()
     def _capture_all(self, with_lora: bool) -> None:
@@ -86,14 +115,14 @@ class DecodeGraphs:
         self._seg_slots.fill_(NO_SLOT)
         self._block_tables.fill_(SCRATCH_BLOCK)
         for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory
-            for lora_on in (False, True) if with_lora else (False,):
+            for key in itertools.product([bucket], self._modes(bucket, with_lora), self._context_bounds):
                 for _ in range(2):  # compile kernels and settle allocations outside the capture
-                    self._forward(bucket, lora_on)
+                    self._forward(*key)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    logits = self._forward(bucket, lora_on)
-                self._graphs[(bucket, lora_on)] = (graph, logits)
+                    logits = self._forward(*key)
+                self._graphs[key] = (graph, logits)
         torch.cuda.synchronize()
         log.info("captured %d decode graphs for batch buckets %s", len(self._graphs), self.buckets)
 
@@ -115,7 +144,10 @@ class DecodeGraphs:
         tables[n * width:bucket * width:width] = SCRATCH_BLOCK
         self._dev_i64.copy_(self._host_i64, non_blocking=True)
         self._dev_i32.copy_(self._host_i32, non_blocking=True)
-        lora_on = any(slot != NO_SLOT for slot in inputs.seg_slots)
-        graph, logits = self._graphs[(bucket, lora_on)]
+        mode = lora_mode(inputs.seg_lens, inputs.seg_slots)
+        if mode is LoRAMode.GROUPED and bucket == 1:
+            mode = LoRAMode.TOKENS
+        context_bound = next(c for c in self._context_bounds if c >= max(inputs.seq_lens))
+        graph, logits = self._graphs[(bucket, mode, context_bound)]
         graph.replay()
         return logits[:n]

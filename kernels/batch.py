@@ -25,7 +25,7 @@ import torch
 NO_SLOT = -1  # the segment's tokens use the base model only
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: identity, not value, equality
 class LoRABatch:
     num_tokens: int                 # rows of the packed batch
     seg_starts: tuple[int, ...]     # [num_segments] first token of each segment

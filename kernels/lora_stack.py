@@ -23,7 +23,7 @@ import torch
 from kernels.batch import LoRABatch
 
 
-@dataclass
+@dataclass(eq=False)  # holds tensors: identity, not value, equality
 class LoRAStack:
     a: torch.Tensor              # [num_slots, num_slices, max_rank, in_features] model dtype
     b: torch.Tensor              # [num_slots, out_features, max_rank]; rows of slice s: out_offsets[s]:[s+1]

@@ -21,7 +21,7 @@ CONFIGS = {  # name -> (shrink config, expand config, loose max_seg_len bound, d
     "default_loose": (None, None, True, (F32,)),  # programs search their tile (segments may span tiles)
     "split_k_loose": (ShrinkConfig(block_m=16, block_k=16, split_k=3, num_warps=4, num_stages=2),
                       ExpandConfig(block_m=16, block_n=16, n_steps=3, num_warps=4, num_stages=2), True, (F32,)),
-    "fma": (ShrinkConfig(block_m=4, block_k=16, split_k=2, num_warps=4, num_stages=2),  # decode tiles
+    "fma": (ShrinkConfig(block_m=4, block_k=16, split_k=2, num_warps=4, num_stages=2),  # < 16 rows: no tl.dot
             ExpandConfig(block_m=4, block_n=16, n_steps=2, num_warps=4, num_stages=2), False, (F16,)),
     "wide": (ShrinkConfig(block_m=32, block_k=32, split_k=1, num_warps=4, num_stages=2),
              ExpandConfig(block_m=32, block_n=32, n_steps=1, num_warps=4, num_stages=2), False, (F32,)),
