@@ -70,11 +70,17 @@ def shrink_config(batch: LoRABatch, stack: LoRAStack) -> ShrinkConfig:
     block_r = _block_r(stack.max_rank)
     block_k = min(64 if block_m <= 32 or block_r > 64 else 128, max(16, triton.next_power_of_2(stack.in_features)))
     split_k = 1
-    if _decode_sized(batch, block_m):
-        # A decode batch grouped by adapter may have a single live tile: spread its K range over
-        # enough programs to stream A at full bandwidth (chunks of at least 128 of K).
+    if batch.max_seg_len == 1:
+        # One token per segment: (segments x slices) programs, each K range split ~512 wide at least
+        # (7B shapes, H200: qkv 16 us, o 8 us at 32 segments; wider splits lost to the atomics).
+        programs = _m_tile_bound(batch, block_m) * stack.num_slices
+        split_k = min(triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, programs)),
+                      max(1, stack.in_features // 512))
+    elif _decode_sized(batch, block_m):
+        # A decode batch grouped by adapter may have a single live tile: spread its K range ~256
+        # wide (7B shapes, H200, one 32-token segment: qkv 14.6 us, o 12.8 us).
         split_k = min(triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, stack.num_slices)),
-                      max(1, stack.in_features // 128))
+                      max(1, stack.in_features // 256))
     elif block_m <= 32:
         programs = _m_tile_bound(batch, block_m) * stack.num_slices
         split_k = min(triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, programs)),
@@ -94,8 +100,8 @@ def expand_config(batch: LoRABatch, stack: LoRAStack) -> ExpandConfig:
         block_n = max(16, min(block_n, 8192 // _block_r(stack.max_rank)))
         return ExpandConfig(1, block_n, n_steps=4, num_warps=4, num_stages=3)
     block_m = _block_m(batch.max_seg_len)
-    if _decode_sized(batch, block_m):  # possibly one live tile: narrow N tiles, one step each
-        return ExpandConfig(block_m, min(block_n, 32), n_steps=1, num_warps=4, num_stages=2)
+    if _decode_sized(batch, block_m):  # possibly one live tile: one N step a program (qkv 7 us, o 5 us)
+        return ExpandConfig(block_m, block_n, n_steps=1, num_warps=4, num_stages=2)
     return ExpandConfig(block_m, block_n, n_steps=2, num_warps=4, num_stages=2)
 
 
