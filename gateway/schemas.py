@@ -28,6 +28,8 @@ from tessera.v1 import common_pb2, inference_pb2
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1  # SamplingParams.stop_token_ids are int32; the worker checks its vocabulary
 MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1  # SamplingParams.seed is a uint64
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, and the most a worker returns (either door)
@@ -75,6 +77,16 @@ def check_stop(stop: list[str]) -> None:
         raise InvalidArgument("stop sequences must be non-empty strings", param="stop")
 
 
+def check_stop_token_ids(ids: list[int]) -> None:
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(f"stop_token_ids accepts at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                              param="stop_token_ids")
+    for i, token_id in enumerate(ids):
+        if not 0 <= token_id <= MAX_TOKEN_ID:
+            raise InvalidArgument(f"stop_token_ids[{i}] must be a token id between 0 and {MAX_TOKEN_ID}, "
+                                  f"got {token_id}", param="stop_token_ids")
+
+
 def check_logprobs(value: int, limit: int, param: str) -> None:
     if not 0 <= value <= limit:
         raise InvalidArgument(f"{param} must be an integer between 0 and {limit}, got {value}", param=param)
@@ -117,6 +129,7 @@ def validate_generate_request(request: inference_pb2.GenerateRequest,
         check_top_p(sampling.top_p)
     check_top_k(sampling.top_k)
     check_stop(list(sampling.stop))
+    check_stop_token_ids(list(sampling.stop_token_ids))
     if sampling.HasField("logprobs"):
         check_logprobs(sampling.logprobs, MAX_TOP_LOGPROBS, "logprobs")
     checked = inference_pb2.GenerateRequest()
@@ -167,6 +180,18 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
     return value
 
 
+def _stop_token_ids(body: Mapping[str, Any]) -> list[int]:
+    """vLLM's extension field: a list of token ids that end generation like EOS."""
+    value = body.get("stop_token_ids")
+    if value is None:
+        return []
+    # bool is an int subclass: `true` is not token id 1.
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise InvalidArgument("stop_token_ids must be a list of integers", param="stop_token_ids")
+    check_stop_token_ids(value)
+    return value
+
+
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     """Chat asks with `logprobs: true`, and for alternatives with `top_logprobs: 0..20`."""
     top = _int(body, "top_logprobs")
@@ -208,6 +233,7 @@ def _sampling(body: Mapping[str, Any], max_tokens_key: str, logprobs: int | None
         check_top_k(top_k)
         sampling.top_k = top_k
     sampling.stop.extend(_stop(body))
+    sampling.stop_token_ids.extend(_stop_token_ids(body))
     if (seed := _int(body, "seed")) is not None:
         if not 0 <= seed <= MAX_SEED:
             raise InvalidArgument(f"seed must be an integer between 0 and {MAX_SEED}, got {seed}", param="seed")

@@ -166,6 +166,11 @@ class Engine:
         with self._lock:
             return self._stats
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows (added tokens included): valid ids are [0, vocab_size)."""
+        return len(self._tokenizer)
+
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each id decoded alone, special tokens kept ("</s>"): the `token` of log-probability entries."""
         return self._tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,

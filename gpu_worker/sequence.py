@@ -23,12 +23,14 @@ class SamplingParams:
     top_k: int = 0              # 0: disabled
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # finish (STOP) after sampling one of these; the token is kept
     seed: int | None = None
     logprobs: int | None = None  # None: none; n >= 0: the chosen token's and the n most likely ones
 
     def __post_init__(self) -> None:
         assert self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0 and self.max_tokens > 0, self
         assert self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, self
+        assert all(t >= 0 for t in self.stop_token_ids), self
 
 
 class FinishReason(enum.Enum):
@@ -95,7 +97,7 @@ class Sequence:
     def append(self, token_id: int, eos_token_id: int | None) -> None:
         self.output_token_ids.append(token_id)
         self.detokenizer.append(token_id)
-        if token_id == eos_token_id or self.detokenizer.stopped:
+        if token_id == eos_token_id or token_id in self.params.stop_token_ids or self.detokenizer.stopped:
             self.finish_reason = FinishReason.STOP
         elif len(self.output_token_ids) >= self.params.max_tokens:
             self.finish_reason = FinishReason.LENGTH

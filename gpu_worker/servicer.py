@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -24,8 +24,17 @@ _FINISH_REASONS = {
 }
 
 
-def generation_request(message: worker_pb2.WorkerGenerateRequest) -> GenerationRequest:
-    """Proto -> domain request; proto zero values mean 'default' (see common.proto)."""
+def _stop_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    for i, token_id in enumerate(ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidArgument(f"stop_token_ids[{i}] is {token_id}, outside this model's vocabulary "
+                                  f"[0, {vocab_size})", param="stop_token_ids")
+    return tuple(ids)
+
+
+def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: int) -> GenerationRequest:
+    """Proto -> domain request; proto zero values mean 'default' (see common.proto).
+    `vocab_size` bounds the stop token ids: [0, vocab_size) are the model's ids."""
     s = message.sampling
     if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0 or s.max_tokens < 0:
         raise InvalidArgument("sampling parameters out of range (temperature >= 0, 0 <= top_p <= 1, "
@@ -35,6 +44,7 @@ def generation_request(message: worker_pb2.WorkerGenerateRequest) -> GenerationR
         raise InvalidArgument(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                             max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, stop=tuple(s.stop),
+                            stop_token_ids=_stop_token_ids(s.stop_token_ids, vocab_size),
                             seed=s.seed if s.HasField("seed") else None, logprobs=logprobs)
     kind = message.WhichOneof("prompt")
     if kind is None:
@@ -86,7 +96,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
         if request.base_model and request.base_model != self.engine.base_model:
             raise InvalidArgument(f"this worker serves {self.engine.base_model}, not {request.base_model}")
-        generation = generation_request(request)
+        generation = generation_request(request, self.engine.vocab_size)
         handle = self.engine.submit(generation, asyncio.get_running_loop())
         try:
             async for output in handle:

@@ -24,7 +24,7 @@ def stub(env: GatewayEnv) -> Iterator[inference_pb2_grpc.InferenceStub]:
         yield inference_pb2_grpc.InferenceStub(channel)
 
 
-def chat_request(model: str, **sampling: int) -> inference_pb2.GenerateRequest:
+def chat_request(model: str, **sampling: int | list[int]) -> inference_pb2.GenerateRequest:
     return inference_pb2.GenerateRequest(
         model=model, chat=common_pb2.ChatPrompt(messages=[common_pb2.ChatMessage(role="user", content="a b")]),
         sampling=common_pb2.SamplingParams(**sampling))
@@ -39,6 +39,11 @@ def test_generate_streams_deltas_then_one_final(env: GatewayEnv, stub: inference
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (2, 3)
     sent = env.workers[0].requests[-1]
     assert sent.adapter.name == ADAPTER and sent.request_id and responses[0].request_id == sent.request_id
+
+
+def test_stop_token_ids_reach_the_worker(env: GatewayEnv, stub: inference_pb2_grpc.InferenceStub) -> None:
+    list(stub.Generate(chat_request(BASE, max_tokens=1, stop_token_ids=[9, 4]), timeout=10))
+    assert list(env.workers[0].requests[-1].sampling.stop_token_ids) == [9, 4]
 
 
 def test_generate_keeps_the_callers_request_id(stub: inference_pb2_grpc.InferenceStub) -> None:
@@ -57,6 +62,8 @@ def test_list_models(stub: inference_pb2_grpc.InferenceStub) -> None:
 @pytest.mark.parametrize(("request_", "code", "phrase"), [
     (chat_request(BASE, max_tokens=-1), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be"),
     (chat_request(BASE, max_tokens=10_000), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be"),
+    (chat_request(BASE, stop_token_ids=[-3]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids[0] must be"),
+    (chat_request(BASE, stop_token_ids=list(range(65))), grpc.StatusCode.INVALID_ARGUMENT, "at most 64 ids"),
     (inference_pb2.GenerateRequest(model=BASE), grpc.StatusCode.INVALID_ARGUMENT, "a prompt is required"),
     (chat_request(""), grpc.StatusCode.INVALID_ARGUMENT, "model is required"),
     (chat_request("nope"), grpc.StatusCode.NOT_FOUND, "model 'nope' does not exist"),

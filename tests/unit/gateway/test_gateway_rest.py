@@ -72,6 +72,12 @@ def test_base_model_request_sends_no_adapter_and_default_max_tokens(env: Gateway
     assert sent.sampling.max_tokens == env.config.gateway.default_max_tokens
 
 
+def test_stop_token_ids_reach_the_worker(env: GatewayEnv) -> None:
+    # vLLM's extension field: the openai client sends it in extra_body.
+    client(env).completions.create(model=BASE, prompt="one", max_tokens=2, extra_body={"stop_token_ids": [5, 0]})
+    assert list(env.workers[0].requests[-1].sampling.stop_token_ids) == [5, 0]
+
+
 def test_streams_through_the_openai_client(env: GatewayEnv) -> None:
     chunks = list(client(env).chat.completions.create(model=ADAPTER, messages=[{"role": "user", "content": "hi"}],
                                                       max_tokens=3, stream=True))
@@ -111,6 +117,8 @@ def test_chat_stream_wire_format_with_usage(env: GatewayEnv) -> None:
     ({**CHAT, "max_tokens": 10**30}, "max_tokens", "between 1 and 64"),
     ({**CHAT, "max_tokens": "ten"}, "max_tokens", "must be an integer"),
     ({**CHAT, "temperature": 9}, "temperature", "between 0 and 2"),
+    ({**CHAT, "stop_token_ids": [3, -1]}, "stop_token_ids", "stop_token_ids[1] must be a token id"),
+    ({**CHAT, "stop_token_ids": [False]}, "stop_token_ids", "must be a list of integers"),
     ({**CHAT, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},

@@ -61,6 +61,21 @@ def test_completion_rejects_logprobs(logprobs: object, phrase: str) -> None:
     assert info.value.param == "logprobs" and phrase in info.value.message
 
 
+def test_stop_token_ids_reach_the_proto_from_both_endpoints() -> None:
+    ids = [0, 7, 2**31 - 1]
+    assert list(parse_chat_request({**CHAT, "stop_token_ids": ids}, CONFIG).generate.sampling.stop_token_ids) == ids
+    completion = parse_completion_request({"model": "m", "prompt": "hi", "stop_token_ids": [3] * 64}, CONFIG)
+    assert list(completion.generate.sampling.stop_token_ids) == [3] * 64
+    for absent in ({}, {"stop_token_ids": None}, {"stop_token_ids": []}):
+        assert not parse_chat_request({**CHAT, **absent}, CONFIG).generate.sampling.stop_token_ids
+
+
+def test_completion_rejects_stop_token_ids() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        parse_completion_request({"model": "m", "prompt": "hi", "stop_token_ids": [1, -2]}, CONFIG)
+    assert info.value.param == "stop_token_ids" and "stop_token_ids[1]" in info.value.message
+
+
 def test_text_parts_are_joined_and_max_completion_tokens_is_accepted() -> None:
     api = parse_chat_request({**CHAT, "max_completion_tokens": 9, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, CONFIG)
@@ -96,6 +111,14 @@ def test_text_parts_are_joined_and_max_completion_tokens_is_accepted() -> None:
     ({"stop": [""]}, "stop", "non-empty"),
     ({"stop": [1]}, "stop", "list of strings"),
     ({"seed": -1}, "seed", "between 0 and"),
+    ({"stop_token_ids": 5}, "stop_token_ids", "must be a list of integers"),
+    ({"stop_token_ids": [1, True]}, "stop_token_ids", "must be a list of integers"),
+    ({"stop_token_ids": [1.0]}, "stop_token_ids", "must be a list of integers"),
+    ({"stop_token_ids": ["1"]}, "stop_token_ids", "must be a list of integers"),
+    ({"stop_token_ids": [None]}, "stop_token_ids", "must be a list of integers"),
+    ({"stop_token_ids": [4, -1]}, "stop_token_ids", "stop_token_ids[1] must be a token id between 0 and"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids", "stop_token_ids[0] must be a token id between 0 and"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64 ids, got 65"),
     ({"n": 2}, "n", "only n=1"),
     ({"stream": "yes"}, "stream", "boolean"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
@@ -150,6 +173,10 @@ def test_proto_zero_values_mean_default() -> None:
      "logprobs"),
     (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(logprobs=-1)),
      "logprobs"),
+    (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(stop_token_ids=[2, -1])),
+     "stop_token_ids"),
+    (inference_pb2.GenerateRequest(model="m", text="hi",
+                                   sampling=common_pb2.SamplingParams(stop_token_ids=[1] * 65)), "stop_token_ids"),
 ])
 def test_proto_rejects(request_: inference_pb2.GenerateRequest, param: str) -> None:
     with pytest.raises(InvalidArgument) as info:

@@ -55,6 +55,19 @@ def test_stop_string_truncates_and_is_never_streamed(engine_factory):
     assert "".join(o.text for o in stopped) == text[:5]
 
 
+def test_stop_token_id_ends_right_after_its_first_occurrence(engine_factory):
+    engine = engine_factory()
+    (free,) = run_all(engine, [_req("free", max_tokens=12)])
+    tokens = tokens_of(free)
+    assert free[-1].finish_reason is FinishReason.LENGTH and len(tokens) == 12
+    stop_id = tokens[3]
+    end = tokens.index(stop_id) + 1  # the id may already occur before the 4th token
+    unused = next(i for i in range(engine.vocab_size) if i not in tokens)
+    (stopped,) = run_all(engine, [_req("stop", max_tokens=12, stop_token_ids=(unused, stop_id))])
+    assert tokens_of(stopped) == tokens[:end], "the stop token itself is emitted, nothing after it"
+    assert stopped[-1].finish_reason is FinishReason.STOP and stopped[-1].completion_tokens == end
+
+
 def test_chat_prompt_uses_the_template(engine_factory):
     (outputs,) = run_all(engine_factory(), [GenerationRequest(
         "chat", (ChatMessage("user", "hello"),), SamplingParams(max_tokens=3))])
