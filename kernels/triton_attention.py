@@ -92,7 +92,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tiles = tiles or choose_tiles(meta.max_query_len, group_pad)
     block_m = max(tiles.block_m, group_pad, 16)  # tl.dot needs M >= 16
     block_q = block_m // group_pad               # tokens per tile
-    num_tiles = num_tokens // block_q + num_seqs
+    # Every sequence's new tokens fit one tile (decode): tile i is sequence i, no search for it.
+    one_tile_per_seq = meta.max_query_len <= block_q
+    num_tiles = num_seqs if one_tile_per_seq else num_tokens // block_q + num_seqs
     if num_splits is None:
         num_splits = choose_num_splits(num_tiles * num_kv_heads, meta.max_seq_len)
     assert num_splits >= 1, num_splits
@@ -111,7 +113,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_seqs, num_splits, num_heads, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, IS_SPLIT=split,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, IS_SPLIT=split, ONE_TILE_PER_SEQ=one_tile_per_seq,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if split:
@@ -172,16 +174,23 @@ def _paged_attention_kernel(
         num_seqs, num_splits, num_heads, qk_scale,
         stride_q_tok, stride_q_head, stride_cache_row, stride_cache_head, stride_bt_seq,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    if ONE_TILE_PER_SEQ:  # decode: no chain of dependent loads before the keys can be fetched
+        seq = tile
+    else:
+        seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    tile_start = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first new token of the tile, in its sequence
+    if ONE_TILE_PER_SEQ:
+        tile_start = 0
+    else:
+        tile_start = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first new token of the tile, in its sequence
     if tile_start >= query_len:
         return
     prefix = tl.load(seq_lens_ptr + seq) - query_len  # keys cached before this step

@@ -1,8 +1,13 @@
-"""Kernel tests run Triton on CPU: the interpreter must be chosen before triton is imported."""
+"""Suite-wide: without a CUDA device, Triton kernels run in Triton's interpreter. The choice must
+be made before anything imports triton, and test modules (tests/gpu too, collected though
+deselected) import kernels at collection, so it is made here, first."""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _index_scalars_for_numpy_2_4() -> None:
@@ -23,5 +28,5 @@ def _index_scalars_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-if os.environ["TRITON_INTERPRET"] == "1":
+if os.environ.get("TRITON_INTERPRET") == "1":
     _index_scalars_for_numpy_2_4()
