@@ -28,18 +28,46 @@ def _requests(assets) -> list[tuple[str | None, str, GenerationRequest]]:
             for i, (m, p) in enumerate(cases)]
 
 
-def test_float32_on_cuda_equals_peft_on_cuda(tiny_assets):
-    reference = ReferenceModels(DEMO_BASE_MODEL, tiny_assets.base_dir,
-                                {n: r.storage_path for n, r in tiny_assets.adapters.items()}, device="cuda")
-    engine = make_engine(tiny_assets, device="cuda", dtype="float32")
+@pytest.fixture(scope="module")
+def cuda_reference(tiny_assets):
+    return ReferenceModels(DEMO_BASE_MODEL, tiny_assets.base_dir,
+                           {n: r.storage_path for n, r in tiny_assets.adapters.items()}, device="cuda")
+
+
+def _one_model_requests(assets, model: str | None, count: int) -> list[tuple[str | None, str, GenerationRequest]]:
+    """`count` requests on one adapter: decode steps put them in one LoRA segment (grouped graphs)."""
+    ref = assets.adapters[model] if model else None
+    return [(model, PROMPTS[i % len(PROMPTS)],
+             GenerationRequest(f"{model}-{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=MAX_NEW), ref))
+            for i in range(count)]
+
+
+ENGINE_SETUPS = {
+    "mixed": ({}, _requests),
+    "one_adapter": ({}, lambda assets: _one_model_requests(assets, "demo-r16", 6)),
+    # every slot's adapter on its own sequence: one-token LoRA segments
+    "distinct": ({}, lambda assets: [c for c in _requests(assets)[:4]]),
+    # a 96-token KV pool forces preemption; a 5-token budget forces chunked prefill
+    "preempt_chunked": ({"kv_cache_tokens": 96, "max_batch_tokens": 5}, _requests),
+    "eager": ({"cuda_graphs": False}, _requests),
+}
+
+
+@pytest.mark.parametrize("setup", sorted(ENGINE_SETUPS))
+def test_float32_on_cuda_equals_peft_on_cuda(tiny_assets, cuda_reference, setup):
+    fields, make_requests = ENGINE_SETUPS[setup]
+    steps = []
+    engine = make_engine(tiny_assets, steps, device="cuda", dtype="float32", **fields)
     try:
-        cases = _requests(tiny_assets)
+        cases = make_requests(tiny_assets)
         results = run_all(engine, [r for _, _, r in cases])
     finally:
         engine.stop()
     for (model, prompt, _), outputs in zip(cases, results):
-        expected = reference.greedy_text(model or DEMO_BASE_MODEL, prompt, MAX_NEW)
-        assert_same_greedy(f"{model}: {prompt!r}", expected, tokens_of(outputs))
+        expected = cuda_reference.greedy_text(model or DEMO_BASE_MODEL, prompt, MAX_NEW)
+        assert_same_greedy(f"{setup} {model}: {prompt!r}", expected, tokens_of(outputs))
+    if setup == "preempt_chunked":
+        assert sum(step.num_preempted for step in steps) > 0
 
 
 def test_bfloat16_on_cuda_serves_mixed_batches(tiny_assets):
