@@ -246,26 +246,28 @@ class Engine:
         if not final:
             self._handles[seq.request_id]._put(output)
             return
-        self._handles[seq.request_id]._put(RequestOutput(
+        self._retire(seq, seq.finish_reason, RequestOutput(
             output.token_ids, output.text, seq.finish_reason, seq.prompt_len,
             len(seq.output_token_ids), seq.detokenizer.text, output.logprobs))
-        self._retire(seq, seq.finish_reason)
 
     def _fail(self, seq: Sequence, error: TesseraError) -> None:
-        self._handles[seq.request_id]._put(error)
-        self._retire(seq, FinishReason.ABORT)
+        self._retire(seq, FinishReason.ABORT, error)
 
     def _abort(self, seq: Sequence) -> None:
-        self._handles[seq.request_id]._put(RequestOutput(
+        self._retire(seq, FinishReason.ABORT, RequestOutput(
             [], seq.detokenizer.take_delta(True), FinishReason.ABORT, seq.prompt_len,
             len(seq.output_token_ids), seq.detokenizer.text))
-        self._retire(seq, FinishReason.ABORT)
 
-    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+    def _retire(self, seq: Sequence, reason: FinishReason, last: RequestOutput | TesseraError) -> None:
+        """Free the request (its id may be reused, stats no longer count it), then send its last item:
+        a client that sees the end finds the engine already past it."""
         self._scheduler.finish(seq, reason)
-        del self._handles[seq.request_id], self._seqs[seq.request_id]
+        handle = self._handles.pop(seq.request_id)
+        del self._seqs[seq.request_id]
         with self._lock:
             self._in_flight.discard(seq.request_id)
+        self._publish_stats()
+        handle._put(last)
 
     def _publish_stats(self) -> None:
         stats = self._snapshot()

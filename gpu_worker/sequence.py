@@ -34,7 +34,7 @@ class SamplingParams:
 
 
 class FinishReason(enum.Enum):
-    STOP = "stop"       # EOS or a stop string
+    STOP = "stop"       # EOS, a stop string or a stop token id
     LENGTH = "length"   # max_tokens
     ABORT = "abort"     # the client went away, or the engine failed the request
 

@@ -129,3 +129,35 @@ def test_token_texts_decode_each_id_alone(engine_factory, tiny_assets):
     ids = tokenizer("def main(): pass").input_ids + [tokenizer.eos_token_id]
     assert engine.token_texts(ids) == [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
     assert engine.token_texts([tokenizer.eos_token_id]) == [tokenizer.eos_token]
+
+
+def test_stop_token_ids_stop_the_stream_and_out_of_vocabulary_is_invalid(engine_factory, tiny_assets):
+    engine = engine_factory()
+
+    async def generate(stub, request_id: str, **sampling):
+        request = _request(tiny_assets, text="hello", sampling=common_pb2.SamplingParams(max_tokens=8, **sampling))
+        # A fresh id each time: the engine frees an id just after it sends the final reply.
+        request.request_id = request_id
+        return [r async for r in stub.Generate(request)]
+
+    async def body(stub):
+        free = await generate(stub, "free")
+        tokens = [t for r in free if r.HasField("delta") for t in r.delta.token_ids]
+        stopped = await generate(stub, "stopped", stop_token_ids=[tokens[1]])
+        errors = []
+        for i, bad in enumerate(([engine.vocab_size], [0, -1])):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(stub, f"bad{i}", stop_token_ids=bad)
+            errors.append(err.value)
+        return tokens, stopped, errors
+
+    tokens, stopped, errors = asyncio.run(_with_server(engine, body))
+    assert len(tokens) == 8
+    end = tokens.index(tokens[1]) + 1
+    assert [t for r in stopped if r.HasField("delta") for t in r.delta.token_ids] == tokens[:end]
+    final = stopped[-1].final
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP and final.usage.completion_tokens == end
+    assert all(e.code() == grpc.StatusCode.INVALID_ARGUMENT for e in errors)
+    assert f"stop_token_ids[0] is {engine.vocab_size}, outside this model's vocabulary [0, {engine.vocab_size})" \
+        in errors[0].details()
+    assert "stop_token_ids[1] is -1" in errors[1].details()
