@@ -45,7 +45,7 @@ class TileConfig:
 # GPU-tuning knobs, all in one place. Picked by a sweep on an H200 (bf16, head_dim 128): for prefill,
 # 64x64 / 4 warps led or tied 128x64 and 128x128 / 8 warps at 2k-8k tokens; the split settings gave
 # the fastest decode at batch 1..64, contexts 1k-4k (launched under CUDA graphs).
-DECODE_TILES = TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+DECODE_TILES = TileConfig(block_m=16, block_n=32, num_warps=2, num_stages=2)  # H200 sweep, 2026-11-21
 PREFILL_TILES = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 TARGET_PROGRAMS = 4 * 132     # ~4 programs per SM of an H100/H200; fewer than this and KV is split
 MIN_KEYS_PER_SPLIT = 64       # one BLOCK_N step: shorter splits only add combine work
