@@ -1,4 +1,5 @@
-"""LoRA ops behind one API; this module is the one place that chooses their backend.
+"""LoRA ops (and the base projections' matmul) behind one API; this module is the one place that
+chooses the LoRA ops' backend.
 
 CUDA tensors go to the Triton kernels (graph-capturable, no host syncs), anything else to the
 torch reference. Layers call only these names and never branch on the platform.
@@ -10,9 +11,10 @@ import torch
 
 from kernels import reference
 from kernels.batch import NO_SLOT, LoRABatch
+from kernels.linear import linear
 from kernels.lora_stack import LoRAStack
 
-__all__ = ["NO_SLOT", "LoRABatch", "LoRAStack", "lora_expand", "lora_shrink"]
+__all__ = ["NO_SLOT", "LoRABatch", "LoRAStack", "linear", "lora_expand", "lora_shrink"]
 
 
 def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:

@@ -26,6 +26,7 @@ from gpu_worker.forward_context import get_forward_context
 from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.lora.layer import LoRALinear
+import kernels
 from kernels.attention import paged_attention
 from kernels.fused import rotary_store_kv, silu_and_mul
 
@@ -164,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_seqs, hidden] (last token of each sequence) -> float32 [num_seqs, vocab]."""
-        return self.lm_head(hidden).float()
+        return kernels.linear(hidden, self.lm_head.weight).float()
 
     def lora_layers(self, targets: Iterable[str]) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
         """(layer index, PEFT target name) -> the LoRALinear serving it and its output slice."""

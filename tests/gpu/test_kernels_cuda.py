@@ -110,3 +110,15 @@ def test_paged_attention_long_prefill_head_dim_128():
     actual = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
     expected = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
     assert _rel_err(actual.float(), expected) < BF16_REL
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("out_features,in_features", [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)])
+def test_skinny_linear_bf16_matches_float32(rows, out_features, in_features):
+    """The decode matmul on the 7B projection shapes, with a bias (Qwen2's qkv has one)."""
+    x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
+    bias = torch.randn(out_features, device="cuda", dtype=torch.bfloat16)
+    actual = kernels.linear(x, weight, bias)
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    assert _rel_err(actual.float(), expected) < BF16_REL

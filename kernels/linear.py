@@ -1,0 +1,23 @@
+"""The base projections' matmul: out = x @ Wᵀ (+ bias).
+
+Decode steps multiply a few rows by each weight matrix: the step streams the weights once and is
+bound by memory bandwidth. For up to SKINNY_MAX_ROWS rows of a 16-bit model on CUDA, a Triton
+kernel that splits only the output columns streams the 7B shapes 3-12% faster than cuBLAS, which
+splits K for some of them and reduces in a second kernel
+(docs/benchmarks/skinny_gemm_sweep-2026-11-21-h200.log). Everything else goes to F.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SKINNY_MAX_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [num_tokens, in_features], weight: [out_features, in_features] -> [num_tokens, out_features]."""
+    if x.is_cuda and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16):
+        from kernels.triton_linear import skinny_linear  # triton only where CUDA is
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)

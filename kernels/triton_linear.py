@@ -1,0 +1,77 @@
+"""out = x @ Wᵀ (+ bias) for few rows (decode): one program per BLOCK_N output columns, K streamed.
+
+The rows are padded to a 16-row tl.dot tile (tensor cores; the waste is free when memory bound),
+and no program splits K, so no second reduction kernel runs. Tile configurations come from a
+sweep over the 7B projection shapes on an H200 (docs/benchmarks/skinny_gemm_sweep-2026-11-21-h200.log).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # rows of the padded tile: the most rows this kernel serves
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def linear_config(out_features: int, in_features: int) -> LinearConfig:
+    """Wide outputs (gate_up, lm_head) have programs to spare: wider tiles, shorter K steps; narrow
+    outputs (o) and long K (down) want long K steps to keep enough bytes in flight per program."""
+    if out_features >= 16384:
+        return LinearConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if in_features >= 8192 or out_features <= 4096:
+        return LinearConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
+    return LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: LinearConfig | None = None) -> torch.Tensor:
+    """x: [M <= 16, K], weight: [N, K] (rows contiguous), bias: [N] or None -> [M, N] in x's dtype."""
+    num_rows, in_features = x.shape
+    out_features = weight.shape[0]
+    assert num_rows <= BLOCK_M and weight.shape[1] == in_features and weight.stride(1) == 1, (x.shape, weight.shape)
+    assert x.stride(1) == 1 and weight.dtype == x.dtype, (x.stride(), weight.dtype, x.dtype)
+    assert bias is None or bias.shape == (out_features,), bias.shape
+    cfg = config or linear_config(out_features, in_features)
+    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    _skinny_linear_kernel[(triton.cdiv(out_features, cfg.block_n),)](
+        x, weight, bias if bias is not None else weight, out, num_rows, out_features, in_features,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, num_rows, out_features, in_features,
+                          stride_xm, stride_wn, stride_om,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < out_features
+    m_mask = offs_m < num_rows
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn      # [1, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, in_features, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < in_features
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)           # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_rows + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] = Wᵀ tile
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
