@@ -52,7 +52,7 @@ def assemble_engine(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
     """An engine around an already loaded model."""
     parts = assemble_parts(model, worker, adapter_store)
     return Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
-                  adapters=parts.adapters, tokenizer=tokenizer, max_context=model.config.max_position_embeddings,
+                  adapters=parts.adapters, tokenizer=tokenizer, max_context=model.max_context,
                   max_lora_rank=worker.max_lora_rank, on_step=on_step)
 
 
@@ -87,7 +87,7 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     graphs = None
     if device.type == "cuda" and worker.cuda_graphs:
         graphs = DecodeGraphs(model, kv_cache, max_batch=worker.max_num_seqs,
-                              max_context=config.max_position_embeddings, with_lora=worker.adapter_slots > 0)
+                              max_context=model.max_context, with_lora=worker.adapter_slots > 0)
     return EngineParts(model, ModelRunner(model, kv_cache, device, graphs), scheduler, adapters)
 
 
@@ -104,7 +104,7 @@ def _num_kv_blocks(model: LlamaForCausalLM, shape: CacheShape, worker: WorkerCon
 def _profile_peak_bytes(model: LlamaForCausalLM, shape: CacheShape, worker: WorkerConfig) -> int:
     """Peak device memory of a forward pass over max_batch_tokens tokens on an adapter slot, less
     the scratch cache it needs: what must stay free beside the KV cache."""
-    block_size, max_context = worker.kv_block_size, model.config.max_position_embeddings
+    block_size, max_context = worker.kv_block_size, model.max_context
     items, next_block, remaining = [], 1, worker.max_batch_tokens
     while remaining > 0:  # prompts of at most one context each
         n = min(remaining, max_context)

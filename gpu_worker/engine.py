@@ -115,6 +115,7 @@ class Engine:
         self._max_lora_rank = max_lora_rank
         self._adapters = adapters
         self._tokenizer = tokenizer
+        self.max_context = max_context
         self._prompts = PromptEncoder(tokenizer, max_context)
         self._on_step = on_step
         self._eos = tokenizer.eos_token_id

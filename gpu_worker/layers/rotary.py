@@ -28,7 +28,8 @@ class RotaryEmbedding(nn.Module):
         elif rope_type == "dynamic":
             raise ValueError("dynamic NTK rope scaling depends on the sequence length; not supported")
         else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            with torch.device("cpu"):  # real values even while the model is built on the meta device
+                inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
             inv_freq = inv_freq.float()
         # A plain float32 tensor, not a buffer: model.to(bfloat16) must not round it. Copied to the
         # positions' device at the first step (never during CUDA-graph capture, which runs after warm-up).

@@ -159,6 +159,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
 
+    @property
+    def max_context(self) -> int:
+        """Longest sequence served. A sliding attention window (Mistral v0.1, Qwen2 when enabled)
+        caps it: no token then ever sees past the window, so full attention computes the same."""
+        window = getattr(self.config, "sliding_window", None)
+        if not getattr(self.config, "use_sliding_window", True):
+            window = None
+        return min(self.config.max_position_embeddings, window or self.config.max_position_embeddings)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
         return self.model(input_ids, positions)
