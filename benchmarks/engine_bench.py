@@ -3,8 +3,9 @@
 Measures in one run, on the device it names:
   1. the ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 matmul's rate;
   2. the decode step (host scheduling + forward + sampling, wall clock, CUDA graphs on) at batch
-     1, 8, 32, 64 for (a) base only, (b) every request on one rank-64 q,k,v,o adapter, (c) every
-     request on its own rank-64 q,k,v,o adapter; each against its weight-streaming floor: the
+     1, 8, 32, 64 for (a) base only, (b) every request on one rank-64 q,k,v,o adapter (merged mode,
+     and unmerged through the LoRA kernels), (c) every request on its own rank-64 q,k,v,o adapter;
+     each against its weight-streaming floor: the
      bytes the step must read at least once (base weights less the embedding table, plus every
      adapter the step uses) over the copy bandwidth;
   3. prefill throughput of 2048-token prompts against the matmul rate;
@@ -178,7 +179,8 @@ def prefill(parts: EngineParts, seqs: list[Sequence], budget: int) -> None:
 
 
 def decode_step_seconds(parts: EngineParts, seqs: list[Sequence], steps: int) -> float:
-    for _ in range(3):
+    """Median wall-clock decode step, in steady state (after merged mode, if on, has merged)."""
+    for _ in range(WorkerConfig.merge_after_steps + 3):
         run_step(parts, seqs, [1] * len(seqs))
     times = []
     for _ in range(steps):
@@ -206,11 +208,17 @@ def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_fl
     print(f"decode step (context {DECODE_CONTEXT} + steps), wall clock per step:", flush=True)
     steps = 10 if quick else 30
     for batch in DECODE_BATCHES:
-        for case, adapters in (("a_base", [None]), ("b_one_adapter", ["shared"]),
+        # b_unmerged runs the one-adapter batch through the LoRA kernels (merged mode off);
+        # b_one_adapter is the engine as configured: merged mode folds the adapter in.
+        for case, adapters in (("a_base", [None]), ("b_unmerged", ["shared"]), ("b_one_adapter", ["shared"]),
                                ("c_own_adapters", [f"own-{i}" for i in range(batch)])):
             seqs = new_sequences(parts, batch, DECODE_CONTEXT, adapters, gen)
+            merged_mode = parts.runner.merged
+            if case == "b_unmerged":
+                parts.runner.merged = None  # the previous case was base-only: nothing is merged now
             prefill(parts, seqs, worker.max_batch_tokens)
             seconds = decode_step_seconds(parts, seqs, steps)
+            parts.runner.merged = merged_mode
             release(parts, seqs)
             used = len({a for a in adapters if a is not None})
             floor = (base_bytes + used * one_adapter) / bandwidth
@@ -219,7 +227,8 @@ def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_fl
                        over_floor=seconds / floor)
     for batch in DECODE_BATCHES:
         a, b = results["decode"][(batch, "a_base")], results["decode"][(batch, "b_one_adapter")]
-        report.add(kind="ratio", batch=batch, b_over_a=b / a, c_over_a=results["decode"][(batch, "c_own_adapters")] / a)
+        report.add(kind="ratio", batch=batch, b_over_a=b / a, b_unmerged_over_a=results["decode"][(batch, "b_unmerged")] / a,
+                   c_over_a=results["decode"][(batch, "c_own_adapters")] / a)
 
     print(f"prefill, 4 prompts x {PREFILL_LEN} tokens in one step:", flush=True)
     tokens = 4 * PREFILL_LEN

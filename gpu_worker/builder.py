@@ -16,6 +16,7 @@ from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.kv_cache import CacheShape, PagedKVCache, cuda_blocks_that_fit
 from gpu_worker.lora.adapter_pool import AdapterPool
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
+from gpu_worker.lora.merged_mode import MergedMode
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.llama import LORA_TARGETS, LlamaForCausalLM, load_model, resolve_dtype
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
@@ -88,7 +89,11 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     if device.type == "cuda" and worker.cuda_graphs:
         graphs = DecodeGraphs(model, kv_cache, max_batch=worker.max_num_seqs,
                               max_context=model.max_context, with_lora=worker.adapter_slots > 0)
-    return EngineParts(model, ModelRunner(model, kv_cache, device, graphs), scheduler, adapters)
+    merged = None
+    if worker.merge_after_steps > 0 and worker.adapter_slots > 0:
+        modules = list({id(m): m for m, _ in model.lora_layers(worker.lora_targets).values()}.values())
+        merged = MergedMode(modules, worker.merge_after_steps)
+    return EngineParts(model, ModelRunner(model, kv_cache, device, graphs, merged), scheduler, adapters)
 
 
 def _num_kv_blocks(model: LlamaForCausalLM, shape: CacheShape, worker: WorkerConfig) -> int:

@@ -63,6 +63,7 @@ class StepRecord:
     num_tokens: int
     num_preempted: int     # sequences preempted to make room in this step
     duration_s: float
+    merged_adapter: str | None = None  # the adapter folded into the base weights for this step
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ class Engine:
             self._on_step(StepRecord(
                 self._step, tuple(s.request_id for s in seqs), tuple(s.adapter.name if s.adapter else None for s in seqs),
                 sum(1 for item in batch.items if item.num_new > 1 or not item.samples), batch.num_tokens,
-                len(batch.preempted), time.perf_counter() - started))
+                len(batch.preempted), time.perf_counter() - started, self._runner.merged_adapter))
         self._publish_stats()
 
     def _emit(self, seq: Sequence, logprobs: TokenLogprobs | None) -> None:

@@ -8,6 +8,7 @@ import torch
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.forward_context import ForwardContext, forward_context
 from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.lora.merged_mode import MergedMode
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import Sequence
@@ -18,16 +19,24 @@ from kernels.attention import AttentionMetadata
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, device: torch.device,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, merged: MergedMode | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.graphs = graphs
+        self.merged = merged
+
+    @property
+    def merged_adapter(self) -> str | None:
+        """The adapter folded into the base weights for the last step, if any."""
+        return self.merged.merged_adapter if self.merged else None
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq]) -> tuple[list[Sequence], torch.Tensor]:
         """-> (the sequences that sample, their float32 logits [len(them), vocab])."""
         inputs = build_step_inputs(items, self.kv_cache.block_size)
+        if self.merged is not None:
+            inputs = self.merged.prepare(inputs)
         if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(len(items)):
             logits = self.graphs.replay(inputs)
         else:

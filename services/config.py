@@ -83,6 +83,10 @@ class WorkerConfig:
     kv_cache_tokens: int = 0
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True  # replay captured decode steps on CUDA
+    # Merged mode: after this many steps in a row on one adapter, fold it into the base weights
+    # (steps then cost what base steps cost; a saved copy of the weights it touches restores
+    # them exactly). 0: never merge.
+    merge_after_steps: int = 8
     adapter_store: str = ""  # "" -> {home}/adapters; adapters outside it are refused
 
 

@@ -1,0 +1,103 @@
+"""VaLoRA's merged inference for steps whose every token uses one adapter.
+
+While a run of steps all use the same adapter, its B·A (times its scaling) is folded into the base
+weights of the projections it targets, and those steps run as base-only steps: no LoRA kernels
+at all, so a batch on one adapter costs what a base batch costs. A step that needs anything else
+(another adapter, the base model, a mix) first restores the base weights. Restoring copies back
+the weights saved before the merge, so the base weights never drift, however often the mode
+switches. Merging waits until the same adapter has filled `after_steps` steps in a row, so that
+a mix that only briefly looks uniform does not pay for a merge and an unmerge.
+
+If the GPU has no room for the saved copy, merged mode turns itself off (logged) and steps run
+unmerged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from gpu_worker.lora.layer import LoRALinear
+from gpu_worker.step_inputs import StepInputs
+from kernels import NO_SLOT
+
+log = logging.getLogger(__name__)
+
+
+class MergedMode:
+    def __init__(self, modules: list[LoRALinear], after_steps: int) -> None:
+        assert after_steps >= 1, after_steps
+        self._modules = [m for m in modules if m.lora is not None]
+        self._after_steps = after_steps
+        self._backups: dict[int, torch.Tensor] = {}  # id(module) -> its base weight, saved at merge
+        self._merged: tuple[int, str] | None = None  # (slot, adapter name) folded into the weights
+        self._merged_modules: list[LoRALinear] = []  # whose weights hold it (the slot may be reused later)
+        self._candidate: tuple[int, str] | None = None
+        self._streak = 0
+        self._enabled = True
+        self.merges = 0
+
+    @property
+    def merged_adapter(self) -> str | None:
+        return self._merged[1] if self._merged else None
+
+    def prepare(self, inputs: StepInputs) -> StepInputs:
+        """Merge or unmerge as this step needs; -> the inputs to run (base-only when merged)."""
+        uniform = self._uniform_adapter(inputs)
+        if uniform is not None and uniform == self._merged:
+            return _as_base_only(inputs)
+        self._streak = self._streak + 1 if uniform is not None and uniform == self._candidate else 1
+        self._candidate = uniform
+        if self._merged is not None:
+            self._unmerge()
+        if uniform is None or self._streak <= self._after_steps or not self._enabled:
+            return inputs
+        return _as_base_only(inputs) if self._merge(*uniform) else inputs
+
+    def _uniform_adapter(self, inputs: StepInputs) -> tuple[int, str] | None:
+        names = {item.seq.adapter.name if item.seq.adapter else None for item in inputs.items}
+        if len(names) != 1 or None in names or len(set(inputs.seg_slots)) != 1:
+            return None
+        return inputs.seg_slots[0], names.pop()
+
+    def _merge(self, slot: int, name: str) -> bool:
+        targeted = [m for m in self._modules if any(m.lora.host_ranks[slot])]
+        try:
+            for module in targeted:
+                if id(module) not in self._backups:
+                    self._backups[id(module)] = torch.empty_like(module.weight)
+        except torch.OutOfMemoryError:
+            self._backups.clear()
+            self._enabled = False
+            log.warning("no memory to save base weights for merged mode; steps on one adapter run unmerged")
+            return False
+        with torch.inference_mode():
+            for module in targeted:
+                self._backups[id(module)].copy_(module.weight)
+                _fold(module, slot)
+        self._merged, self._merged_modules = (slot, name), targeted
+        self.merges += 1
+        return True
+
+    def _unmerge(self) -> None:
+        with torch.inference_mode():
+            for module in self._merged_modules:
+                module.weight.copy_(self._backups[id(module)])
+        self._merged, self._merged_modules = None, []
+
+
+def _fold(module: LoRALinear, slot: int) -> None:
+    """W[slice rows] += scaling * B[slot, slice rows, :r] @ A[slot, slice, :r], in float32."""
+    stack = module.lora
+    for s, rank in enumerate(stack.host_ranks[slot]):
+        if rank == 0:
+            continue
+        rows = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
+        delta = (stack.b[slot, rows, :rank].float() @ stack.a[slot, s, :rank].float()) * stack.scalings[slot]
+        module.weight[rows] = (module.weight[rows].float() + delta).to(module.weight.dtype)
+
+
+def _as_base_only(inputs: StepInputs) -> StepInputs:
+    return dataclasses.replace(inputs, seg_slots=[NO_SLOT] * len(inputs.seg_slots))

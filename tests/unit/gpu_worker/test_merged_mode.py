@@ -1,0 +1,60 @@
+"""Merged mode: a run of steps on one adapter folds it into the base weights; anything else
+restores them bit for bit; outputs stay equal to transformers + PEFT throughout."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.engine import GenerationRequest
+from gpu_worker.sequence import SamplingParams
+from services.demo_assets import DEMO_BASE_MODEL
+from tests.reference import ReferenceModels, assert_same_greedy
+
+from .conftest import run_all, tokens_of
+
+PROMPT = "import os\nimport sys\n"
+MAX_NEW = 12
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in engine._runner.model.named_parameters()}
+
+
+def test_one_adapter_runs_merged_then_base_weights_come_back_exactly(engine_factory, tiny_assets):
+    steps = []
+    engine = engine_factory(steps=steps, merge_after_steps=2)
+    before = _weights(engine)
+    adapter = tiny_assets.adapters["demo-r64"]  # targets all seven projections
+    requests = [GenerationRequest(f"m{i}", PROMPT, SamplingParams(max_tokens=MAX_NEW), adapter) for i in range(3)]
+    merged_outputs = run_all(engine, requests)
+    assert [s.merged_adapter for s in steps[:2]] == [None, None]  # two steps in a row first
+    assert all(s.merged_adapter == "demo-r64" for s in steps[2:])
+    assert any(not torch.equal(p, before[n]) for n, p in engine._runner.model.named_parameters())
+
+    # A base request needs the base weights: restored exactly, and the step runs unmerged.
+    (base_outputs,) = run_all(engine, [GenerationRequest("base", PROMPT, SamplingParams(max_tokens=2))])
+    assert steps[-1].merged_adapter is None
+    for name, param in engine._runner.model.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+    models = ReferenceModels(DEMO_BASE_MODEL, tiny_assets.base_dir, {"demo-r64": adapter.storage_path})
+    expected = models.greedy_text("demo-r64", PROMPT, MAX_NEW)
+    for outputs in merged_outputs:
+        assert_same_greedy("merged demo-r64", expected, tokens_of(outputs))
+    assert_same_greedy("base after unmerge", models.greedy_text(DEMO_BASE_MODEL, PROMPT, 2), tokens_of(base_outputs))
+
+
+def test_switching_adapters_never_drifts_the_base_weights(engine_factory, tiny_assets):
+    """Merge r8, then r16 (unmerging r8 first), with one adapter slot reused: the weights the engine
+    returns to are the original ones, bit for bit."""
+    steps = []
+    engine = engine_factory(steps=steps, merge_after_steps=1, adapter_slots=1)
+    before = _weights(engine)
+    for round_ in range(2):
+        for name in ("demo-r8", "demo-r16"):
+            run_all(engine, [GenerationRequest(f"{name}-{round_}", PROMPT, SamplingParams(max_tokens=3),
+                                               tiny_assets.adapters[name])])
+    assert {s.merged_adapter for s in steps} >= {"demo-r8", "demo-r16"}
+    run_all(engine, [GenerationRequest("base", PROMPT, SamplingParams(max_tokens=1))])
+    for name, param in engine._runner.model.named_parameters():
+        assert torch.equal(param, before[name]), name
