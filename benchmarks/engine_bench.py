@@ -180,7 +180,7 @@ def prefill(parts: EngineParts, seqs: list[Sequence], budget: int) -> None:
 
 def decode_step_seconds(parts: EngineParts, seqs: list[Sequence], steps: int) -> float:
     """Median wall-clock decode step, in steady state (after merged mode, if on, has merged)."""
-    for _ in range(WorkerConfig.merge_after_steps + 3):
+    for _ in range(WorkerConfig().merge_after_steps + 3):
         run_step(parts, seqs, [1] * len(seqs))
     times = []
     for _ in range(steps):
