@@ -144,9 +144,7 @@ class DecodeGraphs:
         tables[n * width:bucket * width:width] = SCRATCH_BLOCK
         self._dev_i64.copy_(self._host_i64, non_blocking=True)
         self._dev_i32.copy_(self._host_i32, non_blocking=True)
-        mode = lora_mode(inputs.seg_lens, inputs.seg_slots)
-        if mode is LoRAMode.GROUPED and bucket == 1:
-            mode = LoRAMode.TOKENS
+        mode = lora_mode(inputs.seg_lens, inputs.seg_slots)  # one sequence: never GROUPED
         context_bound = next(c for c in self._context_bounds if c >= max(inputs.seq_lens))
         graph, logits = self._graphs[(bucket, mode, context_bound)]
         graph.replay()
