@@ -22,6 +22,7 @@ import torch
 from gpu_worker.lora.layer import LoRALinear
 from gpu_worker.step_inputs import StepInputs
 from kernels import NO_SLOT
+from kernels.merge import MergeTarget, merge_weights, restore_weights
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class MergedMode:
         self._after_steps = after_steps
         self._backups: dict[int, torch.Tensor] = {}  # id(module) -> its base weight, saved at merge
         self._merged: tuple[int, str] | None = None  # (slot, adapter name) folded into the weights
-        self._merged_modules: list[LoRALinear] = []  # whose weights hold it (the slot may be reused later)
+        self._merged_targets: list[MergeTarget] = []  # weights that hold it (the slot may be reused later)
         self._candidate: tuple[int, str] | None = None
         self._streak = 0
         self._enabled = True
@@ -73,30 +74,17 @@ class MergedMode:
             self._enabled = False
             log.warning("no memory to save base weights for merged mode; steps on one adapter run unmerged")
             return False
+        targets = [MergeTarget(m.weight.data, self._backups[id(m)], m.lora) for m in targeted]
         with torch.inference_mode():
-            for module in targeted:
-                self._backups[id(module)].copy_(module.weight)
-                _fold(module, slot)
-        self._merged, self._merged_modules = (slot, name), targeted
+            merge_weights(targets, slot)  # one launch on CUDA for every projection of every layer
+        self._merged, self._merged_targets = (slot, name), targets
         self.merges += 1
         return True
 
     def _unmerge(self) -> None:
         with torch.inference_mode():
-            for module in self._merged_modules:
-                module.weight.copy_(self._backups[id(module)])
-        self._merged, self._merged_modules = None, []
-
-
-def _fold(module: LoRALinear, slot: int) -> None:
-    """W[slice rows] += scaling * B[slot, slice rows, :r] @ A[slot, slice, :r], in float32."""
-    stack = module.lora
-    for s, rank in enumerate(stack.host_ranks[slot]):
-        if rank == 0:
-            continue
-        rows = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
-        delta = (stack.b[slot, rows, :rank].float() @ stack.a[slot, s, :rank].float()) * stack.scalings[slot]
-        module.weight[rows] = (module.weight[rows].float() + delta).to(module.weight.dtype)
+            restore_weights(self._merged_targets)
+        self._merged, self._merged_targets = None, []
 
 
 def _as_base_only(inputs: StepInputs) -> StepInputs:

@@ -122,3 +122,26 @@ def test_skinny_linear_bf16_matches_float32(rows, out_features, in_features):
     actual = kernels.linear(x, weight, bias)
     expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
     assert _rel_err(actual.float(), expected) < BF16_REL
+
+
+def test_merge_one_launch_bf16_matches_reference_and_restores_exactly():
+    from kernels.merge import MergeTarget, merge_weights, merge_weights_reference, restore_weights
+
+    torch.manual_seed(0)
+    targets, references, originals = [], [], []
+    for in_features, sizes in ((4096, (4096, 1024, 1024)), (4096, (4096,)), (11008, (4096,))):
+        stack = LoRAStack.empty(2, in_features, sizes, 64, torch.bfloat16, "cuda")
+        stack.set_slot(1, {s: (torch.randn(64, in_features, device="cuda", dtype=torch.bfloat16) * 0.05,
+                               torch.randn(n, 64, device="cuda", dtype=torch.bfloat16) * 0.05)
+                           for s, n in enumerate(sizes) if s != 1}, 2.0)
+        weight = torch.randn(sum(sizes), in_features, device="cuda", dtype=torch.bfloat16)
+        originals.append(weight.clone())
+        targets.append(MergeTarget(weight, torch.empty_like(weight), stack))
+        references.append(MergeTarget(weight.clone(), torch.empty_like(weight), stack))
+    merge_weights(targets, 1)
+    merge_weights_reference(references, 1)
+    for target, reference_, original in zip(targets, references, originals):
+        delta, expected = (target.weight.float() - original.float()), (reference_.weight.float() - original.float())
+        assert _rel_err(delta, expected) < BF16_REL
+    restore_weights(targets)
+    assert all(torch.equal(t.weight, o) for t, o in zip(targets, originals))

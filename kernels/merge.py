@@ -1,0 +1,57 @@
+"""All-layer merge: fold one adapter slot's scaling · B·A into every base weight it targets, in one
+launch on CUDA, saving what it overwrites; and the exact reverse.
+
+A task is one output slice of one projection's weight: W[rows] += scaling * B[slot, rows, :r] @
+A[slot, slice, :r]. The Triton kernel walks every tile of every task in a single grid (a table of
+tensor addresses per task), writes each weight tile's old value to its backup before adding the
+delta, and `restore_weights` copies backups back, so the base weights come back bit-identical
+however often they are merged. The torch reference does the same task by task (CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.lora_stack import LoRAStack
+
+
+@dataclass(frozen=True)
+class MergeTarget:
+    """A projection whose weight an adapter slot is folded into, and where its old value is kept."""
+    weight: torch.Tensor   # [out_features, in_features], rows contiguous
+    backup: torch.Tensor   # same shape and dtype
+    stack: LoRAStack
+
+
+def merge_weights(targets: Sequence[MergeTarget], slot: int) -> None:
+    """backup <- W, then W[slice rows] += scaling * B @ A for each slice the slot's adapter targets."""
+    if targets and targets[0].weight.is_cuda:
+        from kernels.triton_merge import merge_weights_triton  # triton only where CUDA is
+        merge_weights_triton(targets, slot)
+    else:
+        merge_weights_reference(targets, slot)
+
+
+def restore_weights(targets: Sequence[MergeTarget]) -> None:
+    """W <- backup for every target (bit-exact)."""
+    if targets and targets[0].weight.is_cuda:
+        from kernels.triton_merge import restore_weights_triton
+        restore_weights_triton(targets)
+    else:
+        for target in targets:
+            target.weight.copy_(target.backup)
+
+
+def merge_weights_reference(targets: Sequence[MergeTarget], slot: int) -> None:
+    for target in targets:
+        target.backup.copy_(target.weight)
+        stack = target.stack
+        for s, rank in enumerate(stack.host_ranks[slot]):
+            if rank == 0:
+                continue
+            rows = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
+            delta = (stack.b[slot, rows, :rank].float() @ stack.a[slot, s, :rank].float()) * stack.scalings[slot].float()
+            target.weight[rows] = (target.weight[rows].float() + delta).to(target.weight.dtype)
