@@ -6,7 +6,7 @@ as it is, so that a restore can copy whole weights). Every tile of every task is
 host passes, per task, the addresses of its weight rows, backup rows, A, B and scaling (int64),
 its row count, rank, in_features and the B row stride, and the cumulative tile counts; a program
 finds its task by binary search over those. Tiles are [BLOCK_N rows, BLOCK_K columns] of W; the
-delta tile is B[BLOCK_N, r] @ A[r, BLOCK_K] in float32, r padded to BLOCK_R (>= 16) and masked.
+delta tile is B[BLOCK_N, r] @ A[r, BLOCK_K] accumulated in float32, r padded to BLOCK_R (>= 16) and masked.
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ def _merge_kernel(ptrs, sizes, tile_starts, num_tasks,
                 mask=n_mask[:, None] & r_mask[None, :], other=0.0)          # [BLOCK_N, BLOCK_R]
     a = tl.load(a_ptr + offs_r[:, None] * in_features + offs_k[None, :],
                 mask=r_mask[:, None] & k_mask[None, :], other=0.0)          # [BLOCK_R, BLOCK_K]
-    delta = tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee") * scaling
+    # 16-bit products are exact in float32, so tensor cores with float32 accumulation compute what a
+    # float32 matmul would; float32 weights take the exact (non-tf32) path.
+    delta = tl.dot(b, a, input_precision="ieee" if DTYPE == tl.float32 else "tf32") * scaling
     w_offs = offs_n[:, None].to(tl.int64) * in_features + offs_k[None, :]
     mask = n_mask[:, None] & k_mask[None, :]
     w = tl.load(w_rows + w_offs, mask=mask)
