@@ -2,10 +2,10 @@
 
 A task is one output slice of one weight: merge writes the slice's old rows to the backup and adds
 scaling · B @ A to them (a slice the adapter does not target is a task of rank 0: saved, left
-as it is, so that a restore can copy whole weights). Every tile of every task is one program: the
+as it is, so that a restore can copy whole weights). Every row block of every task is one program: the
 host passes, per task, the addresses of its weight rows, backup rows, A, B and scaling (int64),
-its row count, rank, in_features and the B row stride, and the cumulative tile counts; a program
-finds its task by binary search over those. Tiles are [BLOCK_N rows, BLOCK_K columns] of W; the
+its row count, rank, in_features and the B row stride, and the cumulative row-block counts; a
+program finds its task by binary search over those. Tiles are [BLOCK_N rows, BLOCK_K columns] of W; the
 delta tile is B[BLOCK_N, r] @ A[r, BLOCK_K] accumulated in float32, r padded to BLOCK_R (>= 16) and masked.
 """
 
@@ -37,7 +37,7 @@ def merge_weights_triton(targets: Sequence[MergeTarget], slot: int) -> None:
             ptrs.append([weight[first].data_ptr(), backup[first].data_ptr(), stack.a[slot, s].data_ptr(),
                          stack.b[slot, first].data_ptr(), stack.scalings[slot:slot + 1].data_ptr()])
             sizes.append([stop - first, rank, in_features, stack.max_rank])
-            tile_starts.append(tile_starts[-1] + triton.cdiv(stop - first, BLOCK_N) * triton.cdiv(in_features, BLOCK_K))
+            tile_starts.append(tile_starts[-1] + triton.cdiv(stop - first, BLOCK_N))
     dtype = targets[0].weight.dtype
     assert all(t.weight.dtype == dtype for t in targets), "one dtype per launch"
     device = targets[0].weight.device
@@ -46,7 +46,7 @@ def merge_weights_triton(targets: Sequence[MergeTarget], slot: int) -> None:
         torch.tensor(ptrs, dtype=torch.int64).to(device), torch.tensor(sizes, dtype=torch.int32).to(device),
         torch.tensor(tile_starts, dtype=torch.int32).to(device), len(ptrs),
         DTYPE=_TL_DTYPES[dtype], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        BLOCK_R=max(16, triton.next_power_of_2(max_rank)), num_warps=4)
+        BLOCK_R=max(16, triton.next_power_of_2(max_rank)), num_warps=8, num_stages=3)
 
 
 def restore_weights_triton(targets: Sequence[MergeTarget]) -> None:
@@ -85,24 +85,26 @@ def _merge_kernel(ptrs, sizes, tile_starts, num_tasks,
     rank = tl.load(sizes + task * 4 + 1)
     in_features = tl.load(sizes + task * 4 + 2)
     b_stride = tl.load(sizes + task * 4 + 3)
-    k_tiles = tl.cdiv(in_features, BLOCK_K)
 
-    offs_n = (tile // k_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)   # rows of the task's slice
-    offs_k = (tile % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)    # input columns
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)   # this program's rows of the task's slice
     offs_r = tl.arange(0, BLOCK_R)
-    n_mask, k_mask, r_mask = offs_n < num_rows, offs_k < in_features, offs_r < rank
+    n_mask, r_mask = offs_n < num_rows, offs_r < rank
     b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * b_stride + offs_r[None, :],
-                mask=n_mask[:, None] & r_mask[None, :], other=0.0)          # [BLOCK_N, BLOCK_R]
-    a = tl.load(a_ptr + offs_r[:, None] * in_features + offs_k[None, :],
-                mask=r_mask[:, None] & k_mask[None, :], other=0.0)          # [BLOCK_R, BLOCK_K]
-    # 16-bit products are exact in float32, so tensor cores with float32 accumulation compute what a
-    # float32 matmul would; float32 weights take the exact (non-tf32) path.
-    delta = tl.dot(b, a, input_precision="ieee" if DTYPE == tl.float32 else "tf32") * scaling
-    w_offs = offs_n[:, None].to(tl.int64) * in_features + offs_k[None, :]
-    mask = n_mask[:, None] & k_mask[None, :]
-    w = tl.load(w_rows + w_offs, mask=mask)
-    tl.store(backup_rows + w_offs, w, mask=mask)
-    tl.store(w_rows + w_offs, (w.to(tl.float32) + delta).to(DTYPE), mask=mask)
+                mask=n_mask[:, None] & r_mask[None, :], other=0.0)          # [BLOCK_N, BLOCK_R], read once
+    row_offs = offs_n[:, None].to(tl.int64) * in_features
+    for k0 in range(0, in_features, BLOCK_K):  # stream the rows across K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < in_features
+        a = tl.load(a_ptr + offs_r[:, None] * in_features + offs_k[None, :],
+                    mask=r_mask[:, None] & k_mask[None, :], other=0.0)      # [BLOCK_R, BLOCK_K]
+        # 16-bit products are exact in float32, so tensor cores with float32 accumulation compute
+        # what a float32 matmul would; float32 weights take the exact (non-tf32) path.
+        delta = tl.dot(b, a, input_precision="ieee" if DTYPE == tl.float32 else "tf32") * scaling
+        w_offs = row_offs + offs_k[None, :]
+        mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + w_offs, mask=mask)
+        tl.store(backup_rows + w_offs, w, mask=mask)
+        tl.store(w_rows + w_offs, (w.to(tl.float32) + delta).to(DTYPE), mask=mask)
 
 
 @triton.jit
