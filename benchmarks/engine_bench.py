@@ -35,7 +35,6 @@ from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.sampler import sample
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
-from kernels import NO_SLOT
 from services.config import WorkerConfig
 
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
