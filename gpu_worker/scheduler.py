@@ -141,7 +141,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 

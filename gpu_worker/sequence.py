@@ -63,7 +63,6 @@ class Sequence:
         self.rank = 0
         self.num_cached = 0                 # leading tokens whose K/V are in the cache
         self.block_table: list[int] = []    # KV-cache blocks holding those tokens, in order
-        self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.generator: torch.Generator | None = None  # created by the sampler for sampled requests
 
@@ -74,11 +73,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def max_total_tokens(self) -> int:
-        """Tokens the cache may have to hold: the prompt and every generated token but the last."""
-        return self.prompt_len + self.params.max_tokens - 1
 
     @property
     def num_pending(self) -> int:

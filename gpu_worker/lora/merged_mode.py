@@ -38,7 +38,6 @@ class MergedMode:
         self._candidate: tuple[int, str] | None = None
         self._streak = 0
         self._enabled = True
-        self.merges = 0
 
     @property
     def merged_adapter(self) -> str | None:
@@ -78,7 +77,6 @@ class MergedMode:
         with torch.inference_mode():
             merge_weights(targets, slot)  # one launch on CUDA for every projection of every layer
         self._merged, self._merged_targets = (slot, name), targets
-        self.merges += 1
         return True
 
     def _unmerge(self) -> None:
