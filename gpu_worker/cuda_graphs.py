@@ -40,15 +40,15 @@ SHORT_CONTEXT = 512
 
 class LoRAMode(enum.Enum):
     NONE = "none"
-    TOKENS = "tokens"     # every segment one token long
-    GROUPED = "grouped"   # some segment longer than one token
+    TOKENS = "tokens"     # every adapter's group one token long
+    GROUPED = "grouped"   # some adapter's group longer than one token
 
 
 def lora_mode(seg_lens: list[int], seg_slots: list[int]) -> LoRAMode:
     used = [n for n, slot in zip(seg_lens, seg_slots) if slot != NO_SLOT]
     if not used:
         return LoRAMode.NONE
-    return LoRAMode.TOKENS if max(seg_lens) == 1 else LoRAMode.GROUPED
+    return LoRAMode.TOKENS if max(used) == 1 else LoRAMode.GROUPED
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -94,11 +94,12 @@ class DecodeGraphs:
             max_query_len=1, max_seq_len=context_bound)
         # The host-side segment view only chooses whether LoRA kernels are recorded and with which
         # configuration; the kernels read the device segment table, rewritten before every replay.
-        seg_lens = {LoRAMode.NONE: (bucket,), LoRAMode.TOKENS: (1,) * bucket, LoRAMode.GROUPED: (bucket,)}[mode]
-        slot = NO_SLOT if mode is LoRAMode.NONE else 0
+        # TOKENS: every token its own slot (one-token groups); GROUPED: one group as large as the bucket.
+        seg_slots = {LoRAMode.NONE: (NO_SLOT,), LoRAMode.TOKENS: tuple(range(bucket)), LoRAMode.GROUPED: (0,)}[mode]
+        seg_lens = (1,) * bucket if mode is LoRAMode.TOKENS else (bucket,)
         lora = LoRABatch(num_tokens=bucket, seg_starts=tuple(range(0, bucket, seg_lens[0])), seg_lens=seg_lens,
-                         seg_slots=(slot,) * len(seg_lens), max_seg_len=max(seg_lens),
-                         starts=self._seg_starts[:bucket], lens=self._seg_lens[:bucket], slots=self._seg_slots[:bucket])
+                         seg_slots=seg_slots, max_group_len=max(seg_lens), starts=self._seg_starts[:bucket],
+                         lens=self._seg_lens[:bucket], slots=self._seg_slots[:bucket])
         with forward_context(ForwardContext(attention, self.kv_cache, lora)):
             hidden = self.model(self._input_ids[:bucket], self._positions[:bucket])
         return self.model.compute_logits(hidden)

@@ -1,17 +1,24 @@
 """The kernel contract: how a packed batch maps its tokens to adapter slots.
 
 Tokens of all sequences in a step are packed into one [num_tokens, hidden] matrix. A segment is
-a contiguous token range served by one adapter slot (or by none). Example, a batch of a 5-token
-prefill with slot 2, a decode token with no adapter and a decode token with slot 0, built with
-capacity 4 (as for a CUDA graph of 4 segments):
+a contiguous token range served by one adapter slot (or by none); that is how callers describe a
+batch. The kernels see *groups*: all tokens of one slot, so each adapter's weights are read once
+per tile of its tokens however its requests interleave. Example, a 5-token prefill with slot 2,
+a decode token with no adapter, a decode token with slot 0, built with capacity 4 (as for a CUDA
+graph of 4 segments):
 
-    seg_starts = (0, 5, 6)   seg_lens = (5, 1, 1)   seg_slots = (2, NO_SLOT, 0)   max_seg_len = 5
-    starts = [0, 5, 6, 7]    lens = [5, 1, 1, 0]    slots = [2, -1, 0, -1]          (device, int32)
+    seg_starts = (0, 5, 6)   seg_lens = (5, 1, 1)   seg_slots = (2, NO_SLOT, 0)
+    groups:  starts = [0, 6, 7, 7]   lens = [5, 1, 0, 0]   slots = [2, 0, -1, -1]   (device, int32)
+    rows = None: each slot's tokens are one contiguous range       max_group_len = 5
+
+When one slot's tokens are not contiguous (segments (2, 3, 2) with slots (0, 1, 0)), the groups
+index a device row order instead: rows = [0, 1, 5, 6, 2, 3, 4], starts = [0, 4], lens = [4, 3]
+(tokens of NO_SLOT segments are left out of it).
 
 The host tuples answer "does any token use LoRA" without a device sync (the torch reference walks
 them); the Triton kernels read only the device tensors, so a captured graph replays with new
-contents copied into them. `max_seg_len` and `num_tokens` are the only host ints the kernels'
-grids depend on.
+contents copied into them. `max_group_len` and `num_tokens` are the only host ints the kernels'
+grids depend on. Groups of NO_SLOT (or padding) are skipped by the kernels.
 """
 
 from __future__ import annotations
@@ -31,10 +38,11 @@ class LoRABatch:
     seg_starts: tuple[int, ...]     # [num_segments] first token of each segment
     seg_lens: tuple[int, ...]       # [num_segments] tokens in each segment (may be 0)
     seg_slots: tuple[int, ...]      # [num_segments] adapter slot of each segment, or NO_SLOT
-    max_seg_len: int                # bound on every segment's length, now and at graph replay
-    starts: torch.Tensor            # int32 [capacity] device copy of seg_starts, padded
-    lens: torch.Tensor              # int32 [capacity] device copy of seg_lens, padded with 0
-    slots: torch.Tensor             # int32 [capacity] device copy of seg_slots, padded with NO_SLOT
+    max_group_len: int              # bound on any one group's tokens, now and at graph replay
+    starts: torch.Tensor            # int32 [capacity] each group's first position (in `rows` order if any)
+    lens: torch.Tensor              # int32 [capacity] tokens in each group, padded with 0
+    slots: torch.Tensor             # int32 [capacity] slot of each group, padded with NO_SLOT
+    rows: torch.Tensor | None = None  # int32 [tokens in groups] token of each position; None: identity
 
     def __post_init__(self) -> None:
         num_segments = len(self.seg_lens)
@@ -42,14 +50,16 @@ class LoRABatch:
         assert all(s >= 0 and n >= 0 and s + n <= self.num_tokens
                    for s, n in zip(self.seg_starts, self.seg_lens)), (self.seg_starts, self.seg_lens)
         assert all(slot >= NO_SLOT for slot in self.seg_slots), self.seg_slots
-        assert self.max_seg_len >= max(self.seg_lens, default=0), (self.max_seg_len, self.seg_lens)
+        assert self.max_group_len >= max(_group_lens(self.seg_lens, self.seg_slots), default=0), (
+            self.max_group_len, self.seg_lens, self.seg_slots)
         for t in (self.starts, self.lens, self.slots):
             assert t.dtype == torch.int32 and t.shape == (self.capacity,), (t.dtype, t.shape)
-        assert self.capacity >= num_segments, (self.capacity, num_segments)
+        assert self.rows is None or (self.rows.dtype == torch.int32 and self.rows.dim() == 1
+                                     and self.rows.shape[0] <= self.num_tokens)
 
     @property
     def capacity(self) -> int:
-        """Segments the device tensors hold, padding included (the kernels' grid size)."""
+        """Groups the device tensors hold, padding included (the kernels' grid bound)."""
         return self.starts.shape[0]
 
     @property
@@ -59,30 +69,42 @@ class LoRABatch:
 
     @staticmethod
     def build(seg_lens: Sequence[int], seg_slots: Sequence[int], device: torch.device | str,
-              capacity: int | None = None, max_seg_len: int | None = None) -> LoRABatch:
-        """Segments laid end to end from token 0; device tensors padded to `capacity` segments.
+              capacity: int | None = None, max_group_len: int | None = None) -> LoRABatch:
+        """Segments laid end to end from token 0, grouped by slot; device tensors padded to
+        `capacity` groups (default: as many as there are).
 
-        `max_seg_len` defaults to the longest segment; pass a larger bound when this batch is
-        captured in a graph that later replays longer segments.
+        `max_group_len` defaults to the largest group; pass a larger bound when this batch is
+        captured in a graph that later replays larger groups.
         """
         seg_lens, seg_slots = tuple(seg_lens), tuple(seg_slots)
-        num_segments = len(seg_lens)
-        capacity = num_segments if capacity is None else capacity
-        assert capacity >= num_segments, (capacity, num_segments)
-        seg_starts = (0, *accumulate(seg_lens))[:num_segments]
+        seg_starts = (0, *accumulate(seg_lens))[:len(seg_lens)]
         num_tokens = sum(seg_lens)
-        pad = capacity - num_segments
-        # Padded segments start at the batch end with no tokens and no slot: kernels skip them.
-        host = torch.tensor([(*seg_starts, *[num_tokens] * pad),
-                             (*seg_lens, *[0] * pad),
-                             (*seg_slots, *[NO_SLOT] * pad)], dtype=torch.int32)  # [3, capacity]
+        ranges: dict[int, list[range]] = {}  # slot -> its segments' token ranges, in batch order
+        for start, n, slot in zip(seg_starts, seg_lens, seg_slots):
+            if slot != NO_SLOT and n > 0:
+                ranges.setdefault(slot, []).append(range(start, start + n))
+        contiguous = all(r.stop == nxt.start for rs in ranges.values() for r, nxt in zip(rs, rs[1:]))
+        lens = [sum(len(r) for r in rs) for rs in ranges.values()]
+        if contiguous:
+            starts = [rs[0].start for rs in ranges.values()]
+            rows = None
+        else:
+            starts = [0, *accumulate(lens)][:len(lens)]
+            rows = [t for rs in ranges.values() for r in rs for t in r]
+        capacity = len(lens) if capacity is None else capacity
+        assert capacity >= len(lens), (capacity, len(lens))
+        pad = capacity - len(lens)
+        # Padding groups start at the batch end with no tokens and no slot: kernels skip them.
+        host = torch.tensor([*starts, *[num_tokens] * pad, *lens, *[0] * pad, *ranges, *[NO_SLOT] * pad,
+                             *(rows or [])], dtype=torch.int32)
         device = torch.device(device)
         if device.type == "cuda":
             host = host.pin_memory()
-        meta = host.to(device, non_blocking=True)  # one copy for all three
+        meta = host.to(device, non_blocking=True)  # one copy for all of it
         return LoRABatch(num_tokens, seg_starts, seg_lens, seg_slots,
-                         max(seg_lens, default=0) if max_seg_len is None else max_seg_len,
-                         meta[0], meta[1], meta[2])
+                         max(lens, default=0) if max_group_len is None else max_group_len,
+                         meta[:capacity], meta[capacity:2 * capacity], meta[2 * capacity:3 * capacity],
+                         None if rows is None else meta[3 * capacity:])
 
     def copy_into(self, other: LoRABatch) -> None:
         """Copy this batch's device tensors into `other`'s (a captured graph's static inputs).
@@ -91,11 +113,21 @@ class LoRABatch:
         describe the batch it was built with: only the kernels' grid bounds must cover this one.
         """
         assert other.capacity >= self.capacity, (other.capacity, self.capacity)
-        assert other.max_seg_len >= self.max_seg_len, (other.max_seg_len, self.max_seg_len)
+        assert other.max_group_len >= self.max_group_len, (other.max_group_len, self.max_group_len)
         assert other.num_tokens >= self.num_tokens, (other.num_tokens, self.num_tokens)
+        assert self.rows is None and other.rows is None, "graphs replay batches grouped in token order"
         n = self.capacity
         other.starts[:n].copy_(self.starts, non_blocking=True)
         other.lens[:n].copy_(self.lens, non_blocking=True)
         other.slots[:n].copy_(self.slots, non_blocking=True)
         other.lens[n:].fill_(0)
         other.slots[n:].fill_(NO_SLOT)
+
+
+def _group_lens(seg_lens: Sequence[int], seg_slots: Sequence[int]) -> list[int]:
+    """Tokens per slot (NO_SLOT excluded)."""
+    totals: dict[int, int] = {}
+    for n, slot in zip(seg_lens, seg_slots):
+        if slot != NO_SLOT:
+            totals[slot] = totals.get(slot, 0) + n
+    return list(totals.values())

@@ -43,7 +43,10 @@ CASES = {  # name -> (seg_lens, seg_slots, capacity)
     "empty_slot_only": ((3,), (3,), None),
     "no_lora": ((7,), (NO_SLOT,), None),
     "long_segments": ((37, 2, 19), (1, 0, 4), None),  # several M-tiles, ragged ends
-    "padded_capacity": ((2, 3), (0, 1), 6),  # as a CUDA graph's batch: 4 padded segments
+    "padded_capacity": ((2, 3), (0, 1), 6),  # as a CUDA graph's batch: 4 padded groups
+    # One adapter's tokens scattered over the batch: the kernels gather them through a row order.
+    "interleaved": ((3, 2, 4, 1, 5, 2, 19), (0, 1, 0, NO_SLOT, 1, 4, 0), None),
+    "scattered_tokens": ((1,) * 10, (0, 1, 0, 1, 4, NO_SLOT, 0, 4, 1, 0), None),
 }
 
 
@@ -71,7 +74,7 @@ def poison_unused_storage(stack: LoRAStack) -> None:
 
 
 def make_batch(case: str, device: str = "cpu", loose_bound: bool = False) -> LoRABatch:
-    """loose_bound: max_seg_len well above the longest segment, as for a captured CUDA graph."""
+    """loose_bound: max_group_len well above the largest group, as for a captured CUDA graph."""
     seg_lens, seg_slots, capacity = CASES[case]
     return LoRABatch.build(seg_lens, seg_slots, device, capacity, sum(seg_lens) + 64 if loose_bound else None)
 
@@ -128,7 +131,7 @@ def test_reference_matches_naive_loop(case, layout, dtype):
     untouched = out.clone()
 
     y = lora_shrink(x, stack, batch)
-    assert y.dtype == torch.float32 and y.shape == (batch.num_tokens, stack.num_slices, MAX_RANK)
+    assert y.dtype == torch.float32 and y.shape == (1, batch.num_tokens, stack.num_slices, MAX_RANK)
     lora_expand(out, y, stack, batch)
 
     tol = tolerance(dtype)
@@ -142,7 +145,7 @@ def test_no_lora_exits_early_and_leaves_output_untouched():
     batch = LoRABatch.build([3, 0], [NO_SLOT, 0], "cpu")  # a slot but no tokens: still no LoRA
     assert not batch.has_lora
     y = lora_shrink(torch.randn(3, IN_FEATURES), stack, batch)
-    assert torch.equal(y, torch.zeros(3, 3, MAX_RANK))
+    assert torch.equal(y, torch.zeros(1, 3, 3, MAX_RANK))
     out = torch.ones(3, stack.out_features)
     lora_expand(out, y, stack, batch)
     assert torch.equal(out, torch.ones(3, stack.out_features))
@@ -156,32 +159,49 @@ def test_shape_mismatches_are_rejected():
     with pytest.raises(AssertionError):
         lora_shrink(torch.randn(2, IN_FEATURES + 1), stack, batch)
     with pytest.raises(AssertionError):
-        lora_expand(torch.zeros(2, stack.out_features), torch.zeros(2, 3, MAX_RANK, dtype=torch.float16), stack, batch)
+        lora_expand(torch.zeros(2, stack.out_features), torch.zeros(1, 2, 3, MAX_RANK, dtype=torch.float16), stack, batch)
+    with pytest.raises(AssertionError):  # no split axis
+        lora_expand(torch.zeros(2, stack.out_features), torch.zeros(2, 3, MAX_RANK), stack, batch)
 
 
-def test_batch_build_lays_segments_end_to_end_and_pads():
+def test_batch_build_groups_segments_by_slot_and_pads():
     batch = LoRABatch.build([5, 1, 0, 2], [2, NO_SLOT, 0, 1], "cpu", capacity=6)
-    assert batch.num_tokens == 8 and batch.max_seg_len == 5 and batch.capacity == 6
+    assert batch.num_tokens == 8 and batch.max_group_len == 5 and batch.capacity == 6
     assert batch.seg_starts == (0, 5, 6, 6)
-    assert batch.starts.tolist() == [0, 5, 6, 6, 8, 8]
-    assert batch.lens.tolist() == [5, 1, 0, 2, 0, 0]
-    assert batch.slots.tolist() == [2, NO_SLOT, 0, 1, NO_SLOT, NO_SLOT]
+    # Groups: slot 2 at 0..4, slot 1 at 6..7; NO_SLOT and empty segments are not groups.
+    assert batch.rows is None
+    assert batch.starts.tolist() == [0, 6, 8, 8, 8, 8]
+    assert batch.lens.tolist() == [5, 2, 0, 0, 0, 0]
+    assert batch.slots.tolist() == [2, 1, NO_SLOT, NO_SLOT, NO_SLOT, NO_SLOT]
     assert batch.has_lora
     assert LoRABatch.build([4], [NO_SLOT], "cpu").has_lora is False
     with pytest.raises(AssertionError):
         LoRABatch.build([4, 4], [0, 1], "cpu", capacity=1)
     with pytest.raises(AssertionError):
-        LoRABatch.build([4, 4], [0, 1], "cpu", max_seg_len=3)
+        LoRABatch.build([4, 4], [0, 1], "cpu", max_group_len=3)
+
+
+def test_batch_build_gathers_a_slot_whose_tokens_are_scattered():
+    batch = LoRABatch.build([2, 3, 1, 2], [0, 1, NO_SLOT, 0], "cpu")
+    assert batch.rows.tolist() == [0, 1, 6, 7, 2, 3, 4]  # slot 0's tokens, then slot 1's
+    assert batch.starts.tolist() == [0, 4] and batch.lens.tolist() == [4, 3]
+    assert batch.slots.tolist() == [0, 1] and batch.max_group_len == 4
+    with pytest.raises(AssertionError):  # the group of slot 0 has 4 tokens
+        LoRABatch.build([2, 3, 1, 2], [0, 1, NO_SLOT, 0], "cpu", max_group_len=3)
+    # Adjacent segments of one slot are one contiguous group: no row order needed.
+    assert LoRABatch.build([2, 3, 1], [0, 0, NO_SLOT], "cpu").rows is None
 
 
 def test_batch_copy_into_replaces_device_contents_and_clears_padding():
-    static = LoRABatch.build([4, 4, 4], [0, 1, 2], "cpu", capacity=4, max_seg_len=8)
+    static = LoRABatch.build([4, 4, 4], [0, 1, 2], "cpu", capacity=4, max_group_len=8)
     LoRABatch.build([3, 5], [4, NO_SLOT], "cpu").copy_into(static)
-    assert static.starts[:2].tolist() == [0, 3]
-    assert static.lens.tolist() == [3, 5, 0, 0]
+    assert static.starts[:1].tolist() == [0]
+    assert static.lens.tolist() == [3, 0, 0, 0]
     assert static.slots.tolist() == [4, NO_SLOT, NO_SLOT, NO_SLOT]
-    with pytest.raises(AssertionError):  # a longer segment than the static batch's bound
+    with pytest.raises(AssertionError):  # a larger group than the static batch's bound
         LoRABatch.build([9], [0], "cpu").copy_into(static)
+    with pytest.raises(AssertionError):  # graphs replay batches grouped in token order only
+        LoRABatch.build([1, 1, 1], [0, 1, 0], "cpu").copy_into(static)
 
 
 def test_set_slot_places_slices_and_ranks():

@@ -1,0 +1,181 @@
+"""Tile configurations of the LoRA kernels: the offline-tuned table and its O(1) lookup.
+
+`python -m kernels.tune` times candidate configurations for each shape bucket of a model on the
+local GPU and writes `kernels/tables/<gpu>.json`. At run time a call's bucket key is built from
+host ints only (the projection's shape, the padded rank, the batch's token count and its largest
+group, each rounded up to a tuned point) and looked up in a dict. Shapes or GPUs without a table
+get the heuristics below, measured on an H200 before the tuner existed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.batch import LoRABatch
+from kernels.lora_stack import LoRAStack
+
+TABLE_DIR = Path(__file__).parent / "tables"
+TOKEN_POINTS = (1, 8, 32, 128, 512, 2048, 8192)  # tuned batch sizes and group sizes
+RANK_POINTS = (16, 64, 128)  # tuned rank tiles (padded max rank; 32 uses the 64 entry)
+TARGET_PROGRAMS = 528  # heuristic split-K aims at about this many programs: 4 per SM of an H100/H200
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    block_m: int     # tokens per tile; < 16: CUDA-core multiply-sum instead of tl.dot (decode)
+    block_k: int     # in_features per inner step
+    split_k: int     # programs sharing one tile's K range, each storing a partial y
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    block_m: int     # tokens per tile; < 16: CUDA-core multiply-sum instead of tl.dot (decode)
+    block_n: int     # out_features per step; a program's columns never straddle two slices
+    n_steps: int     # block_n steps per program: amortizes its prologue, pipelines B loads
+    num_warps: int
+    num_stages: int
+
+
+Config = ShrinkConfig | ExpandConfig
+CONFIG_TYPES: dict[str, type[ShrinkConfig] | type[ExpandConfig]] = {"shrink": ShrinkConfig, "expand": ExpandConfig}
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One tuned shape: what a configuration is chosen by."""
+    op: str                      # "shrink" | "expand"
+    in_features: int
+    out_sizes: tuple[int, ...]   # the projection's output slices (fused qkv: 3)
+    block_r: int                 # padded rank tile
+    tokens: int                  # batch tokens, rounded up to a TOKEN_POINT
+    group: int                   # largest group's tokens, rounded up to a TOKEN_POINT (<= tokens)
+
+    @property
+    def key(self) -> str:
+        out = "+".join(map(str, self.out_sizes))
+        return f"{self.op}|k{self.in_features}|n{out}|r{self.block_r}|t{self.tokens}|g{self.group}"
+
+
+def round_up(value: int, points: tuple[int, ...]) -> int:
+    """The smallest point >= value (the last one past the end)."""
+    return _round_up_table(points)[min(max(value, 1), points[-1])]
+
+
+@functools.cache
+def _round_up_table(points: tuple[int, ...]) -> tuple[int, ...]:
+    """Index v -> the smallest point >= v, precomputed so that a lookup is one index."""
+    return tuple(next(p for p in points if p >= v) for v in range(points[-1] + 1))
+
+
+def bucket_of(op: str, stack: LoRAStack, batch: LoRABatch) -> Bucket:
+    sizes = tuple(hi - lo for lo, hi in zip(stack.out_offsets, stack.out_offsets[1:]))
+    tokens = round_up(batch.num_tokens, TOKEN_POINTS)
+    group = min(round_up(min(batch.max_group_len, batch.num_tokens), TOKEN_POINTS), tokens)
+    return Bucket(op, stack.in_features, sizes, round_up(stack.max_rank, RANK_POINTS), tokens, group)
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200': the table's file name."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+@functools.cache
+def load_table(gpu_name: str) -> dict:
+    """The table tuned on this GPU model, or an empty one."""
+    path = TABLE_DIR / f"{gpu_slug(gpu_name)}.json"
+    if not path.exists():
+        return {"gpu": gpu_name, "configs": {}, "static": {}}
+    return json.loads(path.read_text())
+
+
+def table_for(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"configs": {}, "static": {}}
+    return load_table(_device_name(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def config_from(op: str, entry: dict) -> Config:
+    cls = CONFIG_TYPES[op]
+    return cls(**{field: entry[field] for field in cls.__dataclass_fields__})
+
+
+def config_dict(config: Config) -> dict:
+    return asdict(config)
+
+
+def shrink_config(stack: LoRAStack, batch: LoRABatch) -> ShrinkConfig:
+    return _lookup("shrink", stack, batch)  # type: ignore[return-value]
+
+
+def expand_config(stack: LoRAStack, batch: LoRABatch) -> ExpandConfig:
+    return _lookup("expand", stack, batch)  # type: ignore[return-value]
+
+
+def _lookup(op: str, stack: LoRAStack, batch: LoRABatch) -> Config:
+    return lookup(bucket_of(op, stack, batch), table_for(stack.a.device))
+
+
+def lookup(bucket: Bucket, table: dict) -> Config:
+    """The table's configuration for `bucket`, or the heuristic's when it has none."""
+    entry = table["configs"].get(bucket.key)
+    if entry is not None:
+        return config_from(bucket.op, entry)
+    return heuristic_config(bucket)
+
+
+def static_config(op: str, device: torch.device) -> Config:
+    """The one configuration that did best over all tuned buckets (the fixed-tiling baseline);
+    without a table, the heuristic's choice for a mid-size prefill."""
+    entry = table_for(device)["static"].get(op)
+    if entry is not None:
+        return config_from(op, entry)
+    return heuristic_config(Bucket(op, 4096, (4096,), 64, 512, 128))
+
+
+def heuristic_config(bucket: Bucket) -> Config:
+    return _heuristic_shrink(bucket) if bucket.op == "shrink" else _heuristic_expand(bucket)
+
+
+def _block_m(group: int) -> int:
+    return 16 if group <= 16 else 32 if group <= 32 else 64
+
+
+def _heuristic_shrink(b: Bucket) -> ShrinkConfig:
+    """Decode-like buckets (small groups) leave few programs: split K so that about
+    TARGET_PROGRAMS run (~512 of K each at least). Longer tiles keep split_k = 1: split 4 made
+    a 4x512-token prefill 3x slower on an H200."""
+    block_m = _block_m(b.group)  # tl.dot even for decode: multiply-sum measured slower
+    block_k = min(64 if block_m <= 32 or b.block_r > 64 else 128, max(16, _next_pow2(b.in_features)))
+    split_k = 1
+    if block_m <= 32:
+        programs = max(1, b.tokens // max(b.group, 1)) * len(b.out_sizes)
+        split_k = min(_next_pow2(-(-TARGET_PROGRAMS // programs)), max(1, b.in_features // 512))
+    return ShrinkConfig(block_m, block_k, split_k, num_warps=4, num_stages=3 if b.block_r <= 64 else 2)
+
+
+def _heuristic_expand(b: Bucket) -> ExpandConfig:
+    """One-token groups (decode) take 1-row tiles multiplied on CUDA cores: ~15% faster than a
+    16-row tl.dot that wastes 15 rows and moves B through shared memory."""
+    block_n = min(128, max(16, _next_pow2(max(b.out_sizes))))
+    if b.group == 1:  # multiply-sum tile [block_r, block_n]: <= 64 fp32 registers a thread
+        return ExpandConfig(1, max(16, min(block_n, 8192 // b.block_r)), n_steps=4, num_warps=4, num_stages=3)
+    if b.tokens <= 64:  # possibly one live tile: one N step a program
+        return ExpandConfig(_block_m(b.group), block_n, n_steps=1, num_warps=4, num_stages=2)
+    return ExpandConfig(_block_m(b.group), block_n, n_steps=2, num_warps=4, num_stages=2)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -1,0 +1,82 @@
+"""The tuned-table lookup: bucket keys from host ints, table entries, heuristic fallback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kernels import NO_SLOT, LoRABatch, LoRAStack, tuning
+from kernels.tuning import Bucket, ExpandConfig, ShrinkConfig
+
+
+def stack(max_rank: int = 64, out_sizes: tuple[int, ...] = (4096, 1024, 1024)) -> LoRAStack:
+    return LoRAStack.empty(2, 4096, out_sizes, max_rank, torch.float16, "meta")
+
+
+def batch(seg_lens, seg_slots, **kwargs) -> LoRABatch:
+    return LoRABatch.build(seg_lens, seg_slots, "cpu", **kwargs)
+
+
+@pytest.mark.parametrize("value,expected", [(0, 1), (1, 1), (2, 8), (8, 8), (9, 32), (2049, 8192), (10**6, 8192)])
+def test_round_up_to_the_next_tuned_point(value, expected):
+    assert tuning.round_up(value, tuning.TOKEN_POINTS) == expected
+
+
+def test_bucket_of_rounds_shape_rank_tokens_and_group():
+    decode = batch([1] * 20, list(range(20)))  # 20 tokens, one per adapter
+    key = tuning.bucket_of("shrink", stack(max_rank=48), decode)
+    assert key == Bucket("shrink", 4096, (4096, 1024, 1024), 64, 32, 1)
+    grouped = batch([1] * 20, [0, 1] * 10)  # scattered: groups of 10
+    assert tuning.bucket_of("expand", stack(max_rank=16), grouped) == Bucket("expand", 4096, (4096, 1024, 1024), 16, 32, 32)
+    # A graph's bound on the group size counts, but never beyond the batch's tokens.
+    loose = batch([4], [0], max_group_len=100)
+    assert tuning.bucket_of("shrink", stack(), loose).group == 8
+    assert tuning.bucket_of("shrink", stack(), batch([5], [NO_SLOT])).group == 1
+
+
+def test_lookup_prefers_the_table_and_falls_back_to_the_heuristic():
+    bucket = Bucket("shrink", 4096, (4096,), 64, 32, 1)
+    tuned = ShrinkConfig(block_m=16, block_k=256, split_k=16, num_warps=8, num_stages=4)
+    table = {"configs": {bucket.key: {**tuning.config_dict(tuned), "us": 3.0}}, "static": {}}
+    assert tuning.lookup(bucket, table) == tuned
+    other = Bucket("shrink", 4096, (4096,), 64, 128, 1)
+    assert tuning.lookup(other, table) == tuning.heuristic_config(other)
+    assert tuning.lookup(Bucket("expand", 4096, (4096,), 64, 32, 1), table) == tuning.heuristic_config(
+        Bucket("expand", 4096, (4096,), 64, 32, 1))
+
+
+def test_heuristics_cover_every_bucket_with_valid_configs():
+    for op in ("shrink", "expand"):
+        for rank in tuning.RANK_POINTS:
+            for tokens in tuning.TOKEN_POINTS:
+                for group in (g for g in tuning.TOKEN_POINTS if g <= tokens):
+                    config = tuning.heuristic_config(Bucket(op, 3584, (3584, 512, 512), rank, tokens, group))
+                    assert config.num_warps in (1, 2, 4, 8) and config.num_stages >= 1
+                    if isinstance(config, ShrinkConfig):
+                        assert config.block_m >= 1 and config.block_k >= 16 and config.split_k >= 1
+                    else:
+                        assert isinstance(config, ExpandConfig) and config.block_n >= 16 and config.n_steps >= 1
+
+
+def test_table_file_is_found_by_gpu_name(tmp_path, monkeypatch):
+    entry = {"block_m": 1, "block_n": 64, "n_steps": 2, "num_warps": 4, "num_stages": 3, "us": 2.5}
+    static = {"block_m": 32, "block_n": 128, "n_steps": 1, "num_warps": 4, "num_stages": 2}
+    (tmp_path / "nvidia-h200.json").write_text(json.dumps(
+        {"gpu": "NVIDIA H200", "configs": {"expand|k4096|n4096|r64|t8|g1": entry}, "static": {"expand": static}}))
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
+    tuning.load_table.cache_clear()
+    try:
+        assert tuning.gpu_slug("NVIDIA H200") == "nvidia-h200"
+        table = tuning.load_table("NVIDIA H200")
+        assert tuning.lookup(Bucket("expand", 4096, (4096,), 64, 8, 1), table) == ExpandConfig(1, 64, 2, 4, 3)
+        assert tuning.load_table("Some Other GPU")["configs"] == {}
+    finally:
+        tuning.load_table.cache_clear()
+
+
+def test_cpu_tensors_use_no_table_and_a_static_config_exists():
+    assert tuning.table_for(torch.device("cpu"))["configs"] == {}
+    assert isinstance(tuning.static_config("shrink", torch.device("cpu")), ShrinkConfig)
+    assert isinstance(tuning.static_config("expand", torch.device("cpu")), ExpandConfig)
