@@ -9,8 +9,10 @@ groups the latter would launch ~8000 M programs where ~290 have work. Each progr
 group with a prefix sum over the groups' tile counts (`_find_tile`, one read of the batch's small
 int32 metadata), then returns at once when its slice is untargeted or its slot empty.
 
-Shrink splits K over `split_k` programs that each store a partial y (no atomics, no zero-fill,
-deterministic); expand sums the partials as it loads y.
+Shrink may split K over `split_k` programs that add their partial products into a zero-filled
+y with fp32 atomics (results may then differ in the last bits between runs); unsplit, it stores
+into uninitialized y. Partials kept apart for expand to sum were tried: expand then waits on
+split_k dependent loads, 18 us for a split of 64 on an H200.
 
 Grids come from host ints only (num_tokens, the batch's capacity, the stack's shape;
 max_group_len only picks the configuration), and every per-step value is read from device
@@ -56,8 +58,9 @@ def _m_tile_bound(batch: LoRABatch, block_m: int) -> int:
 
 
 def _group_block(capacity: int) -> int:
-    """Groups each program scans to find its tile (metadata read, no weights)."""
-    return max(16, triton.next_power_of_2(capacity))
+    """Groups each program scans to find its tile (metadata read, no weights); at least 64 so
+    that batches of up to 64 adapters share one compiled kernel."""
+    return max(64, triton.next_power_of_2(capacity))
 
 
 def _rows_arg(x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
@@ -66,22 +69,21 @@ def _rows_arg(x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
 
 def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
                 config: ShrinkConfig | None = None) -> torch.Tensor:
-    """Partial products y[k, t, s, :r], summing over k to scaling[slot] * x[t] @ A[slot, s, :r]ᵀ
-    for tokens of groups using a slot; other entries are unspecified.
+    """y[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of groups using a slot;
+    other entries are unspecified.
 
     x:      [num_tokens, in_features], stack.a's dtype
-    returns y: float32 [split_k, num_tokens, num_slices, max_rank]
+    returns y: float32 [num_tokens, num_slices, max_rank]
     """
     stack.check_shrink_args(x, batch)
     assert x.dtype == stack.a.dtype, (x.dtype, stack.a.dtype)
     cfg = config or tuning.shrink_config(stack, batch)
     assert cfg.block_m >= 1 and cfg.block_k >= 16 and cfg.split_k >= 1, cfg
-    y = torch.empty(cfg.split_k, batch.num_tokens, stack.num_slices, stack.max_rank, dtype=torch.float32,
-                    device=x.device)
+    new = torch.zeros if cfg.split_k > 1 else torch.empty  # splits add into y
+    y = new(batch.num_tokens, stack.num_slices, stack.max_rank, dtype=torch.float32, device=x.device)
     if batch.num_tokens == 0 or batch.capacity == 0:
-        return y.zero_()
-    # K range of one split, a multiple of block_k; trailing splits may get an empty range (and
-    # store zeros).
+        return y
+    # K range of one split, a multiple of block_k; trailing splits may get an empty range.
     k_per_split = triton.cdiv(triton.cdiv(stack.in_features, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (_m_tile_bound(batch, cfg.block_m), stack.num_slices * cfg.split_k)
     _shrink_kernel[grid](
@@ -101,10 +103,10 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
                 config: ExpandConfig | None = None) -> None:
-    """out[t, slice s columns] += (Σₖ y[k, t, s, :r]) @ B[slot, slice s rows, :r]ᵀ, in place.
+    """out[t, slice s columns] += y[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
 
     out: [num_tokens, out_features] the base projection's output (any float dtype)
-    y:   float32 [split_k, num_tokens, num_slices, max_rank] from lora_shrink
+    y:   float32 [num_tokens, num_slices, max_rank] from lora_shrink
     Tiles of >= 16 rows multiply in B's dtype (y is rounded to it, as vLLM does, for 16-bit
     tensor cores), smaller ones in fp32; all accumulate and add to out in fp32. Rows of
     base-only tokens and columns of untargeted slices are never written.
@@ -125,7 +127,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
     grid = (_m_tile_bound(batch, cfg.block_m), sum(tiles))
     _expand_kernel[grid](
         y, stack.b, out, stack.ranks, batch.starts, batch.lens, batch.slots, _rows_arg(out, batch),
-        batch.capacity, *ends, *tile_starts, y.shape[0], cfg.n_steps,
+        batch.capacity, *ends, *tile_starts, cfg.n_steps,
         *y.stride(),
         *stack.b.stride(),
         out.stride(0), out.stride(1),
@@ -193,7 +195,7 @@ def _shrink_kernel(
     num_groups, in_features, split_k, k_per_split,
     stride_xm, stride_xk,
     stride_a_slot, stride_a_slice, stride_a_rank, stride_ak,
-    stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
+    stride_ym, stride_y_slice, stride_y_rank,
     stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -226,16 +228,19 @@ def _shrink_kernel(
         acc = _matmul(x, a, acc, BLOCK_M, DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
-    y_ptrs = (y_ptr + split * stride_y_split + rows[:, None] * stride_ym + slice_idx * stride_y_slice
-              + offs_r[None, :] * stride_y_rank)
-    tl.store(y_ptrs, acc * scaling, mask=m_mask[:, None] & r_mask[None, :])
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
+    y_mask = m_mask[:, None] & r_mask[None, :]
+    if split_k == 1:
+        tl.store(y_ptrs, acc * scaling, mask=y_mask)
+    else:
+        tl.atomic_add(y_ptrs, acc * scaling, mask=y_mask)
 
 
 @triton.jit
 def _expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
-    num_groups, end0, end1, end2, tile_start1, tile_start2, split_k, n_steps,
-    stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
+    num_groups, end0, end1, end2, tile_start1, tile_start2, n_steps,
+    stride_ym, stride_y_slice, stride_y_rank,
     stride_b_slot, stride_bn, stride_b_rank,
     stride_om, stride_on,
     stride_ranks_slot,
@@ -262,19 +267,17 @@ def _expand_kernel(
     offs_n = n_begin + (pid_n - first_tile) * (BLOCK_N * n_steps) + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
-    y_mask = m_mask[:, None] & r_mask[None, :]
-    y = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for split in range(split_k):  # shrink's K-split partials
-        y += tl.load(y_ptrs + split * stride_y_split, mask=y_mask, other=0.0)
+    y = tl.load(y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank,
+                mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R] fp32
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     for step in range(n_steps):
         n_mask = offs_n + step * BLOCK_N < n_end
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        # out from HBM first: its latency then overlaps the B tile's (from L2) and the product.
+        prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
         b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N] = Bᵀ tile
         delta = _matmul(y, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_M, DOT_PRECISION)
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
         tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=out_mask)
         b_ptrs += BLOCK_N * stride_bn
         out_ptrs += BLOCK_N * stride_on

@@ -30,7 +30,7 @@ TARGET_PROGRAMS = 528  # heuristic split-K aims at about this many programs: 4 p
 class ShrinkConfig:
     block_m: int     # tokens per tile; < 16: CUDA-core multiply-sum instead of tl.dot (decode)
     block_k: int     # in_features per inner step
-    split_k: int     # programs sharing one tile's K range, each storing a partial y
+    split_k: int     # programs sharing one tile's K range, adding into y with fp32 atomics
     num_warps: int
     num_stages: int
 

@@ -55,7 +55,7 @@ def test_lora_graph_replays_new_segments():
     device tables, so the replay computes the new batch."""
     stack, _ = make_stack("qkv", torch.float32)
     cuda_stack = _on_cuda(stack, torch.bfloat16)
-    static = LoRABatch.build([2, 2, 2, 2], [0, NO_SLOT, 1, 2], "cuda", capacity=8, max_seg_len=8)
+    static = LoRABatch.build([2, 2, 2, 2], [0, NO_SLOT, 1, 2], "cuda", capacity=8, max_group_len=8)
     x = torch.randn(8, stack.in_features, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(8, stack.out_features, device="cuda", dtype=torch.bfloat16)
     base = torch.randn_like(out)
@@ -145,3 +145,35 @@ def test_merge_one_launch_bf16_matches_reference_and_restores_exactly():
         assert _rel_err(delta, expected) < BF16_REL
     restore_weights(targets)
     assert all(torch.equal(t.weight, o) for t, o in zip(targets, originals))
+
+
+def _distinct_table_configs() -> list[tuple[str, object]]:
+    from kernels import tuning
+    table = tuning.load_table(torch.cuda.get_device_name()) if torch.cuda.is_available() else {"configs": {}}
+    found = {(key.split("|")[0], tuning.config_from(key.split("|")[0], entry)) for key, entry in table["configs"].items()}
+    return sorted(found, key=str)
+
+
+def test_every_tuned_config_computes_the_reference():
+    """Each distinct configuration of this GPU's committed table, on a batch that gathers scattered
+    tokens, mixes ranks and slices and leaves a slot out: a bad table entry cannot ship."""
+    configs = _distinct_table_configs()
+    if not configs:
+        pytest.skip(f"no tuned table for {torch.cuda.get_device_name()}")
+    stack, _ = make_stack("qkv", torch.float32)
+    cuda_stack = _on_cuda(stack, torch.bfloat16)
+    seg_lens, seg_slots = [37, 1, 5, 1, 20, 3, 1], [0, 1, 4, NO_SLOT, 1, 0, 2]
+    batch = LoRABatch.build(seg_lens, seg_slots, "cuda")
+    host = LoRABatch.build(seg_lens, seg_slots, "cpu")
+    x, out = make_inputs(host, stack.out_features, torch.float32)
+    x16, out16 = x.to(torch.bfloat16), out.to(torch.bfloat16)
+    y_ref = reference.lora_shrink(x16.float(), stack, host)
+    expected = out16.float().clone()
+    reference.lora_expand(expected, y_ref, stack, host)
+    from kernels import triton_lora
+    for op, config in configs:
+        actual = out16.cuda()
+        shrink_cfg = config if op == "shrink" else None
+        y = triton_lora.lora_shrink(x16.cuda(), cuda_stack, batch, shrink_cfg)
+        triton_lora.lora_expand(actual, y, cuda_stack, batch, config if op == "expand" else None)
+        assert _rel_err(actual.cpu(), expected) < BF16_REL, (op, config)

@@ -1,0 +1,540 @@
+"""The ATMM LoRA kernels against fixed tiling and the usual torch baselines, one GPU, one run.
+
+Each case is one square projection (in = out = hidden, one slice) serving a batch of requests on
+n distinct adapters: a hidden size, a rank set, n, a token count and a layout (decode: one token a
+request; prefill: a few long requests, one adapter's requests kept apart). Each op (shrink
+x -> y, expand y -> out) is run by four implementations of one contract (`LoRAOp`):
+
+    atmm_tuned   kernels.triton_lora, the tuned table's config for the case's bucket
+    atmm_static  kernels.triton_lora, one fixed config for every case (Punica-like tiling)
+    torch_loop   a Python loop over the batch's adapters, one matmul each (PEFT-like)
+    gather_bmm   tokens and weights gathered into padded groups, one bmm (dLoRA-like)
+
+each checked first against kernels.reference in float32 on fresh inputs (a mismatch aborts the
+run), then timed in one CUDA graph over rotating input copies that span 3x L2 (weights rotate
+too: copy c's adapters live in their own slots of one big stack), and set against its roofline:
+the bytes the op must move at least once (`min_bytes`) over the copy bandwidth measured in the
+same run. The summary checks the ATMM targets, shrink and expand separately.
+
+    python -m benchmarks.kernel_bench [--quick] [--json OUT.json]   (from the repo root)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import shlex
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime
+from itertools import product
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+import triton
+
+from kernels import reference, timing, triton_lora, tuning
+from kernels.batch import NO_SLOT, LoRABatch
+from kernels.lora_stack import LoRAStack
+
+RANK_SETS = {"u16": (16,), "u64": (64,), "mixed": (8, 16, 32, 64, 128)}  # adapter j: set[j % len]
+LAYOUTS = ("decode", "prefill")
+OPS = ("shrink", "expand")
+FULL = {"hidden": [4096, 3584], "ranks": list(RANK_SETS), "adapters": [1, 4, 16, 64],
+        "tokens": list(tuning.TOKEN_POINTS), "layouts": list(LAYOUTS)}  # the tuned token points
+QUICK = {"hidden": [4096], "ranks": ["u16", "mixed"], "adapters": [4], "tokens": [8, 2048],
+         "layouts": list(LAYOUTS)}
+SEED = 0
+DEVICE, DTYPE = "cuda", torch.bfloat16  # what is measured (tests run the flow on CPU in float32)
+RTOL, ATOL_OF_RMS = 2e-2, 5e-2  # bf16 check; see _expect_close
+
+# Targets, each for shrink and expand separately.
+LARGE_TOKENS = (2048, 8192)
+FRACTION_GOAL = {"shrink": 0.6, "expand": 0.75}  # median roofline fraction of LARGE_TOKENS cases
+SMALL_TOKENS, SMALL_US = 32, 4.0                 # median µs of cases with <= SMALL_TOKENS tokens
+STATIC_SPEEDUP = 1.3                             # median static / tuned time where configs differ
+
+
+# ---- cases ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    hidden: int
+    ranks: str                     # key of RANK_SETS
+    adapters: int                  # n distinct adapters; adapter j has rank RANK_SETS[ranks][j % len]
+    layout: str                    # "decode" | "prefill"
+    seg_lens: tuple[int, ...]      # [requests] tokens of each request, laid end to end
+    seg_adapters: tuple[int, ...]  # [requests] adapter (0..n-1) of each request
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.seg_lens)
+
+    @property
+    def name(self) -> str:
+        return f"h{self.hidden} {self.ranks} n{self.adapters} t{self.tokens} {self.layout}"
+
+    @property
+    def max_rank(self) -> int:  # the stack's rank padding
+        return max(RANK_SETS[self.ranks])
+
+    @property
+    def adapter_ranks(self) -> tuple[int, ...]:  # [n]
+        ranks = RANK_SETS[self.ranks]
+        return tuple(ranks[j % len(ranks)] for j in range(self.adapters))
+
+    @property
+    def adapter_scalings(self) -> tuple[float, ...]:  # [n] unequal: reading a wrong slot's shows
+        return tuple(0.5 + 0.25 * (j % 4) for j in range(self.adapters))
+
+    def token_ranks(self) -> list[int]:
+        """[tokens] rank of each token's adapter."""
+        return [self.adapter_ranks[j] for n, j in zip(self.seg_lens, self.seg_adapters) for _ in range(n)]
+
+    def used_adapters(self) -> list[int]:
+        """The adapters some token uses (with fewer requests than adapters, not all)."""
+        return sorted(set(self.seg_adapters))
+
+    def used_ranks(self) -> list[int]:
+        return [self.adapter_ranks[j] for j in self.used_adapters()]
+
+
+def make_case(hidden: int, ranks: str, adapters: int, tokens: int, layout: str) -> Case:
+    """Request i uses adapter i % n; decode: `tokens` one-token requests; prefill: min(tokens, 2n)
+    requests of random positive lengths. Requests are shuffled; a prefill's order keeps one
+    adapter's requests apart, so the kernels gather its rows. The same (n, tokens, layout) gives
+    the same requests at every hidden size and rank set."""
+    assert layout in LAYOUTS and ranks in RANK_SETS and adapters >= 1 and tokens >= 1
+    rng = np.random.default_rng([SEED, adapters, tokens, LAYOUTS.index(layout)])
+    if layout == "decode":
+        lens = [1] * tokens
+    else:
+        lens = _random_split(tokens, min(tokens, 2 * adapters), rng)
+    order = _shuffle(len(lens), adapters, rng, apart=layout == "prefill")
+    return Case(hidden, ranks, adapters, layout, tuple(lens[i] for i in order), tuple(i % adapters for i in order))
+
+
+def make_cases(hidden: Sequence[int], ranks: Sequence[str], adapters: Sequence[int], tokens: Sequence[int],
+               layouts: Sequence[str]) -> list[Case]:
+    """The grid; a one-token prefill would repeat decode and is left out."""
+    return [make_case(h, r, n, t, layout) for h, r, n, layout, t in product(hidden, ranks, adapters, layouts, tokens)
+            if not (layout == "prefill" and t == 1)]
+
+
+def _random_split(total: int, parts: int, rng: np.random.Generator) -> list[int]:
+    """`parts` positive ints summing to `total`: distinct random cut points."""
+    cuts = np.sort(rng.choice(np.arange(1, total), parts - 1, replace=False))
+    return np.diff([0, *cuts, total]).tolist()
+
+
+def _shuffle(requests: int, adapters: int, rng: np.random.Generator, apart: bool) -> list[int]:
+    """A random order of requests 0..requests-1 (request i uses adapter i % adapters); with
+    `apart`, no two neighbours share an adapter. Each adapter has at most 2 requests here, so
+    with n >= 2 about one shuffle in three qualifies."""
+    for _ in range(1000):
+        order = rng.permutation(requests).tolist()
+        if not apart or adapters == 1 or all(a % adapters != b % adapters for a, b in zip(order, order[1:])):
+            return order
+    raise AssertionError(f"no order keeps the requests of {adapters} adapters apart")
+
+
+# ---- roofline ------------------------------------------------------------------------------
+
+def min_bytes(op: str, case: Case, elem_bytes: int = 2) -> int:
+    """Bytes the op must move at least once: the used adapters' A (shrink) or B (expand) at their
+    true ranks, y at each token's own rank, and x read (shrink) or out read and written (expand)."""
+    assert op in OPS, op
+    weights = sum(case.used_ranks()) * case.hidden * elem_bytes
+    y = sum(case.token_ranks()) * elem_bytes
+    rows = case.tokens * case.hidden * elem_bytes * (1 if op == "shrink" else 2)
+    return weights + y + rows
+
+
+# ---- inputs --------------------------------------------------------------------------------
+
+def random_stack(case: Case, copies: int, dtype: torch.dtype, device: torch.device | str,
+                 generator: torch.Generator) -> LoRAStack:
+    """Each copy's used adapters in slots of their own (`copy_batch`), with their ranks and
+    scalings and fresh weights (A ~ N(0, 1/hidden), B ~ N(0, 1/r): y and expand's delta are
+    O(scaling) for x ~ N(0, 1)). Unused adapters get no slot: a one-token batch of 64 adapters
+    rotates thousands of copies of the one it uses.
+
+    Filled in a few whole-stack ops rather than slot by slot with set_slot (thousands of slots
+    for small cases), leaving what set_slot would: zero rank padding, ranks, scalings, host_ranks.
+    """
+    used = case.used_adapters()
+    adapters = [used[s % len(used)] for s in range(copies * len(used))]  # [slots] adapter in each
+    ranks = [case.adapter_ranks[j] for j in adapters]
+    stack = LoRAStack.empty(len(adapters), case.hidden, (case.hidden,), case.max_rank, dtype, device)
+    rank_t = torch.tensor(ranks, device=device)                               # [slots]
+    keep = torch.arange(case.max_rank, device=device) < rank_t[:, None]       # [slots, max_rank]
+    stack.a[:, 0].normal_(generator=generator).mul_(keep[:, :, None] / case.hidden ** 0.5)
+    stack.b.normal_(generator=generator).mul_(keep[:, None, :] / rank_t[:, None, None] ** 0.5)
+    stack.ranks[:, 0] = rank_t
+    stack.scalings.copy_(torch.tensor([case.adapter_scalings[j] for j in adapters]))
+    stack.host_ranks = [[r] for r in ranks]
+    return stack
+
+
+def copy_batch(case: Case, copy: int, device: torch.device | str) -> LoRABatch:
+    """The case's requests on copy `copy`'s slots: the k-th used adapter in slot copy * used + k."""
+    used = case.used_adapters()
+    slot = {j: copy * len(used) + k for k, j in enumerate(used)}
+    return LoRABatch.build(case.seg_lens, [slot[j] for j in case.seg_adapters], device)
+
+
+def random_rows(copies: int, case: Case, dtype: torch.dtype, device: torch.device | str,
+                generator: torch.Generator) -> torch.Tensor:
+    """[copies, tokens, hidden] N(0, 1): inputs x, or base outputs."""
+    return torch.randn(copies, case.tokens, case.hidden, generator=generator, device=device).to(dtype)
+
+
+# ---- implementations -----------------------------------------------------------------------
+
+class LoRAOp(Protocol):
+    """One implementation bound to one (stack, batch); built outside any timing."""
+
+    def shrink(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, hidden] -> y in this implementation's own layout."""
+
+    def expand(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        """out [tokens, hidden] += the LoRA delta from this implementation's y, in place."""
+
+    def dense(self, y: torch.Tensor) -> torch.Tensor:
+        """y as float32 [tokens, max_rank]; columns >= a token's rank are unspecified."""
+
+
+Impl = Callable[[LoRAStack, LoRABatch], LoRAOp]
+
+
+class Atmm:
+    """kernels.triton_lora; static: the table's fixed config (tuning.static_config) for every case."""
+
+    def __init__(self, stack: LoRAStack, batch: LoRABatch, static: bool) -> None:
+        self.stack, self.batch = stack, batch
+        self.configs = {op: tuning.static_config(op, stack.a.device) if static else None for op in OPS}
+
+    def shrink(self, x: torch.Tensor) -> torch.Tensor:
+        return triton_lora.lora_shrink(x, self.stack, self.batch, self.configs["shrink"])
+
+    def expand(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        triton_lora.lora_expand(out, y, self.stack, self.batch, self.configs["expand"])
+
+    def dense(self, y: torch.Tensor) -> torch.Tensor:
+        return y[:, 0]  # y: float32 [tokens, 1 slice, max_rank]
+
+
+def slot_rows(batch: LoRABatch) -> dict[int, list[int]]:
+    """Tokens of each slot, slots in order of first appearance (read from the host tuples)."""
+    rows: dict[int, list[int]] = {}
+    for start, n, slot in zip(batch.seg_starts, batch.seg_lens, batch.seg_slots):
+        if slot != NO_SLOT and n > 0:
+            rows.setdefault(slot, []).extend(range(start, start + n))
+    return rows
+
+
+def _index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A slice (view) when the tokens are contiguous, else an int64 device index (a gather)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+class TorchLoop:
+    """PEFT-like: one matmul per adapter of the batch over its rows, into a dense y
+    [tokens, max_rank] of the model dtype; expand adds each adapter's rows back."""
+
+    def __init__(self, stack: LoRAStack, batch: LoRABatch) -> None:
+        self.stack, self.num_tokens = stack, batch.num_tokens
+        scalings = stack.scalings.tolist()  # host floats, as PEFT keeps them
+        self.groups = [(_index(rows, stack.a.device), slot, stack.host_ranks[slot][0], scalings[slot])
+                       for slot, rows in slot_rows(batch).items()]
+
+    def shrink(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.new_zeros(self.num_tokens, self.stack.max_rank)  # [tokens, max_rank]
+        for rows, slot, rank, scaling in self.groups:
+            y[rows, :rank] = (x[rows] @ self.stack.a[slot, 0, :rank].t()) * scaling
+        return y
+
+    def expand(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        for rows, slot, rank, _ in self.groups:
+            b = self.stack.b[slot, :, :rank]  # [hidden, rank]
+            if isinstance(rows, slice):
+                out[rows].addmm_(y[rows, :rank], b.t())
+            else:
+                out.index_add_(0, rows, y[rows, :rank] @ b.t())
+
+    def dense(self, y: torch.Tensor) -> torch.Tensor:
+        return y.float()
+
+
+class GatherBmm:
+    """dLoRA-like: G groups (one per adapter) padded to the longest group's L rows and to the
+    batch's largest rank R; weights gathered by slot inside the op, one bmm, valid rows scattered
+    back. Example, slots (7, 3) with tokens [0, 2, 5] and [1]: idx_pad = [[0, 2, 5], [1, 0, 0]],
+    valid = [0, 1, 2, 3] (flat padded positions), rows = [0, 2, 5, 1]."""
+
+    def __init__(self, stack: LoRAStack, batch: LoRABatch) -> None:
+        groups = slot_rows(batch)
+        longest = max(map(len, groups.values()))
+        device = stack.a.device
+        self.stack, self.num_tokens = stack, batch.num_tokens
+        self.rank = max(stack.host_ranks[slot][0] for slot in groups)  # the batch's largest
+        self.slots = torch.tensor(list(groups), dtype=torch.int64, device=device)  # [G]
+        self.idx_pad = torch.tensor([rows + [0] * (longest - len(rows)) for rows in groups.values()],
+                                    dtype=torch.int64, device=device)  # [G, L]; padding reads token 0
+        self.valid = torch.tensor([g * longest + i for g, rows in enumerate(groups.values()) for i in range(len(rows))],
+                                  dtype=torch.int64, device=device)  # [tokens in groups]
+        self.rows = torch.tensor([t for rows in groups.values() for t in rows], dtype=torch.int64,
+                                 device=device)  # [tokens in groups] token of each valid position
+
+    def shrink(self, x: torch.Tensor) -> torch.Tensor:
+        a_pad = self.stack.a[self.slots, 0, :self.rank]                    # [G, R, hidden]
+        y_pad = torch.bmm(x[self.idx_pad], a_pad.transpose(1, 2))         # [G, L, R]
+        y_pad.mul_(self.stack.scalings[self.slots][:, None, None])
+        y = x.new_zeros(self.num_tokens, self.stack.max_rank)              # [tokens, max_rank]
+        y[self.rows, :self.rank] = y_pad.flatten(0, 1)[self.valid]
+        return y
+
+    def expand(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        b_pad = self.stack.b[self.slots, :, :self.rank]                    # [G, hidden, R]
+        delta = torch.bmm(y[self.idx_pad, :self.rank], b_pad.transpose(1, 2))  # [G, L, hidden]
+        out.index_add_(0, self.rows, delta.flatten(0, 1)[self.valid])
+
+    def dense(self, y: torch.Tensor) -> torch.Tensor:
+        return y.float()
+
+
+IMPLS: dict[str, Impl] = {
+    "atmm_tuned": functools.partial(Atmm, static=False),
+    "atmm_static": functools.partial(Atmm, static=True),
+    "torch_loop": TorchLoop,
+    "gather_bmm": GatherBmm,
+}
+TUNED_LOOKUP = {"shrink": tuning.shrink_config, "expand": tuning.expand_config}
+
+
+# ---- check and measure ---------------------------------------------------------------------
+
+class Mismatch(Exception):
+    """An implementation's result is off the float32 reference."""
+
+
+def check_case(case: Case, impls: dict[str, Impl], device: torch.device | str, dtype: torch.dtype) -> None:
+    """Every implementation's y and out against kernels.reference on float32 copies of fresh
+    inputs (one copy's slots); raises Mismatch naming the first that is off."""
+    generator = torch.Generator(device).manual_seed(SEED)
+    stack = random_stack(case, 1, dtype, device, generator)
+    batch = copy_batch(case, 0, device)
+    x = random_rows(1, case, dtype, device, generator)[0]
+    # A base output well under the O(1) delta: bf16's rounding of out + delta (2^-9 of it) stays
+    # within the delta's tolerance, and an expand that overwrote out would still show.
+    out = random_rows(1, case, dtype, device, generator)[0] * 0.1
+    stack32 = replace(stack, a=stack.a.float(), b=stack.b.float())
+    want_y = reference.lora_shrink(x.float(), stack32, batch)  # [tokens, 1, max_rank]
+    want_delta = torch.zeros(case.tokens, case.hidden, device=device)
+    reference.lora_expand(want_delta, want_y, stack32, batch)
+    ranks = torch.tensor(case.token_ranks(), device=device)
+    keep = torch.arange(case.max_rank, device=device) < ranks[:, None]  # [tokens, max_rank]
+    for name, impl in impls.items():
+        op = impl(stack, batch)
+        y = op.shrink(x)
+        _expect_close(f"{name} shrink on {case.name}", op.dense(y)[keep], want_y[:, 0][keep])
+        got = out.clone()
+        op.expand(got, y)
+        # The delta, not the sum: a wrong delta must not hide under the base output's magnitude.
+        _expect_close(f"{name} expand on {case.name}", got.float() - out.float(), want_delta)
+
+
+def _expect_close(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 tolerance: rtol for each element, plus an atol of ATOL_OF_RMS x the reference's RMS
+    for sums that cancel. The bf16 baselines round y twice and the delta twice; a rank-8 delta
+    near zero, a sum of 8 terms of O(1), then errs by up to ~2% of the RMS (measured: worst
+    error / tolerance 0.56 over an 8192 x 4096 expand). A wrong slot, scaling or row is off
+    by O(RMS)."""
+    atol = ATOL_OF_RMS * want.square().mean().sqrt().item()
+    try:
+        torch.testing.assert_close(got.float(), want, rtol=RTOL, atol=atol)
+    except AssertionError as error:
+        raise Mismatch(f"{what}: off the float32 reference (rtol {RTOL}, atol {atol:.3g})\n{error}") from None
+
+
+@dataclass
+class Row:
+    """One (case, op): every implementation's time per call."""
+    case: Case
+    op: str
+    bytes: int                  # min_bytes(op, case)
+    copies: int                 # rotating input copies timed
+    seconds: dict[str, float]   # implementation -> median seconds per call
+    tuned_config: dict          # what atmm_tuned looked up for this bucket
+    static_config: dict         # what atmm_static runs
+
+    @property
+    def configs_differ(self) -> bool:
+        return self.tuned_config != self.static_config
+
+    def fraction(self, impl: str, bandwidth: float) -> float:
+        """Roofline time over measured time."""
+        return self.bytes / bandwidth / self.seconds[impl]
+
+    def to_json(self, bandwidth: float) -> dict:
+        c = self.case
+        return {"case": c.name, "hidden": c.hidden, "ranks": c.ranks, "adapters": c.adapters, "tokens": c.tokens,
+                "layout": c.layout, "requests": len(c.seg_lens), "used_adapters": len(c.used_adapters()),
+                "op": self.op, "bytes": self.bytes, "copies": self.copies,
+                "us": {impl: s * 1e6 for impl, s in self.seconds.items()},
+                "fraction": {impl: self.fraction(impl, bandwidth) for impl in self.seconds},
+                "configs_differ": self.configs_differ, "tuned_config": self.tuned_config,
+                "static_config": self.static_config}
+
+
+def measure_case(case: Case, impls: dict[str, Impl], device: torch.device | str, dtype: torch.dtype, copies: int,
+                 timer: Callable[[list[Callable[[], object]]], float] = timing.graph_time_s) -> list[Row]:
+    """Time shrink, then expand, of every implementation over `copies` rotating inputs. Expand's
+    y comes from an untimed shrink of the same copy; its out accumulates over replays (the
+    deltas are O(1): it stays finite)."""
+    generator = torch.Generator(device).manual_seed(SEED + 1)
+    stack = random_stack(case, copies, dtype, device, generator)
+    batches = [copy_batch(case, c, device) for c in range(copies)]
+    xs = random_rows(copies, case, dtype, device, generator)    # [copies, tokens, hidden]
+    outs = random_rows(copies, case, dtype, device, generator)  # [copies, tokens, hidden]
+    seconds: dict[str, dict[str, float]] = {op: {} for op in OPS}
+    for name, impl in impls.items():
+        ops = [impl(stack, batch) for batch in batches]
+        seconds["shrink"][name] = timer([functools.partial(op.shrink, x) for op, x in zip(ops, xs)])
+        ys = [op.shrink(x) for op, x in zip(ops, xs)]
+        seconds["expand"][name] = timer([functools.partial(op.expand, out, y) for op, out, y in zip(ops, outs, ys)])
+    return [Row(case, op, min_bytes(op, case), copies, seconds[op],
+                tuning.config_dict(TUNED_LOOKUP[op](stack, batches[0])),
+                tuning.config_dict(tuning.static_config(op, stack.a.device))) for op in OPS]
+
+
+# ---- summary and report --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Target:
+    op: str
+    what: str
+    value: float | None   # None: no case of this run measures it
+    bound: float
+    at_least: bool        # value must be >= bound (else <= bound)
+    detail: str = ""
+
+    @property
+    def status(self) -> str:
+        if self.value is None:
+            return "n/a"
+        return "PASS" if (self.value >= self.bound if self.at_least else self.value <= self.bound) else "MISS"
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "status": self.status}
+
+
+def summarize(rows: list[Row], bandwidth: float) -> list[Target]:
+    targets = []
+    for op in OPS:
+        mine = [r for r in rows if r.op == op]
+        large = [r.fraction("atmm_tuned", bandwidth) for r in mine if r.case.tokens in LARGE_TOKENS]
+        small = [r.seconds["atmm_tuned"] * 1e6 for r in mine if r.case.tokens <= SMALL_TOKENS]
+        speedups = [r.seconds["atmm_static"] / r.seconds["atmm_tuned"] for r in mine if r.configs_differ]
+        slower = [(r.case.name, r.seconds["atmm_tuned"] / min(r.seconds["torch_loop"], r.seconds["gather_bmm"]))
+                  for r in mine]
+        slower = [(name, ratio) for name, ratio in slower if ratio > 1]
+        targets += [
+            Target(op, f"median atmm_tuned roofline fraction, {'/'.join(map(str, LARGE_TOKENS))} tokens",
+                   _median(large), FRACTION_GOAL[op], at_least=True),
+            Target(op, f"median atmm_tuned µs, <= {SMALL_TOKENS} tokens", _median(small), SMALL_US, at_least=False),
+            Target(op, f"median atmm_static / atmm_tuned time where configs differ ({len(speedups)} cases)",
+                   _median(speedups), STATIC_SPEEDUP, at_least=True),
+            Target(op, "cases where atmm_tuned is slower than min(torch_loop, gather_bmm)",
+                   len(slower) if mine else None, 0, at_least=False,
+                   detail="; ".join(f"{name} x{ratio:.2f}" for name, ratio in slower)),
+        ]
+    return targets
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def format_header() -> str:
+    return f"{'case':<32} {'op':<6} " + " ".join(f"{name + ' µs frac':>22}" for name in IMPLS)
+
+
+def format_row(row: Row, bandwidth: float) -> str:
+    cells = " ".join(f"{row.seconds[impl] * 1e6:15.1f} {row.fraction(impl, bandwidth):6.2f}" for impl in row.seconds)
+    return f"{row.case.name:<32} {row.op:<6} {cells}{'  (tuned != static)' if row.configs_differ else ''}"
+
+
+def format_target(t: Target) -> str:
+    value = "-" if t.value is None else f"{t.value:.3g}"
+    goal = f"{'>=' if t.at_least else '<='} {t.bound:g}"
+    return f"{t.status:<4} {t.op:<6} {t.what}: {value} (goal {goal}){'  ' + t.detail if t.detail else ''}"
+
+
+def write_json(path: Path, header: dict, rows: list[Row], targets: list[Target] | None, bandwidth: float) -> None:
+    """Rewritten after every case: a run cut short keeps what it measured (complete: false)."""
+    payload = {**header, "complete": targets is not None, "rows": [r.to_json(bandwidth) for r in rows],
+               "summary": [t.to_json() for t in targets or []]}
+    path.write_text(json.dumps(payload, indent=1))
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, nargs="+", help=f"hidden sizes (default {FULL['hidden']})")
+    parser.add_argument("--ranks", nargs="+", choices=list(RANK_SETS), help="rank sets (default all)")
+    parser.add_argument("--adapters", type=int, nargs="+", help=f"distinct adapters (default {FULL['adapters']})")
+    parser.add_argument("--tokens", type=int, nargs="+", help=f"batch tokens (default {FULL['tokens']})")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), help="layouts (default both)")
+    parser.add_argument("--quick", action="store_true", help=f"defaults to a small grid: {QUICK}")
+    parser.add_argument("--json", type=Path, help="write rows, summary, device, date and command line here")
+    args = parser.parse_args(argv)
+    for key, default in (QUICK if args.quick else FULL).items():  # explicit flags win over --quick
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("kernel_bench needs a CUDA GPU")
+    cases = make_cases(args.hidden, args.ranks, args.adapters, args.tokens, args.layouts)
+    bandwidth = timing.copy_bandwidth()
+    header = {"device": torch.cuda.get_device_name(), "date": datetime.now().isoformat(timespec="seconds"),
+              "command": shlex.join(sys.orig_argv), "torch": torch.__version__, "triton": triton.__version__,
+              "copy_bandwidth_Bps": bandwidth}
+    print(f"{header['device']}  {header['date']}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {len(cases)} cases x {len(OPS)} ops")
+    print(format_header(), flush=True)
+    rows: list[Row] = []
+    for case in cases:
+        try:
+            check_case(case, IMPLS, DEVICE, DTYPE)
+        except Mismatch as error:
+            sys.exit(f"ABORT: {error}")
+        copies = timing.copies_needed(min(min_bytes(op, case) for op in OPS))
+        for row in measure_case(case, IMPLS, DEVICE, DTYPE, copies):
+            print(format_row(row, bandwidth), flush=True)
+            rows.append(row)
+        torch.cuda.empty_cache()  # the case's stack and inputs are gone: give their blocks back
+        if args.json:
+            write_json(args.json, header, rows, None, bandwidth)
+    targets = summarize(rows, bandwidth)
+    print("\nsummary")
+    for target in targets:
+        print(format_target(target))
+    if args.json:
+        write_json(args.json, header, rows, targets, bandwidth)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,490 @@
+"""`python -m kernels.tune`: time the LoRA kernels' tile configurations per shape bucket on this GPU
+and write the table kernels/tuning.py looks up (kernels/tables/<gpu>.json).
+
+    python -m kernels.tune --model llama-7b qwen2-7b --dry-run   # buckets, candidate counts; no GPU
+    python -m kernels.tune --model llama-7b --time-budget 500    # stops cleanly, keeps what is done
+    python -m kernels.tune --model llama-7b --skip-tuned         # goes on where a budgeted run stopped
+
+A bucket (tuning.Bucket) is one op on one fused projection of the model, a rank tile block_r, a
+batch of T tokens and a largest group of G. It is timed on a representative batch: ceil(T/G)
+contiguous groups of G tokens (the last one shorter), each its own adapter slot of rank block_r
+targeting every slice. The full grid of configurations is ~10x too large to time, so the search
+has two stages: tile shapes at fixed warps/stages, then the SHORTLIST best shapes over warps x
+stages. The heuristic's choice is always timed as well: an entry is never slower than no entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import date
+from functools import partial
+from itertools import accumulate
+from pathlib import Path
+from typing import TextIO
+
+import torch
+import triton
+
+from kernels import reference, timing, triton_lora, tuning
+from kernels.batch import LoRABatch
+from kernels.lora_stack import LoRAStack
+from kernels.tuning import Bucket, Config, ExpandConfig, ShrinkConfig
+
+OPS = ("shrink", "expand")
+MAX_GROUPS = 256  # distinct adapters in one batch at most: buckets with more groups never occur
+MEMORY_CAP = 20 * 10**9  # bytes of rotating inputs (stack slots included) one bucket may allocate
+MAX_COPIES = 32  # rotating copies at most: capturing thousands of calls per timing costs more than
+# the tuning itself, and the ranking of configurations of a tiny op barely moves with it
+PROJECTIONS = ("o", "qkv", "gate_up", "down")
+SHORTLIST = 2  # stage-1 shapes that go on to stage 2
+# Stage 1 times every tile shape at these (num_warps, num_stages); stage 2 the shortlist over all.
+STAGE1 = {"shrink": (4, 3), "expand": (4, 2)}
+WARPS = (4, 8)
+STAGES = {"shrink": (2, 3, 4), "expand": (1, 2)}
+SHRINK_BLOCK_M, SHRINK_BLOCK_K, SPLIT_K = (16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16, 32, 64)
+EXPAND_BLOCK_M, BLOCK_N, N_STEPS = (1, 16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4)
+PROGRAMS = (33, 4224)  # shrink's split-K keeps the programs between ~1/4 and ~32 per SM of an H100/H200
+MAX_TILE = 16384  # elements of a shrink x tile (expand: half an out tile) that still fit
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}  # vs the float32 reference
+
+
+class CheckFailed(Exception):
+    """A bucket's heuristic configuration disagrees with the reference (or cannot run): not tuned."""
+
+
+class BudgetSpent(Exception):
+    """The --time-budget ran out in the middle of a bucket."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def projections(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """name -> (in_features, out slices), fused as the engine runs them."""
+        h, i = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"qkv": (h, (q, kv, kv)), "o": (q, (h,)), "gate_up": (h, (i, i)), "down": (i, (h,))}
+
+
+PRESETS = {
+    "llama-7b": ModelShape(hidden=4096, intermediate=11008, heads=32, kv_heads=32, head_dim=128),
+    "qwen2-7b": ModelShape(hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128),
+}
+
+
+def model_shape(spec: str) -> ModelShape:
+    """A preset's name, or a local HF model directory / config.json (read, never fetched)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"{spec!r} is neither a preset ({', '.join(PRESETS)}) nor a local config.json")
+    config = json.loads(path.read_text())
+    if "hidden_size" not in config:  # vision-language configs nest the language model's
+        config = config.get("text_config", config)
+    try:
+        heads = config["num_attention_heads"]
+        return ModelShape(hidden=config["hidden_size"], intermediate=config["intermediate_size"], heads=heads,
+                          kv_heads=config.get("num_key_value_heads") or heads,
+                          head_dim=config.get("head_dim") or config["hidden_size"] // heads)
+    except KeyError as exc:
+        raise ValueError(f"{path} has no {exc.args[0]}") from None
+
+
+def token_groups(tokens: Iterable[int]) -> list[tuple[int, int]]:
+    """(T, G) pairs: G a token point <= T, and at most MAX_GROUPS groups of G tokens."""
+    return [(t, g) for t in tokens for g in tuning.TOKEN_POINTS if g <= t and -(-t // g) <= MAX_GROUPS]
+
+
+def buckets(models: Sequence[ModelShape], ops: Sequence[str], ranks: Sequence[int],
+            tokens: Sequence[int], names: Sequence[str] = PROJECTIONS) -> list[Bucket]:
+    """Every bucket of the models' projections named (shared shapes once), projection by projection."""
+    projections = dict.fromkeys(shape for name in names for model in models
+                                for shape in [model.projections()[name]])
+    return [Bucket(op, k, sizes, r, t, g) for k, sizes in projections for op in ops for r in ranks
+            for t, g in token_groups(tokens)]
+
+
+def group_lens(bucket: Bucket) -> list[int]:
+    """The representative batch: ceil(T/G) groups of G tokens, the last one shorter."""
+    full, rest = divmod(bucket.tokens, bucket.group)
+    return [bucket.group] * full + ([rest] if rest else [])
+
+
+def _max_block_m(group: int) -> int:
+    """Rows past the group's tokens (rounded to a power of 2) would only be masked."""
+    return max(16, triton.next_power_of_2(group))
+
+
+def tile_shapes(bucket: Bucket) -> list[Config]:
+    """Stage 1: the op's tile shapes worth timing, at STAGE1's warps and stages.
+
+    Pruned by what measurement on an H200 never favoured: row tiles below half the group (they
+    re-read the adapter's weights), tiles past ~16K elements (out of shared memory or registers),
+    and K splits leaving fewer than ~1/4 or more than ~32 programs per SM.
+    """
+    warps, stages = STAGE1[bucket.op]
+    top = _max_block_m(bucket.group)
+    groups, slices = len(group_lens(bucket)), len(bucket.out_sizes)
+    if bucket.op == "shrink":
+        shapes = []
+        for m in (b for b in SHRINK_BLOCK_M if top // 2 <= b <= top or b == top):
+            tiles = groups * -(-bucket.group // m) * slices
+            splits = [s for s in SPLIT_K if bucket.in_features >= s * SHRINK_BLOCK_K[0]]
+            fitting = [s for s in splits if PROGRAMS[0] <= tiles * s <= PROGRAMS[1]] or [
+                max(splits, key=lambda s: min(tiles * s, PROGRAMS[1]))]  # the most programs short of it
+            shapes += [ShrinkConfig(m, k, s, warps, stages) for k in SHRINK_BLOCK_K if m * k <= MAX_TILE
+                       for s in fitting if bucket.in_features >= s * k]
+        return shapes
+    widest = max(bucket.out_sizes)
+    # 1-row tiles (CUDA-core multiply-sum) only for one-token groups. n_steps stops at the first
+    # count whose span covers the widest slice: more steps would all be masked.
+    rows = (1, 16) if bucket.group == 1 else tuple(b for b in EXPAND_BLOCK_M if b >= 16 and top // 2 <= b <= top)
+    return [ExpandConfig(m, n, steps, warps, stages)
+            for m in rows for n in BLOCK_N if (n >= 64 or bucket.group == 1) and m * n <= 2 * MAX_TILE
+            for steps in N_STEPS if steps == 1 or n * steps // 2 < widest]
+
+
+def variants(op: str, best: Iterable[Config]) -> list[Config]:
+    """Stage 2: each shortlisted shape over every num_warps x num_stages."""
+    return [replace(c, num_warps=w, num_stages=s) for c in best for w in WARPS for s in STAGES[op]]
+
+
+def search(bucket: Bucket, measure: Callable[[Config], float], deadline: float,
+           on_failure: Callable[[Config, Exception], None]) -> dict:
+    """The bucket's table entry: the fastest configuration's fields, "us" and "heuristic_us".
+
+    measure(config) -> seconds per call. A configuration it fails on (out of shared memory, ...)
+    is reported and skipped. Raises BudgetSpent once time.monotonic() passes `deadline`.
+    """
+    heuristic = tuning.heuristic_config(bucket)
+    seconds: dict[Config, float] = {}
+    failed: set[Config] = set()
+
+    def time_all(configs: Iterable[Config]) -> None:
+        for config in configs:
+            if config in seconds or config in failed:
+                continue
+            if time.monotonic() > deadline:
+                raise BudgetSpent
+            try:
+                seconds[config] = measure(config)
+            except Exception as exc:  # a config that cannot compile or run is a loser, not an error
+                failed.add(config)
+                on_failure(config, exc)
+
+    stage1 = tile_shapes(bucket)
+    time_all([heuristic, *stage1])
+    if heuristic not in seconds:
+        raise CheckFailed(f"{bucket.key}: the heuristic {heuristic} could not be timed")
+    time_all(variants(bucket.op, sorted((c for c in stage1 if c in seconds), key=seconds.__getitem__)[:SHORTLIST]))
+    winner = min(seconds, key=seconds.__getitem__)
+    return {**tuning.config_dict(winner), "us": round(seconds[winner] * 1e6, 3),
+            "heuristic_us": round(seconds[heuristic] * 1e6, 3)}
+
+
+def copy_bytes(bucket: Bucket, elem_size: int) -> tuple[int, int]:
+    """(bytes one call moves, bytes one input copy allocates: its activations and its stack slots)."""
+    t, k, r, n = bucket.tokens, bucket.in_features, bucket.block_r, sum(bucket.out_sizes)
+    slices, groups = len(bucket.out_sizes), len(group_lens(bucket))
+    y = t * slices * r * 4  # float32
+    a, b = groups * slices * r * k * elem_size, groups * n * r * elem_size
+    if bucket.op == "shrink":  # reads x and A, writes y
+        return t * k * elem_size + a + y, t * k * elem_size + a + b
+    return y + b + 2 * t * n * elem_size, y + t * n * elem_size + a + b  # reads y, B, out; writes out
+
+
+def rotation_copies(bucket: Bucket, elem_size: int, needed: Callable[[int], int] = timing.copies_needed) -> int:
+    """Input copies to cycle through: enough to span 3x L2, few enough to stay under MEMORY_CAP."""
+    moved, allocated = copy_bytes(bucket, elem_size)
+    return max(1, min(needed(moved), MEMORY_CAP // allocated, MAX_COPIES))
+
+
+def random_stack(bucket: Bucket, num_slots: int, dtype: torch.dtype, device: torch.device | str,
+                 generator: torch.Generator) -> LoRAStack:
+    """Every slot full: rank block_r on every slice, unit-variance products."""
+    slices, r, k = len(bucket.out_sizes), bucket.block_r, bucket.in_features
+    new = partial(torch.randn, dtype=dtype, device=device, generator=generator)
+    return LoRAStack(a=new(num_slots, slices, r, k).mul_(k ** -0.5),
+                     b=new(num_slots, sum(bucket.out_sizes), r).mul_(r ** -0.5),
+                     ranks=torch.full((num_slots, slices), r, dtype=torch.int32, device=device),
+                     scalings=torch.ones(num_slots, dtype=torch.float32, device=device),
+                     out_offsets=(0, *accumulate(bucket.out_sizes)),
+                     host_ranks=[[r] * slices for _ in range(num_slots)])
+
+
+@dataclass(eq=False)  # holds tensors
+class Workload:
+    """A bucket's representative batch, `copies` times over. Copy c has its own activations and its
+    own slot range of one shared stack, so cycling the copies moves weights (most of a decode op's
+    bytes) and activations alike through more than the L2."""
+    bucket: Bucket
+    stack: LoRAStack             # [copies * groups] slots
+    batches: list[LoRABatch]     # copy c: the groups of group_lens(bucket), on slots c * groups + i
+    inputs: list[torch.Tensor]   # shrink: x [T, in_features]; expand: y float32 [T, slices, block_r]
+    outs: list[torch.Tensor]     # expand: out [T, out_features]; shrink: none
+
+    @staticmethod
+    def build(bucket: Bucket, copies: int, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> Workload:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        lens = group_lens(bucket)
+        stack = random_stack(bucket, copies * len(lens), dtype, device, generator)
+        batches = [LoRABatch.build(lens, range(c * len(lens), (c + 1) * len(lens)), device) for c in range(copies)]
+        t, slices, out_features = bucket.tokens, len(bucket.out_sizes), sum(bucket.out_sizes)
+        new = partial(torch.randn, device=device, generator=generator)
+        if bucket.op == "shrink":
+            inputs, outs = [new(t, bucket.in_features, dtype=dtype) for _ in batches], []
+        else:
+            inputs = [new(t, slices, bucket.block_r, dtype=torch.float32) for _ in batches]
+            outs = [new(t, out_features, dtype=dtype) for _ in batches]
+        work = Workload(bucket, stack, batches, inputs, outs)
+        assert all(tuning.bucket_of(bucket.op, stack, b) == bucket for b in batches), bucket  # lookup finds it
+        return work
+
+    def call(self, config: Config, copy: int) -> Callable[[], object]:
+        if self.bucket.op == "shrink":
+            return partial(triton_lora.lora_shrink, self.inputs[copy], self.stack, self.batches[copy], config)
+        return partial(triton_lora.lora_expand, self.outs[copy], self.inputs[copy], self.stack, self.batches[copy],
+                       config)
+
+    def seconds(self, config: Config) -> float:
+        return timing.graph_time_s([self.call(config, c) for c in range(len(self.batches))])
+
+    def check(self, config: Config) -> None:
+        """`config` on copy 0 against the float32 reference on float32 copies of its inputs."""
+        batch, groups = self.batches[0], len(self.batches[0].seg_lens)
+        s = self.stack
+        exact = LoRAStack(s.a[:groups].float(), s.b[:groups].float(), s.ranks[:groups], s.scalings[:groups],
+                          s.out_offsets, s.host_ranks[:groups])
+        try:
+            if self.bucket.op == "shrink":
+                got = triton_lora.lora_shrink(self.inputs[0], s, batch, config)
+                want = reference.lora_shrink(self.inputs[0].float(), exact, batch)
+            else:
+                got, want = self.outs[0].clone(), self.outs[0].float()
+                triton_lora.lora_expand(got, self.inputs[0], s, batch, config)
+                reference.lora_expand(want, self.inputs[0], exact, batch)
+        except Exception as exc:
+            raise CheckFailed(f"{self.bucket.key}: {config} failed to run: {_first_line(exc)}") from exc
+        tol, scale = TOLERANCE[s.a.dtype], want.abs().max().item()
+        if not torch.allclose(got.float(), want, rtol=tol, atol=tol * scale):
+            error = (got.float() - want).abs().nan_to_num(math.inf).max().item()
+            raise CheckFailed(f"{self.bucket.key}: {config} is off the reference by {error:.3g} (scale {scale:.3g})")
+
+
+def static_configs(configs: dict[str, dict]) -> dict[str, dict]:
+    """Per op, the configuration that wins the most buckets (ties: the lower total time over them):
+    the fixed-tiling baseline of the benchmarks."""
+    won: dict[tuple[str, Config], list[float]] = {}
+    for key, entry in configs.items():
+        op = key.split("|", 1)[0]
+        won.setdefault((op, tuning.config_from(op, entry)), []).append(entry["us"])
+    best: dict[str, tuple[tuple[int, float], Config]] = {}
+    for (op, config), times in won.items():
+        score = (len(times), -sum(times))
+        if op not in best or score > best[op][0]:
+            best[op] = (score, config)
+    return {op: tuning.config_dict(config) for op, (_, config) in sorted(best.items())}
+
+
+def merged_table(old: dict | None, new: dict[str, dict], header: dict) -> dict:
+    """This run's entries over the old table's (None: start afresh); static configs recomputed."""
+    old = old or {}
+    configs = dict(sorted({**old.get("configs", {}), **new}.items()))
+    runs = [*old.get("runs", []), {"date": header["date"], "command": header["command"]}]
+    return {**header, "runs": runs, "static": static_configs(configs), "configs": configs}
+
+
+def untuned(todo: Iterable[Bucket], table: dict | None) -> list[Bucket]:
+    return [b for b in todo if b.key not in (table or {}).get("configs", {})]
+
+
+def read_table(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_table(path: Path, table: dict) -> None:
+    """Atomically: a reader (or a crash) sees the old table or the new one, never half of one."""
+    text = json.dumps(table, indent=1) + "\n"  # serialize before touching the disk
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Progress:
+    """`[done/total] elapsed, ETA  current item` on stderr: redrawn in place on a terminal, one line
+    per update otherwise (logs). Notes print above it."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
+        self.total, self.stream, self.clock = total, stream or sys.stderr, clock
+        self.start, self.line, self.tty = clock(), "", self.stream.isatty()
+
+    def show(self, done: int, label: str) -> None:
+        elapsed = self.clock() - self.start
+        eta = _hms(elapsed / done * (self.total - done)) if done else "?"
+        self.line = f"[{done}/{self.total}] {_hms(elapsed)} elapsed, ETA {eta}  {label}"
+        self.stream.write(f"\r\x1b[K{self.line}" if self.tty else f"{self.line}\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        self.stream.write(f"\r\x1b[K{text}\n{self.line}" if self.tty else f"{text}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+def print_plan(todo: Sequence[Bucket]) -> None:
+    """--dry-run: each bucket's timings (stage 1 with the heuristic; stage 2 at most), and totals."""
+    total1 = total2 = 0
+    for bucket in todo:
+        stage1 = tile_shapes(bucket)
+        n1 = len(stage1) + (tuning.heuristic_config(bucket) not in stage1)
+        n2 = (len(WARPS) * len(STAGES[bucket.op]) - 1) * min(SHORTLIST, len(stage1))  # less stage 1's setting
+        total1, total2 = total1 + n1, total2 + n2
+        print(f"{bucket.key}  stage1 {n1}  stage2 <={n2}")
+    per_op = ", ".join(f"{op} {sum(b.op == op for b in todo)}" for op in OPS)
+    print(f"{len(todo)} buckets ({per_op}); timings: stage 1 {total1}, stage 2 <={total2}")
+
+
+def tune(args: argparse.Namespace, todo: list[Bucket], command: str) -> int:
+    device = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(device)
+    path = args.table or tuning.TABLE_DIR / f"{tuning.gpu_slug(gpu)}.json"
+    old = read_table(path) if args.merge else None
+    if old and (old.get("triton"), old.get("torch")) != (triton.__version__, torch.__version__):
+        print(f"note: merging into {path}, tuned with triton {old.get('triton')}, torch {old.get('torch')}",
+              file=sys.stderr)
+    if args.skip_tuned:
+        todo = untuned(todo, old)
+    header = {"gpu": gpu, "triton": triton.__version__, "torch": torch.__version__,
+              "date": date.today().isoformat(), "command": command}
+    dtype = getattr(torch, args.dtype)
+    elem_size = torch.empty((), dtype=dtype).element_size()
+    progress = Progress(len(todo))
+    failures: dict[str, int] = {}  # distinct failure note -> count: each is printed once
+
+    def on_failure(config: Config, exc: Exception) -> None:
+        note = f"skipped {config}: {_first_line(exc)}"
+        if note not in failures:
+            progress.note(note)
+        failures[note] = failures.get(note, 0) + 1
+
+    deadline = time.monotonic() + args.time_budget
+    new: dict[str, dict] = {}
+    broken: list[str] = []
+    for i, bucket in enumerate(todo):
+        if time.monotonic() > deadline:
+            break
+        progress.show(i, bucket.key)
+        work = Workload.build(bucket, rotation_copies(bucket, elem_size), dtype, device)
+        try:
+            work.check(tuning.heuristic_config(bucket))  # a broken kernel is never tuned
+            new[bucket.key] = search(bucket, work.seconds, deadline, on_failure)
+        except CheckFailed as exc:
+            broken.append(bucket.key)
+            progress.note(f"NOT TUNED {exc}")
+            continue
+        except BudgetSpent:
+            break
+        finally:
+            del work
+            torch.cuda.empty_cache()
+        write_table(path, merged_table(old, new, header))
+    left = len(todo) - len(new) - len(broken)
+    progress.show(len(todo) - left, "stopped: time budget spent" if left else "done")
+    progress.close()
+    print(f"tuned {len(new)} of {len(todo)} buckets on {gpu}"
+          + (f"; {left} left: time budget spent, go on with --skip-tuned" if left else ""))
+    print_summary(path, new, broken, failures)
+    return 1 if broken else 0
+
+
+def print_summary(path: Path, new: dict[str, dict], broken: list[str], failures: dict[str, int]) -> None:
+    if new:
+        speedups = [e["heuristic_us"] / e["us"] for e in new.values()]
+        print(f"winner vs heuristic: median speedup {statistics.median(speedups):.2f}x, max {max(speedups):.2f}x")
+        table = read_table(path)
+        for op, config in table["static"].items():
+            print(f"static {op}: {config}")
+        print(f"wrote {path} ({len(table['configs'])} buckets)")
+    if failures:
+        print(f"{sum(failures.values())} timings skipped ({len(failures)} distinct failures, on stderr)")
+    if broken:
+        print(f"CHECK FAILED, not tuned ({len(broken)}): {' '.join(broken)}")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kernels.tune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", nargs="+", required=True, metavar="NAME|PATH",
+                        help=f"presets ({', '.join(PRESETS)}) or local HF model directories / config.json files")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=list(PROJECTIONS))
+    parser.add_argument("--ranks", nargs="+", type=int, default=list(tuning.RANK_POINTS),
+                        help="rank tiles to tune, of tuning.RANK_POINTS (default: all)")
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(tuning.TOKEN_POINTS),
+                        help="batch sizes T to tune, of tuning.TOKEN_POINTS (default: all)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--merge", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep the table's entries of other buckets (default: on)")
+    parser.add_argument("--skip-tuned", action="store_true", help="leave buckets the table has alone")
+    parser.add_argument("--table", type=Path, help="table to write (default: kernels/tables/<gpu>.json)")
+    parser.add_argument("--time-budget", type=float, default=math.inf, metavar="SECONDS",
+                        help="stop when spent, keeping the buckets done (default: none)")
+    parser.add_argument("--dry-run", action="store_true", help="list buckets and candidate counts; no GPU")
+    args = parser.parse_args(argv)
+    if not set(args.ranks) <= set(tuning.RANK_POINTS):
+        parser.error(f"--ranks must be of tuning.RANK_POINTS {tuning.RANK_POINTS}: lookup rounds to those")
+    if not set(args.tokens) <= set(tuning.TOKEN_POINTS):
+        parser.error(f"--tokens must be of tuning.TOKEN_POINTS {tuning.TOKEN_POINTS}: lookup rounds to those")
+    if args.skip_tuned and not args.merge:
+        parser.error("--skip-tuned keeps the table's entries: it needs --merge")
+    try:
+        args.models = [model_shape(spec) for spec in args.model]
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.ops, args.ranks, args.tokens = list(dict.fromkeys(args.ops)), sorted(set(args.ranks)), sorted(set(args.tokens))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    todo = buckets(args.models, args.ops, args.ranks, args.tokens, args.projections)
+    if args.dry_run:  # sizing a continued run needs the table named: without a GPU its name is unknown
+        print_plan(untuned(todo, read_table(args.table)) if args.skip_tuned and args.table else todo)
+        return 0
+    if not torch.cuda.is_available():
+        print("kernels.tune times kernels on a CUDA GPU; none here (--dry-run needs none)", file=sys.stderr)
+        return 2
+    return tune(args, todo, shlex.join(["python", "-m", "kernels.tune", *argv]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

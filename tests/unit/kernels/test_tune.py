@@ -1,0 +1,306 @@
+"""kernels.tune on CPU: everything but the GPU timing itself (buckets, candidate spaces, the search
+over fake timings, the correctness guard in Triton's interpreter, static configs, the table file,
+the progress line and the --dry-run CLI)."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import triton_lora, tuning
+from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PRESETS, STAGES, WARPS, BudgetSpent, CheckFailed, ModelShape,
+                          Progress, Workload, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
+                          rotation_copies, search, static_configs, tile_shapes, token_groups, variants, write_table)
+from kernels.tuning import Bucket, ExpandConfig, ShrinkConfig
+
+REPO = Path(__file__).resolve().parents[3]
+LLAMA, QWEN = PRESETS["llama-7b"], PRESETS["qwen2-7b"]
+
+
+def test_presets_give_the_projections_as_the_engine_fuses_them():
+    assert LLAMA.projections() == {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)),
+                                   "gate_up": (4096, (11008, 11008)), "down": (11008, (4096,))}
+    assert QWEN.projections() == {"qkv": (3584, (3584, 512, 512)), "o": (3584, (3584,)),
+                                  "gate_up": (3584, (18944, 18944)), "down": (18944, (3584,))}
+
+
+def test_model_config_is_read_from_a_local_directory_or_file(tmp_path):
+    config = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+              "num_key_value_heads": 2, "head_dim": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected = ModelShape(hidden=2048, intermediate=5632, heads=16, kv_heads=2, head_dim=256)
+    assert model_shape(str(tmp_path)) == model_shape(str(tmp_path / "config.json")) == expected
+    # No head_dim (or null), no kv heads: hidden / heads, and as many kv heads as heads (HF's defaults).
+    bare = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "head_dim": None}
+    (tmp_path / "bare.json").write_text(json.dumps(bare))
+    assert model_shape(str(tmp_path / "bare.json")) == ModelShape(2048, 5632, 16, 16, 128)
+    (tmp_path / "vlm.json").write_text(json.dumps({"model_type": "qwen2_vl", "text_config": config}))
+    assert model_shape(str(tmp_path / "vlm.json")) == expected
+    (tmp_path / "partial.json").write_text(json.dumps({"hidden_size": 2048, "num_attention_heads": 16}))
+    with pytest.raises(ValueError, match="intermediate_size"):
+        model_shape(str(tmp_path / "partial.json"))
+    with pytest.raises(ValueError, match="preset"):
+        model_shape(str(tmp_path / "missing"))
+
+
+def test_token_groups_keep_at_most_max_groups_groups():
+    pairs = token_groups(tuning.TOKEN_POINTS)
+    assert all(g <= t and math.ceil(t / g) <= MAX_GROUPS for t, g in pairs)
+    assert (8192, 32) in pairs and (8192, 8) not in pairs and (512, 1) not in pairs and (8, 1) in pairs
+    assert token_groups([1, 32]) == [(1, 1), (32, 1), (32, 8), (32, 32)]
+
+
+def test_buckets_cover_each_shape_once():
+    both = buckets([LLAMA, QWEN], ["shrink", "expand"], [16, 64, 128], tuning.TOKEN_POINTS)
+    per_projection = 2 * 3 * len(token_groups(tuning.TOKEN_POINTS))
+    assert len(both) == len({b.key for b in both}) == 8 * per_projection
+    assert buckets([LLAMA, LLAMA], ["shrink"], [16], [8]) == buckets([LLAMA], ["shrink"], [16], [8])
+    restricted = buckets([QWEN], ["expand"], [64], [1, 8])
+    assert {(b.op, b.block_r, b.tokens, b.group) for b in restricted} == {("expand", 64, 1, 1), ("expand", 64, 8, 1),
+                                                                          ("expand", 64, 8, 8)}
+    assert restricted[0] == Bucket("expand", 3584, (3584,), 64, 1, 1)  # o first: the benchmark's shape
+    assert {b.out_sizes for b in buckets([QWEN], ["expand"], [64], [1], ["qkv"])} == {(3584, 512, 512)}
+
+
+def test_group_lens_make_contiguous_groups_of_the_largest_size():
+    assert group_lens(Bucket("shrink", 64, (32,), 16, 32, 8)) == [8, 8, 8, 8]
+    assert group_lens(Bucket("shrink", 64, (32,), 16, 20, 8)) == [8, 8, 4]
+    assert group_lens(Bucket("shrink", 64, (32,), 16, 1, 1)) == [1]
+
+
+@pytest.mark.parametrize("bucket", [Bucket("shrink", 4096, (4096, 1024, 1024), 16, 1, 1),
+                                    Bucket("shrink", 11008, (4096,), 128, 8192, 128),
+                                    Bucket("shrink", 96, (32,), 64, 32, 8)], ids=lambda b: b.key)
+def test_shrink_candidates_respect_their_constraints(bucket):
+    configs = tile_shapes(bucket)
+    assert configs and len(set(configs)) == len(configs)
+    top = max(16, 1 << (bucket.group - 1).bit_length())
+    for c in configs:
+        assert c.block_m in (16, 32, 64, 128) and top // 2 <= c.block_m <= top
+        assert c.block_k in (64, 128, 256) and c.block_m * c.block_k <= MAX_TILE
+        assert c.split_k in (1, 2, 4, 8, 16, 32, 64) and bucket.in_features / c.split_k >= c.block_k
+        assert (c.num_warps, c.num_stages) == (4, 3)
+    if bucket.in_features == 4096 and bucket.group == 1:  # 3 tiles (q, k, v): splits 16, 32, 64 fit the window
+        assert {c.split_k for c in configs} == {16, 32, 64} and {c.block_m for c in configs} == {16}
+
+
+@pytest.mark.parametrize("bucket", [Bucket("expand", 4096, (4096, 4096, 4096), 16, 8, 1),
+                                    Bucket("expand", 3584, (3584, 512, 512), 64, 512, 128),
+                                    Bucket("expand", 64, (48, 16), 16, 32, 8)], ids=lambda b: b.key)
+def test_expand_candidates_respect_their_constraints(bucket):
+    configs = tile_shapes(bucket)
+    assert configs and len(set(configs)) == len(configs)
+    top = max(16, 1 << (bucket.group - 1).bit_length())
+    for c in configs:
+        assert c.block_m in (1, 16, 32, 64, 128) and c.block_m <= top
+        assert (c.block_m == 1) <= (bucket.group == 1)  # 1-row tiles only for one-token groups
+        assert c.block_n in (32, 64, 128, 256) and c.n_steps in (1, 2, 4)
+        assert c.n_steps == 1 or c.block_n * c.n_steps // 2 < max(bucket.out_sizes)  # no all-masked steps
+        assert (c.num_warps, c.num_stages) == (4, 2)
+    assert (bucket.group == 1) == any(c.block_m == 1 for c in configs)
+    if bucket.out_sizes == (48, 16):  # slices this narrow: one step of any block_n covers them
+        assert {c.n_steps for c in configs} == {1} and {c.block_m for c in configs} == {16}
+
+
+def test_variants_cover_warps_and_stages_of_each_shortlisted_shape():
+    best = [ShrinkConfig(16, 64, 8, 4, 3), ShrinkConfig(32, 128, 1, 4, 3)]
+    out = variants("shrink", best)
+    assert len(out) == len(set(out)) == 2 * len(WARPS) * len(STAGES["shrink"])
+    assert {(c.block_m, c.block_k, c.split_k) for c in out} == {(16, 64, 8), (32, 128, 1)}
+    assert {(c.num_warps, c.num_stages) for c in variants("expand", [ExpandConfig(1, 64, 4, 4, 2)])} == {
+        (w, s) for w in (4, 8) for s in (1, 2)}
+
+
+def fake_seconds(config) -> float:
+    """Deterministic fake timings: bigger splits and 8 warps are faster; block_k 256 fails."""
+    if getattr(config, "block_k", 0) == 256:
+        raise RuntimeError("out of resource: shared memory\nmore")
+    warps_stages = 0.1 * (config.num_warps == 8) + 0.01 * config.num_stages
+    return 1.0 - 0.01 * config.split_k - 0.001 * config.block_k - warps_stages
+
+
+def test_search_times_the_shortlist_over_warps_and_stages_and_keeps_the_fastest():
+    bucket = Bucket("shrink", 4096, (4096,), 64, 8, 1)
+    measured, failures = [], []
+
+    def measure(config):
+        measured.append(config)
+        return fake_seconds(config)
+
+    entry = search(bucket, measure, math.inf, lambda c, e: failures.append((c, str(e))))
+    assert len(measured) == len(set(measured))  # nothing timed twice
+    heuristic = tuning.heuristic_config(bucket)
+    assert measured[0] == heuristic
+    stage1 = [c for c in tile_shapes(bucket) if c.block_k != 256]
+    shortlist = sorted(stage1, key=fake_seconds)[:SHORTLIST]
+    assert set(measured) == {heuristic, *tile_shapes(bucket), *variants("shrink", shortlist)}
+    assert {c for c, _ in failures} == {c for c in measured if c.block_k == 256}
+    winner = min((c for c in measured if c.block_k != 256), key=fake_seconds)
+    assert winner.num_warps == 8 and winner.num_stages == 4  # found by stage 2
+    assert tuning.config_from("shrink", entry) == winner
+    assert entry["us"] == round(fake_seconds(winner) * 1e6, 3) <= entry["heuristic_us"]
+    assert entry["heuristic_us"] == round(fake_seconds(heuristic) * 1e6, 3)
+
+
+def test_search_keeps_the_heuristic_when_nothing_beats_it_and_rejects_it_when_it_fails():
+    bucket = Bucket("expand", 4096, (4096,), 16, 32, 1)
+    heuristic = tuning.heuristic_config(bucket)
+    entry = search(bucket, lambda c: 1.0 if c == heuristic else 2.0, math.inf, lambda c, e: None)
+    assert tuning.config_from("expand", entry) == heuristic and entry["us"] == entry["heuristic_us"] == 1e6
+
+    def broken(config):
+        if config == heuristic:
+            raise RuntimeError("boom")
+        return 1.0
+
+    with pytest.raises(CheckFailed, match="heuristic"):
+        search(bucket, broken, math.inf, lambda c, e: None)
+    with pytest.raises(BudgetSpent):
+        search(bucket, lambda c: 1.0, -math.inf, lambda c, e: None)
+
+
+@pytest.mark.parametrize("op", ["shrink", "expand"])
+def test_workload_batches_hit_their_bucket_on_disjoint_slots(op):
+    bucket = Bucket(op, 64, (32, 16), 16, 32, 8)
+    work = Workload.build(bucket, copies=3, dtype=torch.float32, device="cpu")
+    assert work.stack.num_slots == 12 and len(work.batches) == 3
+    slots = [set(b.seg_slots) for b in work.batches]
+    assert all(len(s) == 4 for s in slots) and len(set().union(*slots)) == 12
+    assert all(tuning.bucket_of(op, work.stack, b) == bucket for b in work.batches)
+    assert work.stack.host_ranks == [[16, 16]] * 12
+
+
+@pytest.mark.parametrize("op", ["shrink", "expand"])
+def test_check_passes_the_heuristic_in_the_interpreter(op):
+    bucket = Bucket(op, 64, (32, 16), 16, 32, 8)
+    Workload.build(bucket, copies=1, dtype=torch.float32, device="cpu").check(tuning.heuristic_config(bucket))
+
+
+def test_check_catches_a_broken_kernel(monkeypatch):
+    bucket = Bucket("shrink", 64, (32, 16), 16, 8, 8)
+    work = Workload.build(bucket, copies=1, dtype=torch.float32, device="cpu")
+    real = triton_lora.lora_shrink
+    monkeypatch.setattr(triton_lora, "lora_shrink", lambda *args: real(*args) * 1.01)
+    with pytest.raises(CheckFailed, match="off the reference"):
+        work.check(tuning.heuristic_config(bucket))
+
+    def fail(*args):
+        raise RuntimeError("no smem")
+
+    monkeypatch.setattr(triton_lora, "lora_shrink", fail)
+    with pytest.raises(CheckFailed, match="no smem"):
+        work.check(tuning.heuristic_config(bucket))
+
+
+def test_rotation_copies_span_l2_under_the_memory_cap():
+    decode = Bucket("shrink", 4096, (4096,), 16, 1, 1)
+    moved, allocated = copy_bytes(decode, 2)
+    assert moved == 4096 * 2 + 16 * 4096 * 2 + 16 * 4  # x, A of one slot, y
+    assert allocated == 4096 * 2 + 16 * 4096 * 2 + 4096 * 16 * 2  # x and the whole slot
+    assert rotation_copies(decode, 2, needed=lambda n: 3 * 50 * 2**20 // n + 1) == MAX_COPIES  # capped
+    assert rotation_copies(decode, 2, needed=lambda n: 7) == 7
+    prefill = Bucket("expand", 18944, (3584,), 128, 8192, 32)  # 256 slots of 128 x (18944 + 3584) each
+    copies = rotation_copies(prefill, 2, needed=lambda n: 10**6)
+    assert copies == MEMORY_CAP // copy_bytes(prefill, 2)[1] and copies * copy_bytes(prefill, 2)[1] <= MEMORY_CAP
+    assert rotation_copies(prefill, 2, needed=lambda n: 1) == 1
+
+
+def entry(config, us):
+    return {**tuning.config_dict(config), "us": us, "heuristic_us": us * 2}
+
+
+A, B = ShrinkConfig(16, 64, 8, 4, 3), ShrinkConfig(64, 128, 1, 8, 3)
+E = ExpandConfig(1, 64, 4, 4, 3)
+
+
+def test_static_config_wins_most_buckets_then_least_time():
+    configs = {"shrink|k1|n1|r16|t1|g1": entry(A, 5.0), "shrink|k1|n1|r16|t8|g1": entry(A, 5.0),
+               "shrink|k1|n1|r16|t8|g8": entry(B, 1.0), "expand|k1|n1|r16|t1|g1": entry(E, 3.0)}
+    assert static_configs(configs) == {"expand": tuning.config_dict(E), "shrink": tuning.config_dict(A)}
+    configs["shrink|k1|n1|r16|t32|g32"] = entry(B, 1.0)  # 2 wins each: B's take less time
+    assert static_configs(configs)["shrink"] == tuning.config_dict(B)
+
+
+HEADER = {"gpu": "NVIDIA H200", "triton": "3.6.0", "torch": "2.11.0", "date": "2025-01-02",
+          "command": "python -m kernels.tune --model qwen2-7b"}
+
+
+def test_merge_keeps_other_buckets_and_replaces_retuned_ones():
+    old = {**HEADER, "date": "2025-01-01", "command": "python -m kernels.tune --model llama-7b",
+           "runs": [{"date": "2025-01-01", "command": "python -m kernels.tune --model llama-7b"}],
+           "static": {}, "configs": {"shrink|k1|n1|r16|t1|g1": entry(A, 5.0), "shrink|k1|n1|r16|t8|g1": entry(A, 5.0)}}
+    new = {"shrink|k1|n1|r16|t8|g1": entry(B, 1.0), "shrink|k2|n2|r16|t8|g1": entry(B, 2.0)}
+    table = merged_table(old, new, HEADER)
+    assert table["configs"] == {"shrink|k1|n1|r16|t1|g1": entry(A, 5.0), **new}
+    assert table["static"] == {"shrink": tuning.config_dict(B)}
+    assert {k: table[k] for k in HEADER} == HEADER
+    assert [r["command"] for r in table["runs"]] == [old["command"], HEADER["command"]]
+    fresh = merged_table(None, new, HEADER)
+    assert fresh["configs"] == new and len(fresh["runs"]) == 1
+
+
+def test_table_write_is_atomic(tmp_path):
+    path = tmp_path / "tables" / "nvidia-h200.json"
+    table = merged_table(None, {"shrink|k1|n1|r16|t1|g1": entry(A, 5.0)}, HEADER)
+    write_table(path, table)
+    assert json.loads(path.read_text()) == table
+    with pytest.raises(TypeError):  # unserializable: the old table stays whole
+        write_table(path, {**table, "bad": object()})
+    assert json.loads(path.read_text()) == table
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    assert tuning.config_from("shrink", json.loads(path.read_text())["configs"]["shrink|k1|n1|r16|t1|g1"]) == A
+
+
+def test_progress_shows_count_elapsed_eta_and_the_current_bucket():
+    now = [100.0]
+    stream = io.StringIO()
+    progress = Progress(10, stream, clock=lambda: now[0])
+    progress.show(0, "shrink|k1")
+    now[0] += 50.0
+    progress.show(5, "expand|k2")
+    progress.note("skipped X")
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "[0/10] 0:00:00 elapsed, ETA ?  shrink|k1"
+    assert lines[1] == "[5/10] 0:00:50 elapsed, ETA 0:00:50  expand|k2"
+    assert lines[2] == "skipped X"
+
+
+def test_dry_run_lists_buckets_and_candidate_counts(capsys, tmp_path):
+    assert main(["--model", "llama-7b", "qwen2-7b", "--dry-run", "--ops", "shrink", "--ranks", "16",
+                 "--tokens", "1", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 8 * 3 + 1  # 8 projections x (1,1), (8,1), (8,8); then the totals
+    bucket = Bucket("shrink", 4096, (4096,), 16, 1, 1)  # o first
+    stage1 = {tuning.heuristic_config(bucket), *tile_shapes(bucket)}
+    assert lines[0].startswith(f"{bucket.key}  stage1 {len(stage1)}  stage2 <=")
+    assert lines[-1].startswith("24 buckets (shrink 24, expand 0); timings: stage 1 ")
+    # Sizing a continued run: buckets in the named table are left out.
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"configs": {"shrink|k4096|n4096+4096+4096|r16|t1|g1": entry(A, 1.0)}}))
+    main(["--model", "llama-7b", "--dry-run", "--ops", "shrink", "--ranks", "16", "--tokens", "1",
+          "--skip-tuned", "--table", str(table)])
+    assert "n4096+4096+4096|" not in capsys.readouterr().out
+
+
+def test_cli_rejects_untunable_points_and_unknown_models(capsys):
+    for argv in (["--ranks", "32"], ["--tokens", "100"], ["--model", "no-such-model"], ["--no-merge", "--skip-tuned"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["--model", "llama-7b", "--dry-run", *argv])
+        assert exc.value.code == 2
+    if not torch.cuda.is_available():
+        assert main(["--model", "llama-7b", "--tokens", "1"]) == 2  # tuning needs a GPU; nothing written
+    capsys.readouterr()
+
+
+def test_module_entry_point_runs_the_dry_run():
+    result = subprocess.run([sys.executable, "-m", "kernels.tune", "--model", "qwen2-7b", "--dry-run",
+                             "--ops", "expand", "--ranks", "64", "--tokens", "1"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.splitlines()[-1].startswith("4 buckets (shrink 0, expand 4)")
