@@ -5,7 +5,6 @@ at least 3x the L2 cache (no call finds its inputs left in L2 by the one before)
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 from collections.abc import Callable
@@ -37,7 +36,7 @@ def graph_time_s(calls: list[Callable[[], object]], repeats: int = 5, min_calls:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=_graph_pool()):
+    with torch.cuda.graph(graph):
         for call in sequence:
             call()
     graph.replay()
@@ -51,13 +50,6 @@ def graph_time_s(calls: list[Callable[[], object]], repeats: int = 5, min_calls:
         times.append(start.elapsed_time(end) / 1e3 / len(sequence))
     del graph
     return statistics.median(times)
-
-
-@functools.cache
-def _graph_pool() -> tuple[int, int]:
-    """One memory pool for every timing graph: each would otherwise cudaMalloc (and on deletion
-    cudaFree, a device sync) its own outputs."""
-    return torch.cuda.graph_pool_handle()
 
 
 def copy_bandwidth(num_bytes: int = 2**31, repeats: int = 10) -> float:
