@@ -85,15 +85,18 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
         return y
     # K range of one split, a multiple of block_k; trailing splits may get an empty range.
     k_per_split = triton.cdiv(triton.cdiv(stack.in_features, cfg.split_k), cfg.block_k) * cfg.block_k
-    grid = (_m_tile_bound(batch, cfg.block_m), stack.num_slices * cfg.split_k)
+    block_r = _block_r(stack.max_rank)
+    rank_block = min(cfg.rank_block or block_r, block_r)
+    assert rank_block & (rank_block - 1) == 0 and (cfg.block_m < 16 or rank_block >= 16), cfg  # tl.dot: N >= 16
+    grid = (_m_tile_bound(batch, cfg.block_m), stack.num_slices * cfg.split_k * (block_r // rank_block))
     _shrink_kernel[grid](
         x, stack.a, y, stack.ranks, stack.scalings, batch.starts, batch.lens, batch.slots, _rows_arg(x, batch),
-        batch.capacity, stack.in_features, cfg.split_k, k_per_split,
+        batch.capacity, stack.in_features, stack.num_slices, cfg.split_k, k_per_split,
         x.stride(0), x.stride(1),
         *stack.a.stride(),
         *y.stride(),
         stack.ranks.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=_block_r(stack.max_rank),
+        BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=rank_block,
         GROUP_BLOCK=_group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -192,7 +195,7 @@ def _matmul(a, b, acc, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
 @triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, y_ptr, ranks_ptr, scalings_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
-    num_groups, in_features, split_k, k_per_split,
+    num_groups, in_features, num_slices, split_k, k_per_split,
     stride_xm, stride_xk,
     stride_a_slot, stride_a_slice, stride_a_rank, stride_ak,
     stride_ym, stride_y_slice, stride_y_rank,
@@ -200,20 +203,22 @@ def _shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # grid: (M-tile, slice * split_k + split)
+    # grid: (M-tile, (rank block * slices + slice) * split_k + split); BLOCK_R ranks a program
     slot, rows, m_mask = _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
                                     BLOCK_M, GROUP_BLOCK, ONE_TILE, GATHER)
     if slot < 0:  # the grid's slack past the last tile
         return
-    slice_idx = tl.program_id(1) // split_k
-    split = tl.program_id(1) % split_k
+    pid = tl.program_id(1)
+    split = pid % split_k
+    slice_idx = (pid // split_k) % num_slices
+    r_begin = (pid // (split_k * num_slices)) * BLOCK_R
     rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx)
-    if rank == 0:  # empty slot, or its adapter does not target this slice
+    if r_begin >= rank:  # empty slot, untargeted slice, or ranks past this adapter's own
         return
     scaling = tl.load(scalings_ptr + slot)
     k_begin = split * k_per_split
 
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = r_begin + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank  # the slice's true rank: padded rows of A are never read
     offs_k = k_begin + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]

@@ -52,6 +52,7 @@ WARPS = (4, 8)
 STAGES = {"shrink": (2, 3, 4), "expand": (1, 2)}
 SHRINK_BLOCK_M, SHRINK_BLOCK_K, SPLIT_K = (16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16, 32, 64)
 EXPAND_BLOCK_M, BLOCK_N, N_STEPS = (1, 16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4)
+RANK_BLOCKS, RANK_BLOCKS_FMA, SHRINK_BLOCK_K_FMA = (16, 32), (4, 8, 16), (128, 256, 512)
 PROGRAMS = (33, 4224)  # shrink's split-K keeps the programs between ~1/4 and ~32 per SM of an H100/H200
 MAX_TILE = 16384  # elements of a shrink x tile (expand: half an out tile) that still fit
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}  # vs the float32 reference
@@ -143,13 +144,20 @@ def tile_shapes(bucket: Bucket) -> list[Config]:
     groups, slices = len(group_lens(bucket)), len(bucket.out_sizes)
     if bucket.op == "shrink":
         shapes = []
-        for m in (b for b in SHRINK_BLOCK_M if top // 2 <= b <= top or b == top):
-            tiles = groups * -(-bucket.group // m) * slices
-            splits = [s for s in SPLIT_K if bucket.in_features >= s * SHRINK_BLOCK_K[0]]
-            fitting = [s for s in splits if PROGRAMS[0] <= tiles * s <= PROGRAMS[1]] or [
-                max(splits, key=lambda s: min(tiles * s, PROGRAMS[1]))]  # the most programs short of it
-            shapes += [ShrinkConfig(m, k, s, warps, stages) for k in SHRINK_BLOCK_K if m * k <= MAX_TILE
-                       for s in fitting if bucket.in_features >= s * k]
+        # One-token groups may also take 1-row tiles on CUDA cores, their ranks spread over programs
+        # instead of K (no atomics, no zero-fill of y).
+        rows = ((1,) if bucket.group == 1 else ()) + tuple(b for b in SHRINK_BLOCK_M if top // 2 <= b <= top)
+        for m in rows:
+            chunks = [c for c in (RANK_BLOCKS_FMA if m == 1 else RANK_BLOCKS) if c < bucket.block_r]
+            for rank_block in [0, *chunks]:
+                tiles = groups * -(-bucket.group // m) * slices * (bucket.block_r // (rank_block or bucket.block_r))
+                splits = [s for s in SPLIT_K if bucket.in_features >= s * SHRINK_BLOCK_K[0]]
+                fitting = [s for s in splits if PROGRAMS[0] <= tiles * s <= PROGRAMS[1]] or [
+                    max(splits, key=lambda s: min(tiles * s, PROGRAMS[1]))]  # the most programs short of it
+                block_ks = SHRINK_BLOCK_K_FMA if m == 1 else SHRINK_BLOCK_K
+                shapes += [ShrinkConfig(m, k, s, warps, stages, rank_block) for k in block_ks
+                           for s in fitting if bucket.in_features >= s * k
+                           and (m * k <= MAX_TILE if m > 1 else k * (rank_block or bucket.block_r) <= MAX_TILE // 2)]
         return shapes
     widest = max(bucket.out_sizes)
     # 1-row tiles (CUDA-core multiply-sum) only for one-token groups. n_steps stops at the first

@@ -33,6 +33,8 @@ class ShrinkConfig:
     split_k: int     # programs sharing one tile's K range, adding into y with fp32 atomics
     num_warps: int
     num_stages: int
+    rank_block: int = 0  # ranks per program (a power of 2); 0: the whole padded rank. Programs
+    #                      past an adapter's own rank exit at once: low ranks cost no padding.
 
 
 @dataclass(frozen=True)

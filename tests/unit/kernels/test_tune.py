@@ -83,12 +83,17 @@ def test_shrink_candidates_respect_their_constraints(bucket):
     assert configs and len(set(configs)) == len(configs)
     top = max(16, 1 << (bucket.group - 1).bit_length())
     for c in configs:
-        assert c.block_m in (16, 32, 64, 128) and top // 2 <= c.block_m <= top
-        assert c.block_k in (64, 128, 256) and c.block_m * c.block_k <= MAX_TILE
+        if c.block_m == 1:  # CUDA-core tiles: one-token groups only, ranks spread over programs
+            assert bucket.group == 1 and c.block_k in (128, 256, 512) and c.rank_block in (0, 4, 8, 16)
+        else:
+            assert c.block_m in (16, 32, 64, 128) and top // 2 <= c.block_m <= top
+            assert c.block_k in (64, 128, 256) and c.block_m * c.block_k <= MAX_TILE
+            assert c.rank_block in (0, 16, 32) and c.rank_block < bucket.block_r
         assert c.split_k in (1, 2, 4, 8, 16, 32, 64) and bucket.in_features / c.split_k >= c.block_k
         assert (c.num_warps, c.num_stages) == (4, 3)
     if bucket.in_features == 4096 and bucket.group == 1:  # 3 tiles (q, k, v): splits 16, 32, 64 fit the window
-        assert {c.split_k for c in configs} == {16, 32, 64} and {c.block_m for c in configs} == {16}
+        assert {c.split_k for c in configs if c.block_m == 16} == {16, 32, 64}
+        assert {c.block_m for c in configs} == {1, 16}
 
 
 @pytest.mark.parametrize("bucket", [Bucket("expand", 4096, (4096, 4096, 4096), 16, 8, 1),
