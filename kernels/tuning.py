@@ -111,7 +111,7 @@ def _device_name(index: int) -> str:
 
 def config_from(op: str, entry: dict) -> Config:
     cls = CONFIG_TYPES[op]
-    return cls(**{field: entry[field] for field in cls.__dataclass_fields__})
+    return cls(**{field: entry[field] for field in cls.__dataclass_fields__ if field in entry})  # else its default
 
 
 def config_dict(config: Config) -> dict:

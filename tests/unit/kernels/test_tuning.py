@@ -43,6 +43,8 @@ def test_lookup_prefers_the_table_and_falls_back_to_the_heuristic():
     assert tuning.lookup(bucket, table) == tuned
     other = Bucket("shrink", 4096, (4096,), 64, 128, 1)
     assert tuning.lookup(other, table) == tuning.heuristic_config(other)
+    older = {k: v for k, v in tuning.config_dict(tuned).items() if k != "rank_block"}  # tables before the field
+    assert tuning.config_from("shrink", older) == tuned
     assert tuning.lookup(Bucket("expand", 4096, (4096,), 64, 32, 1), table) == tuning.heuristic_config(
         Bucket("expand", 4096, (4096,), 64, 32, 1))
 
