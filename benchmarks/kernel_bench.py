@@ -182,10 +182,11 @@ def random_stack(case: Case, copies: int, dtype: torch.dtype, device: torch.devi
 
 
 def copy_batch(case: Case, copy: int, device: torch.device | str) -> LoRABatch:
-    """The case's requests on copy `copy`'s slots: the k-th used adapter in slot copy * used + k."""
+    """The case's requests on copy `copy`'s slots: the k-th used adapter in slot copy * used + k.
+    The batch knows its largest rank, as the engine's batches do."""
     used = case.used_adapters()
     slot = {j: copy * len(used) + k for k, j in enumerate(used)}
-    return LoRABatch.build(case.seg_lens, [slot[j] for j in case.seg_adapters], device)
+    return LoRABatch.build(case.seg_lens, [slot[j] for j in case.seg_adapters], device, max_rank=max(case.used_ranks()))
 
 
 def random_rows(copies: int, case: Case, dtype: torch.dtype, device: torch.device | str,
@@ -226,7 +227,7 @@ class Atmm:
         triton_lora.lora_expand(out, y, self.stack, self.batch, self.configs["expand"])
 
     def dense(self, y: torch.Tensor) -> torch.Tensor:
-        return y[:, 0]  # y: float32 [tokens, 1 slice, max_rank]
+        return y.sum(0)[:, 0]  # y: float32 [K splits, tokens, 1 slice, max_rank]
 
 
 def slot_rows(batch: LoRABatch) -> dict[int, list[int]]:
@@ -336,9 +337,9 @@ def check_case(case: Case, impls: dict[str, Impl], device: torch.device | str, d
     # within the delta's tolerance, and an expand that overwrote out would still show.
     out = random_rows(1, case, dtype, device, generator)[0] * 0.1
     stack32 = replace(stack, a=stack.a.float(), b=stack.b.float())
-    want_y = reference.lora_shrink(x.float(), stack32, batch)  # [tokens, 1, max_rank]
+    want_y = reference.lora_shrink(x.float(), stack32, batch)[0]  # [tokens, 1, max_rank]
     want_delta = torch.zeros(case.tokens, case.hidden, device=device)
-    reference.lora_expand(want_delta, want_y, stack32, batch)
+    reference.lora_expand(want_delta, want_y[None], stack32, batch)
     ranks = torch.tensor(case.token_ranks(), device=device)
     keep = torch.arange(case.max_rank, device=device) < ranks[:, None]  # [tokens, max_rank]
     for name, impl in impls.items():

@@ -59,7 +59,7 @@ class ModelRunner:
             block_tables=device_tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], torch.int32),
             slot_mapping=device_tensor(inputs.slot_mapping, torch.int64),
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens))
-        lora = LoRABatch.build(inputs.seg_lens, inputs.seg_slots, self.device)
+        lora = LoRABatch.build(inputs.seg_lens, inputs.seg_slots, self.device, max_rank=inputs.max_lora_rank)
         with forward_context(ForwardContext(attention, self.kv_cache, lora)):
             hidden = self.model(device_tensor(inputs.input_ids, torch.long), device_tensor(inputs.positions, torch.long))
         return self.model.compute_logits(hidden[device_tensor(inputs.logit_rows, torch.long)])

@@ -32,6 +32,11 @@ class StepInputs:
         return len(self.input_ids)
 
     @property
+    def max_lora_rank(self) -> int:
+        """The largest adapter rank among the batch's sequences (0: none uses one)."""
+        return max((item.seq.rank for item in self.items), default=0)
+
+    @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens) and len(self.sampling) == len(self.items)
 

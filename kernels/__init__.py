@@ -18,10 +18,11 @@ __all__ = ["NO_SLOT", "LoRABatch", "LoRAStack", "linear", "lora_expand", "lora_s
 
 
 def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
-    """x [num_tokens, in_features] -> y float32 [num_tokens, num_slices, max_rank].
+    """x [num_tokens, in_features] -> y float32 [splits, num_tokens, num_slices, max_rank].
 
-    y[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of segments with a slot and
-    slices of rank r > 0; other entries are unspecified.
+    y holds partial sums over in_features (splits >= 1 planes, which lora_expand adds up):
+    y.sum(0)[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of segments with a slot
+    and slices of rank r > 0; other entries are unspecified.
     """
     if x.is_cuda:
         from kernels import triton_lora  # imported on first GPU use: CPU-only installs have no triton
@@ -30,7 +31,7 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Te
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> None:
-    """out [num_tokens, out_features] += y[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
+    """out [num_tokens, out_features] += y.sum(0)[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
 
     Accumulated in float32, for tokens of segments with a slot and slices of rank r > 0; other
     rows and columns of out are untouched.

@@ -43,6 +43,8 @@ class LoRABatch:
     lens: torch.Tensor              # int32 [capacity] tokens in each group, padded with 0
     slots: torch.Tensor             # int32 [capacity] slot of each group, padded with NO_SLOT
     rows: torch.Tensor | None = None  # int32 [tokens in groups] token of each position; None: identity
+    max_rank: int | None = None     # bound on the rank of every adapter the groups' slots hold;
+    #                                 None: any rank a stack holds (its padding)
 
     def __post_init__(self) -> None:
         num_segments = len(self.seg_lens)
@@ -56,11 +58,17 @@ class LoRABatch:
             assert t.dtype == torch.int32 and t.shape == (self.capacity,), (t.dtype, t.shape)
         assert self.rows is None or (self.rows.dtype == torch.int32 and self.rows.dim() == 1
                                      and self.rows.shape[0] <= self.num_tokens)
+        assert self.max_rank is None or self.max_rank >= 0, self.max_rank
 
     @property
     def capacity(self) -> int:
         """Groups the device tensors hold, padding included (the kernels' grid bound)."""
         return self.starts.shape[0]
+
+    def rank_bound(self, padded_rank: int) -> int:
+        """The ranks a kernel must cover for a stack padded to `padded_rank`: the batch's bound when
+        known, so that a batch of rank-8 adapters in a rank-128 stack tiles 8 ranks, not 128."""
+        return padded_rank if self.max_rank is None else min(padded_rank, self.max_rank)
 
     @property
     def has_lora(self) -> bool:
@@ -69,12 +77,14 @@ class LoRABatch:
 
     @staticmethod
     def build(seg_lens: Sequence[int], seg_slots: Sequence[int], device: torch.device | str,
-              capacity: int | None = None, max_group_len: int | None = None) -> LoRABatch:
+              capacity: int | None = None, max_group_len: int | None = None,
+              max_rank: int | None = None) -> LoRABatch:
         """Segments laid end to end from token 0, grouped by slot; device tensors padded to
         `capacity` groups (default: as many as there are).
 
         `max_group_len` defaults to the largest group; pass a larger bound when this batch is
-        captured in a graph that later replays larger groups.
+        captured in a graph that later replays larger groups. `max_rank`, when the caller knows
+        it, bounds the rank of every adapter in the batch's slots (see `rank_bound`).
         """
         seg_lens, seg_slots = tuple(seg_lens), tuple(seg_slots)
         seg_starts = (0, *accumulate(seg_lens))[:len(seg_lens)]
@@ -104,7 +114,7 @@ class LoRABatch:
         return LoRABatch(num_tokens, seg_starts, seg_lens, seg_slots,
                          max(lens, default=0) if max_group_len is None else max_group_len,
                          meta[:capacity], meta[capacity:2 * capacity], meta[2 * capacity:3 * capacity],
-                         None if rows is None else meta[3 * capacity:])
+                         None if rows is None else meta[3 * capacity:], max_rank)
 
     def copy_into(self, other: LoRABatch) -> None:
         """Copy this batch's device tensors into `other`'s (a captured graph's static inputs).
@@ -114,6 +124,8 @@ class LoRABatch:
         """
         assert other.capacity >= self.capacity, (other.capacity, self.capacity)
         assert other.max_group_len >= self.max_group_len, (other.max_group_len, self.max_group_len)
+        assert other.max_rank is None or (self.max_rank is not None and other.max_rank >= self.max_rank), (
+            other.max_rank, self.max_rank)
         assert other.num_tokens >= self.num_tokens, (other.num_tokens, self.num_tokens)
         assert self.rows is None and other.rows is None, "graphs replay batches grouped in token order"
         n = self.capacity

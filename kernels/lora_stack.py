@@ -126,9 +126,11 @@ class LoRAStack:
         assert x.device == self.a.device == batch.lens.device, (x.device, self.a.device, batch.lens.device)
 
     def check_expand_args(self, out: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
-        """out: [num_tokens, out_features]; y: float32 [num_tokens, num_slices, max_rank] from lora_shrink."""
+        """out: [num_tokens, out_features]; y: float32 [splits, num_tokens, num_slices, max_rank] from
+        lora_shrink."""
         assert out.dim() == 2 and out.shape == (batch.num_tokens, self.out_features), (out.shape, batch.num_tokens)
         assert out.is_floating_point(), out.dtype
-        assert y.dtype == torch.float32 and y.shape == (batch.num_tokens, self.num_slices, self.max_rank), (
+        assert y.dtype == torch.float32 and y.dim() == 4 and y.shape[1:] == (
+            batch.num_tokens, self.num_slices, self.max_rank), (
             y.dtype, y.shape)
         assert out.device == y.device == self.b.device == batch.lens.device, (out.device, y.device)

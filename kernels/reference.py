@@ -17,13 +17,14 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Te
     """y[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of segments using a slot.
 
     x:      [num_tokens, in_features]
-    returns y: float32 [num_tokens, num_slices, max_rank]; entries of base-only tokens, untargeted
-            slices and rank columns >= r are zero.
+    returns y: float32 [1, num_tokens, num_slices, max_rank] (one plane: no split of K); entries
+            of base-only tokens, untargeted slices and rank columns >= r are zero.
     """
     stack.check_shrink_args(x, batch)
-    y = torch.zeros(batch.num_tokens, stack.num_slices, stack.max_rank, dtype=torch.float32, device=x.device)
+    planes = torch.zeros(1, batch.num_tokens, stack.num_slices, stack.max_rank, dtype=torch.float32, device=x.device)
     if not batch.has_lora:
-        return y
+        return planes
+    y = planes[0]
     for start, length, slot in zip(batch.seg_starts, batch.seg_lens, batch.seg_slots):
         if slot == NO_SLOT or length == 0:
             continue
@@ -33,19 +34,20 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Te
                 continue
             a = stack.a[slot, s, :rank].float()  # [rank, in_features]
             y[start:start + length, s, :rank] = (rows @ a.t()) * stack.scalings[slot]
-    return y
+    return planes
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> None:
-    """out[t, slice s columns] += y[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
+    """out[t, slice s columns] += y.sum(0)[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
 
     out: [num_tokens, out_features] the base projection's output (any float dtype)
-    y:   float32 [num_tokens, num_slices, max_rank] from lora_shrink
+    y:   float32 [splits, num_tokens, num_slices, max_rank] from lora_shrink: partial sums over K
     Rows of base-only tokens and columns of untargeted slices are left untouched.
     """
     stack.check_expand_args(out, y, batch)
     if not batch.has_lora:
         return
+    y = y.sum(0)
     for start, length, slot in zip(batch.seg_starts, batch.seg_lens, batch.seg_slots):
         if slot == NO_SLOT or length == 0:
             continue

@@ -9,10 +9,13 @@ groups the latter would launch ~8000 M programs where ~290 have work. Each progr
 group with a prefix sum over the groups' tile counts (`_find_tile`, one read of the batch's small
 int32 metadata), then returns at once when its slice is untargeted or its slot empty.
 
-Shrink may split K over `split_k` programs that add their partial products into a zero-filled
-y with fp32 atomics (results may then differ in the last bits between runs); unsplit, it stores
-into uninitialized y. Partials kept apart for expand to sum were tried: expand then waits on
-split_k dependent loads, 18 us for a split of 64 on an H200.
+Shrink may split K over `split_k` programs; each stores its partial product in its own plane of
+y ([split_k, tokens, slices, ranks]) and expand sums the planes in the same load that reads y.
+That needs no zero-filled y (a memset node per call in a graph) and no atomics (results are
+deterministic): decode shrinks went from 3.4-4.4 to 2.1-2.3 us on an H200. The price is paid in
+expand, every program of which loads a [split_k, BLOCK_M, BLOCK_R] tile: 32 planes of rank 16
+add ~0.3 us to a 1-row decode tile, while 32 planes of rank 64 for 16-row tiles cost more than
+the split saved; kernels.tune caps the product (PLANE_TILE_CAP).
 
 Grids come from host ints only (num_tokens, the batch's capacity, the stack's shape;
 max_group_len only picks the configuration), and every per-step value is read from device
@@ -21,6 +24,8 @@ contents. Tile shapes come from the offline-tuned table (kernels/tuning.py), by 
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -34,9 +39,9 @@ from kernels.tuning import ExpandConfig, ShrinkConfig
 MAX_SLICES = 3  # the expand kernel maps N-tiles to at most 3 slices (fused qkv)
 
 
-def _block_r(max_rank: int) -> int:
-    """Rank tile: the whole (padded) rank at once; columns >= a slice's rank are masked."""
-    return max(16, triton.next_power_of_2(max_rank))
+def _block_r(stack: LoRAStack, batch: LoRABatch) -> int:
+    """Rank tile: every rank the batch may use at once; columns >= a slice's rank are masked."""
+    return max(16, triton.next_power_of_2(batch.rank_bound(stack.max_rank)))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -63,33 +68,42 @@ def _group_block(capacity: int) -> int:
     return max(64, triton.next_power_of_2(capacity))
 
 
+def _launcher(kernel: triton.runtime.JITFunction, grid: tuple[int, ...], compile_only: bool):
+    return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
 def _rows_arg(x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
     return x if batch.rows is None else batch.rows  # any tensor: GATHER=False never reads it
 
 
 def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
-                config: ShrinkConfig | None = None) -> torch.Tensor:
-    """y[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of groups using a slot;
-    other entries are unspecified.
+                config: ShrinkConfig | None = None, compile_only: bool = False) -> torch.Tensor:
+    """y.sum(0)[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of groups using a
+    slot; other entries are unspecified.
 
     x:      [num_tokens, in_features], stack.a's dtype
-    returns y: float32 [num_tokens, num_slices, max_rank]
+    returns y: float32 [split_k, num_tokens, num_slices, max_rank], one partial sum over K a plane
+    compile_only: compile the kernel for these arguments without launching it (kernels.tune)
     """
     stack.check_shrink_args(x, batch)
     assert x.dtype == stack.a.dtype, (x.dtype, stack.a.dtype)
     cfg = config or tuning.shrink_config(stack, batch)
-    assert cfg.block_m >= 1 and cfg.block_k >= 16 and cfg.split_k >= 1, cfg
-    new = torch.zeros if cfg.split_k > 1 else torch.empty  # splits add into y
-    y = new(batch.num_tokens, stack.num_slices, stack.max_rank, dtype=torch.float32, device=x.device)
+    assert cfg.block_m >= 1 and cfg.block_k >= 16 and _is_pow2(cfg.split_k), cfg  # expand: tl.arange(split_k)
+    y = torch.empty(cfg.split_k, batch.num_tokens, stack.num_slices, stack.max_rank, dtype=torch.float32,
+                    device=x.device)
     if batch.num_tokens == 0 or batch.capacity == 0:
         return y
     # K range of one split, a multiple of block_k; trailing splits may get an empty range.
     k_per_split = triton.cdiv(triton.cdiv(stack.in_features, cfg.split_k), cfg.block_k) * cfg.block_k
-    block_r = _block_r(stack.max_rank)
+    block_r = _block_r(stack, batch)
     rank_block = min(cfg.rank_block or block_r, block_r)
-    assert rank_block & (rank_block - 1) == 0 and (cfg.block_m < 16 or rank_block >= 16), cfg  # tl.dot: N >= 16
+    assert _is_pow2(rank_block) and (cfg.block_m < 16 or rank_block >= 16), cfg  # tl.dot: N >= 16
     grid = (_m_tile_bound(batch, cfg.block_m), stack.num_slices * cfg.split_k * (block_r // rank_block))
-    _shrink_kernel[grid](
+    _launcher(_shrink_kernel, grid, compile_only)(
         x, stack.a, y, stack.ranks, stack.scalings, batch.starts, batch.lens, batch.slots, _rows_arg(x, batch),
         batch.capacity, stack.in_features, stack.num_slices, cfg.split_k, k_per_split,
         x.stride(0), x.stride(1),
@@ -105,17 +119,17 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
-                config: ExpandConfig | None = None) -> None:
-    """out[t, slice s columns] += y[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
+                config: ExpandConfig | None = None, compile_only: bool = False) -> None:
+    """out[t, slice s columns] += y.sum(0)[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
 
     out: [num_tokens, out_features] the base projection's output (any float dtype)
-    y:   float32 [num_tokens, num_slices, max_rank] from lora_shrink
+    y:   float32 [splits, num_tokens, num_slices, max_rank] from lora_shrink (splits a power of 2)
     Tiles of >= 16 rows multiply in B's dtype (y is rounded to it, as vLLM does, for 16-bit
     tensor cores), smaller ones in fp32; all accumulate and add to out in fp32. Rows of
     base-only tokens and columns of untargeted slices are never written.
     """
     stack.check_expand_args(out, y, batch)
-    assert stack.num_slices <= MAX_SLICES, stack.num_slices
+    assert stack.num_slices <= MAX_SLICES and _is_pow2(y.shape[0]), (stack.num_slices, y.shape)
     if batch.num_tokens == 0 or batch.capacity == 0:
         return
     sizes = [hi - lo for lo, hi in zip(stack.out_offsets, stack.out_offsets[1:])]
@@ -128,14 +142,14 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
     tile_starts = [sum(tiles[:s]) for s in range(1, MAX_SLICES)]  # first N-tile of slices 1, 2
     ends = [stack.out_offsets[min(s, len(sizes))] for s in range(1, MAX_SLICES + 1)]  # slices 0, 1, 2
     grid = (_m_tile_bound(batch, cfg.block_m), sum(tiles))
-    _expand_kernel[grid](
+    _launcher(_expand_kernel, grid, compile_only)(
         y, stack.b, out, stack.ranks, batch.starts, batch.lens, batch.slots, _rows_arg(out, batch),
-        batch.capacity, *ends, *tile_starts, cfg.n_steps,
+        batch.capacity, *ends, *tile_starts, cfg.n_steps, stack.max_rank,
         *y.stride(),
         *stack.b.stride(),
         out.stride(0), out.stride(1),
         stack.ranks.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_block_r(stack.max_rank),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_block_r(stack, batch), SPLIT=y.shape[0],
         GROUP_BLOCK=_group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(stack.b.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -198,7 +212,7 @@ def _shrink_kernel(
     num_groups, in_features, num_slices, split_k, k_per_split,
     stride_xm, stride_xk,
     stride_a_slot, stride_a_slice, stride_a_rank, stride_ak,
-    stride_ym, stride_y_slice, stride_y_rank,
+    stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
     stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -233,23 +247,21 @@ def _shrink_kernel(
         acc = _matmul(x, a, acc, BLOCK_M, DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
-    y_mask = m_mask[:, None] & r_mask[None, :]
-    if split_k == 1:
-        tl.store(y_ptrs, acc * scaling, mask=y_mask)
-    else:
-        tl.atomic_add(y_ptrs, acc * scaling, mask=y_mask)
+    # Every split stores its plane, an empty K range too (zeros): expand sums all planes.
+    y_ptrs = (y_ptr + split * stride_y_split + rows[:, None] * stride_ym + slice_idx * stride_y_slice
+              + offs_r[None, :] * stride_y_rank)
+    tl.store(y_ptrs, acc * scaling, mask=m_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit
 def _expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
-    num_groups, end0, end1, end2, tile_start1, tile_start2, n_steps,
-    stride_ym, stride_y_slice, stride_y_rank,
+    num_groups, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank,
+    stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
     stride_b_slot, stride_bn, stride_b_rank,
     stride_om, stride_on,
     stride_ranks_slot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # grid: (M-tile, N-tile); N-tiles run through slice 0, then 1, then 2, and slice s spans
@@ -262,27 +274,39 @@ def _expand_kernel(
     in1 = pid_n >= tile_start1
     in2 = pid_n >= tile_start2
     slice_idx = in1.to(tl.int32) + in2.to(tl.int32)
-    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx)
-    if rank == 0:  # empty slot, or its adapter does not target this slice
-        return
     n_begin = tl.where(in2, end1, tl.where(in1, end0, 0))
     n_end = tl.where(in2, end2, tl.where(in1, end1, end0))
-    first_tile = tl.where(in2, tile_start2, tl.where(in1, tile_start1, 0))
-
-    offs_n = n_begin + (pid_n - first_tile) * (BLOCK_N * n_steps) + tl.arange(0, BLOCK_N)
+    span_begin = n_begin + (pid_n - tl.where(in2, tile_start2, tl.where(in1, tile_start1, 0))) * (BLOCK_N * n_steps)
+    span_end = tl.minimum(n_end, span_begin + BLOCK_N * n_steps)  # this program's columns
+    offs_n = span_begin + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    y = tl.load(y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank,
-                mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R] fp32
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
+    # Every load that does not need the rank is issued before the rank is waited on: y (columns
+    # past the rank are garbage until masked) and the first out tile.
+    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
+    y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]
+    if SPLIT == 1:
+        y = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BLOCK_M, BLOCK_R] fp32
+    else:  # every plane in one load, then their sum
+        offs_s = tl.arange(0, SPLIT)[:, None, None] * stride_y_split
+        y = tl.sum(tl.load(y_ptrs[None, :, :] + offs_s, mask=y_mask[None, :, :], other=0.0), axis=0)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    for step in range(n_steps):
-        n_mask = offs_n + step * BLOCK_N < n_end
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        # out from HBM first: its latency then overlaps the B tile's (from L2) and the product.
-        prev = tl.load(out_ptrs, mask=out_mask, other=0.0)
+    prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
+    if rank == 0:  # empty slot, or its adapter does not target this slice: out is never written
+        return
+    r_mask = offs_r < rank
+    y = tl.where(r_mask[None, :], y, 0.0)
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
+    for _ in range(n_steps):
+        n_mask = offs_n < span_end
+        # The next out tile (from HBM) is requested before this one's B tile (from L2) and product.
+        nxt = tl.load(out_ptrs + BLOCK_N * stride_on, mask=m_mask[:, None] & (offs_n + BLOCK_N < span_end)[None, :],
+                      other=0.0)
         b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N] = Bᵀ tile
         delta = _matmul(y, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_M, DOT_PRECISION)
-        tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+        prev = nxt
+        offs_n += BLOCK_N
         b_ptrs += BLOCK_N * stride_bn
         out_ptrs += BLOCK_N * stride_on

@@ -26,8 +26,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import date
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from itertools import accumulate
+from multiprocessing import get_context
 from pathlib import Path
 from typing import TextIO
 
@@ -50,9 +52,15 @@ SHORTLIST = 2  # stage-1 shapes that go on to stage 2
 STAGE1 = {"shrink": (4, 3), "expand": (4, 2)}
 WARPS = (4, 8)
 STAGES = {"shrink": (2, 3, 4), "expand": (1, 2)}
-SHRINK_BLOCK_M, SHRINK_BLOCK_K, SPLIT_K = (16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16, 32, 64)
-EXPAND_BLOCK_M, BLOCK_N, N_STEPS = (1, 16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4)
-RANK_BLOCKS, RANK_BLOCKS_FMA, SHRINK_BLOCK_K_FMA = (16, 32), (4, 8, 16), (128, 256, 512)
+SHRINK_BLOCK_M, SHRINK_BLOCK_K, SPLIT_K = (16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16, 32)
+EXPAND_BLOCK_M, BLOCK_N, N_STEPS = (1, 16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8)
+RANK_BLOCKS, RANK_BLOCKS_FMA, SHRINK_BLOCK_K_FMA = (16, 32), (2, 4, 8, 16), (128, 256, 512)
+Y_PLANES_CAP = 64 * 2**20  # bytes of shrink's partial-sum planes (split_k of them) one call may write
+# Expand sums the planes of y in each of its programs: a [split, rows, rank] fp32 tile. Past ~8K
+# elements it costs expand more than the split saves shrink (an H200: 32 planes of rank 64 for
+# 8-token groups; 16 planes of rank 16 doubled a 2048-token expand's reads). Expand tiles take
+# up to 64 rows of a group.
+PLANE_TILE_CAP = 8192
 PROGRAMS = (33, 4224)  # shrink's split-K keeps the programs between ~1/4 and ~32 per SM of an H100/H200
 MAX_TILE = 16384  # elements of a shrink x tile (expand: half an out tile) that still fit
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}  # vs the float32 reference
@@ -114,10 +122,11 @@ def token_groups(tokens: Iterable[int]) -> list[tuple[int, int]]:
 
 def buckets(models: Sequence[ModelShape], ops: Sequence[str], ranks: Sequence[int],
             tokens: Sequence[int], names: Sequence[str] = PROJECTIONS) -> list[Bucket]:
-    """Every bucket of the models' projections named (shared shapes once), projection by projection."""
+    """Every bucket of the models' projections named (shared shapes once): all shrink buckets, then
+    all expand buckets (an expand is tuned on the y planes its shrink's tuned split writes)."""
     projections = dict.fromkeys(shape for name in names for model in models
                                 for shape in [model.projections()[name]])
-    return [Bucket(op, k, sizes, r, t, g) for k, sizes in projections for op in ops for r in ranks
+    return [Bucket(op, k, sizes, r, t, g) for op in ops for k, sizes in projections for r in ranks
             for t, g in token_groups(tokens)]
 
 
@@ -132,6 +141,14 @@ def _max_block_m(group: int) -> int:
     return max(16, triton.next_power_of_2(group))
 
 
+def _row_tiles(candidates: Iterable[int], group: int) -> tuple[int, ...]:
+    """Row tiles worth timing for groups of `group` tokens: none past the group, and none under
+    half of it while it is small (each tile re-reads the adapter's weights); groups of hundreds
+    of tokens take tiles from 32 rows up (weight re-reads then hit L2; splits bring parallelism)."""
+    top = _max_block_m(group)
+    return tuple(b for b in candidates if min(top // 2, 32) <= b <= top)
+
+
 def tile_shapes(bucket: Bucket) -> list[Config]:
     """Stage 1: the op's tile shapes worth timing, at STAGE1's warps and stages.
 
@@ -140,29 +157,37 @@ def tile_shapes(bucket: Bucket) -> list[Config]:
     and K splits leaving fewer than ~1/4 or more than ~32 programs per SM.
     """
     warps, stages = STAGE1[bucket.op]
-    top = _max_block_m(bucket.group)
     groups, slices = len(group_lens(bucket)), len(bucket.out_sizes)
     if bucket.op == "shrink":
         shapes = []
         # One-token groups may also take 1-row tiles on CUDA cores, their ranks spread over programs
-        # instead of K (no atomics, no zero-fill of y).
-        rows = ((1,) if bucket.group == 1 else ()) + tuple(b for b in SHRINK_BLOCK_M if top // 2 <= b <= top)
+        # instead of (or as well as) K; a 1-row tile may even span all of K in one step, unsplit.
+        rows = ((1,) if bucket.group == 1 else ()) + _row_tiles(SHRINK_BLOCK_M, bucket.group)
+        plane_bytes = bucket.tokens * slices * bucket.block_r * 4
         for m in rows:
             chunks = [c for c in (RANK_BLOCKS_FMA if m == 1 else RANK_BLOCKS) if c < bucket.block_r]
             for rank_block in [0, *chunks]:
                 tiles = groups * -(-bucket.group // m) * slices * (bucket.block_r // (rank_block or bucket.block_r))
-                splits = [s for s in SPLIT_K if bucket.in_features >= s * SHRINK_BLOCK_K[0]]
+                splits = [s for s in SPLIT_K if bucket.in_features >= s * SHRINK_BLOCK_K[0]
+                          and s * plane_bytes <= Y_PLANES_CAP]
                 fitting = [s for s in splits if PROGRAMS[0] <= tiles * s <= PROGRAMS[1]] or [
                     max(splits, key=lambda s: min(tiles * s, PROGRAMS[1]))]  # the most programs short of it
-                block_ks = SHRINK_BLOCK_K_FMA if m == 1 else SHRINK_BLOCK_K
-                shapes += [ShrinkConfig(m, k, s, warps, stages, rank_block) for k in block_ks
-                           for s in fitting if bucket.in_features >= s * k
-                           and (m * k <= MAX_TILE if m > 1 else k * (rank_block or bucket.block_r) <= MAX_TILE // 2)]
-        return shapes
+                capped = [s for s in splits if s * bucket.block_r * min(bucket.group, 64) <= PLANE_TILE_CAP] or [1]
+                fitting = [s for s in fitting if s in capped] or [max(capped)]
+                if m > 1:
+                    shapes += [ShrinkConfig(m, k, s, warps, stages, rank_block) for k in SHRINK_BLOCK_K
+                               for s in fitting if bucket.in_features >= s * k and m * k <= MAX_TILE]
+                    continue
+                whole_k = triton.next_power_of_2(bucket.in_features)  # one step, no split
+                shapes += [ShrinkConfig(m, k, s, warps, stages, rank_block)
+                           for k, ss in [*((k, fitting) for k in SHRINK_BLOCK_K_FMA), (whole_k, [1])]
+                           for s in ss if (bucket.in_features >= s * k or k == whole_k)
+                           and k * (rank_block or bucket.block_r) <= MAX_TILE // 2]
+        return list(dict.fromkeys(shapes))  # whole_k may also be one of SHRINK_BLOCK_K_FMA
     widest = max(bucket.out_sizes)
     # 1-row tiles (CUDA-core multiply-sum) only for one-token groups. n_steps stops at the first
     # count whose span covers the widest slice: more steps would all be masked.
-    rows = (1, 16) if bucket.group == 1 else tuple(b for b in EXPAND_BLOCK_M if b >= 16 and top // 2 <= b <= top)
+    rows = (1, 16) if bucket.group == 1 else _row_tiles(EXPAND_BLOCK_M[1:], bucket.group)
     return [ExpandConfig(m, n, steps, warps, stages)
             for m in rows for n in BLOCK_N if (n >= 64 or bucket.group == 1) and m * n <= 2 * MAX_TILE
             for steps in N_STEPS if steps == 1 or n * steps // 2 < widest]
@@ -206,20 +231,30 @@ def search(bucket: Bucket, measure: Callable[[Config], float], deadline: float,
             "heuristic_us": round(seconds[heuristic] * 1e6, 3)}
 
 
-def copy_bytes(bucket: Bucket, elem_size: int) -> tuple[int, int]:
+def shrink_splits(bucket: Bucket, old: dict | None, new: dict[str, dict]) -> int:
+    """The K split the shrink of `bucket`'s shape runs with (the table as tuned so far, else the
+    heuristic): expand is tuned on as many y planes as that shrink writes. 1 for shrink buckets."""
+    if bucket.op == "shrink":
+        return 1
+    configs = {**(old or {}).get("configs", {}), **new}
+    return tuning.lookup(replace(bucket, op="shrink"), {"configs": configs}).split_k
+
+
+def copy_bytes(bucket: Bucket, elem_size: int, splits: int = 1) -> tuple[int, int]:
     """(bytes one call moves, bytes one input copy allocates: its activations and its stack slots)."""
     t, k, r, n = bucket.tokens, bucket.in_features, bucket.block_r, sum(bucket.out_sizes)
     slices, groups = len(bucket.out_sizes), len(group_lens(bucket))
-    y = t * slices * r * 4  # float32
+    y = splits * t * slices * r * 4  # float32 planes
     a, b = groups * slices * r * k * elem_size, groups * n * r * elem_size
     if bucket.op == "shrink":  # reads x and A, writes y
         return t * k * elem_size + a + y, t * k * elem_size + a + b
     return y + b + 2 * t * n * elem_size, y + t * n * elem_size + a + b  # reads y, B, out; writes out
 
 
-def rotation_copies(bucket: Bucket, elem_size: int, needed: Callable[[int], int] = timing.copies_needed) -> int:
+def rotation_copies(bucket: Bucket, elem_size: int, splits: int = 1,
+                    needed: Callable[[int], int] = timing.copies_needed) -> int:
     """Input copies to cycle through: enough to span 3x L2, few enough to stay under MEMORY_CAP."""
-    moved, allocated = copy_bytes(bucket, elem_size)
+    moved, allocated = copy_bytes(bucket, elem_size, splits)
     return max(1, min(needed(moved), MEMORY_CAP // allocated, MAX_COPIES))
 
 
@@ -244,11 +279,13 @@ class Workload:
     bucket: Bucket
     stack: LoRAStack             # [copies * groups] slots
     batches: list[LoRABatch]     # copy c: the groups of group_lens(bucket), on slots c * groups + i
-    inputs: list[torch.Tensor]   # shrink: x [T, in_features]; expand: y float32 [T, slices, block_r]
+    inputs: list[torch.Tensor]   # shrink: x [T, in_features]; expand: y float32 [splits, T, slices, block_r]
     outs: list[torch.Tensor]     # expand: out [T, out_features]; shrink: none
 
     @staticmethod
-    def build(bucket: Bucket, copies: int, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> Workload:
+    def build(bucket: Bucket, copies: int, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+              splits: int = 1) -> Workload:
+        """`splits`: expand's y planes, as the shrink configuration of the same shape writes them."""
         generator = torch.Generator(device=device).manual_seed(seed)
         lens = group_lens(bucket)
         stack = random_stack(bucket, copies * len(lens), dtype, device, generator)
@@ -258,17 +295,18 @@ class Workload:
         if bucket.op == "shrink":
             inputs, outs = [new(t, bucket.in_features, dtype=dtype) for _ in batches], []
         else:
-            inputs = [new(t, slices, bucket.block_r, dtype=torch.float32) for _ in batches]
+            inputs = [new(splits, t, slices, bucket.block_r, dtype=torch.float32) for _ in batches]
             outs = [new(t, out_features, dtype=dtype) for _ in batches]
         work = Workload(bucket, stack, batches, inputs, outs)
         assert all(tuning.bucket_of(bucket.op, stack, b) == bucket for b in batches), bucket  # lookup finds it
         return work
 
-    def call(self, config: Config, copy: int) -> Callable[[], object]:
+    def call(self, config: Config, copy: int, compile_only: bool = False) -> Callable[[], object]:
         if self.bucket.op == "shrink":
-            return partial(triton_lora.lora_shrink, self.inputs[copy], self.stack, self.batches[copy], config)
+            return partial(triton_lora.lora_shrink, self.inputs[copy], self.stack, self.batches[copy], config,
+                           compile_only)
         return partial(triton_lora.lora_expand, self.outs[copy], self.inputs[copy], self.stack, self.batches[copy],
-                       config)
+                       config, compile_only)
 
     def seconds(self, config: Config) -> float:
         return timing.graph_time_s([self.call(config, c) for c in range(len(self.batches))])
@@ -281,7 +319,7 @@ class Workload:
                           s.out_offsets, s.host_ranks[:groups])
         try:
             if self.bucket.op == "shrink":
-                got = triton_lora.lora_shrink(self.inputs[0], s, batch, config)
+                got = triton_lora.lora_shrink(self.inputs[0], s, batch, config).sum(0, keepdim=True)
                 want = reference.lora_shrink(self.inputs[0].float(), exact, batch)
             else:
                 got, want = self.outs[0].clone(), self.outs[0].float()
@@ -297,11 +335,15 @@ class Workload:
 
 def static_configs(configs: dict[str, dict]) -> dict[str, dict]:
     """Per op, the configuration that wins the most buckets (ties: the lower total time over them):
-    the fixed-tiling baseline of the benchmarks."""
+    the fixed-tiling baseline of the benchmarks. Shrink's is unsplit: one config must run every
+    shape, and the planes of a split widen every expand's y tile (rank 128: past shared memory)."""
     won: dict[tuple[str, Config], list[float]] = {}
     for key, entry in configs.items():
         op = key.split("|", 1)[0]
-        won.setdefault((op, tuning.config_from(op, entry)), []).append(entry["us"])
+        config = tuning.config_from(op, entry)
+        if isinstance(config, ShrinkConfig) and config.split_k > 1:
+            continue
+        won.setdefault((op, config), []).append(entry["us"])
     best: dict[str, tuple[tuple[int, float], Config]] = {}
     for (op, config), times in won.items():
         score = (len(times), -sum(times))
@@ -404,27 +446,47 @@ def tune(args: argparse.Namespace, todo: list[Bucket], command: str) -> int:
             progress.note(note)
         failures[note] = failures.get(note, 0) + 1
 
-    deadline = time.monotonic() + args.time_budget
-    new: dict[str, dict] = {}
-    broken: list[str] = []
-    for i, bucket in enumerate(todo):
-        if time.monotonic() > deadline:
-            break
-        progress.show(i, bucket.key)
-        work = Workload.build(bucket, rotation_copies(bucket, elem_size), dtype, device)
+    def tune_bucket(bucket: Bucket) -> bool:
+        """Time `bucket` into `new` (or `broken`); False once the time budget is spent."""
+        splits = shrink_splits(bucket, old, new)
+        work = Workload.build(bucket, rotation_copies(bucket, elem_size, splits), dtype, device, splits=splits)
         try:
             work.check(tuning.heuristic_config(bucket))  # a broken kernel is never tuned
             new[bucket.key] = search(bucket, work.seconds, deadline, on_failure)
         except CheckFailed as exc:
             broken.append(bucket.key)
             progress.note(f"NOT TUNED {exc}")
-            continue
         except BudgetSpent:
-            break
+            return False
         finally:
             del work
             torch.cuda.empty_cache()
-        write_table(path, merged_table(old, new, header))
+        return True
+
+    deadline = time.monotonic() + args.time_budget
+    new: dict[str, dict] = {}
+    broken: list[str] = []
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        for op in OPS:  # all shrink buckets first: each expand is tuned on its shrink's splits
+            op_todo = [b for b in todo if b.op == op]
+            if time.monotonic() > deadline:
+                break
+            # Workers compile each bucket's candidates ahead of the timing, which then finds them
+            # in Triton's on-disk cache: compiling, not timing, is most of a tuning run.
+            compiled = {b: pool.submit(compile_candidates, b, args.dtype, shrink_splits(b, old, new)) for b in op_todo}
+            try:
+                for bucket in op_todo:
+                    if time.monotonic() > deadline:
+                        break
+                    progress.show(len(new) + len(broken), bucket.key)
+                    if compiled[bucket].exception() is not None:  # a dead worker: the timing compiles
+                        progress.note(f"compiling ahead failed for {bucket.key}: {_first_line(compiled[bucket].exception())}")
+                    if not tune_bucket(bucket):
+                        break
+                    write_table(path, merged_table(old, new, header))
+            finally:
+                for future in compiled.values():
+                    future.cancel()
     left = len(todo) - len(new) - len(broken)
     progress.show(len(todo) - left, "stopped: time budget spent" if left else "done")
     progress.close()
@@ -432,6 +494,18 @@ def tune(args: argparse.Namespace, todo: list[Bucket], command: str) -> int:
           + (f"; {left} left: time budget spent, go on with --skip-tuned" if left else ""))
     print_summary(path, new, broken, failures)
     return 1 if broken else 0
+
+
+def compile_candidates(bucket: Bucket, dtype: str, splits: int) -> None:
+    """Worker: compile the bucket's heuristic and stage-1 candidates for its one-copy workload
+    without launching them (the GPU stays the timing's alone), which leaves them in Triton's
+    on-disk cache. One that fails to compile is skipped here; the timing reports it."""
+    work = Workload.build(bucket, 1, getattr(torch, dtype), "cuda", splits=splits)
+    for config in dict.fromkeys([tuning.heuristic_config(bucket), *tile_shapes(bucket)]):
+        try:
+            work.call(config, 0, compile_only=True)()
+        except Exception:  # noqa: BLE001 - e.g. out of shared memory; timing it will say so
+            pass
 
 
 def print_summary(path: Path, new: dict[str, dict], broken: list[str], failures: dict[str, int]) -> None:
@@ -465,6 +539,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--table", type=Path, help="table to write (default: kernels/tables/<gpu>.json)")
     parser.add_argument("--time-budget", type=float, default=math.inf, metavar="SECONDS",
                         help="stop when spent, keeping the buckets done (default: none)")
+    parser.add_argument("--jobs", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
+                        help="processes compiling candidates ahead of the timing (default: CPUs - 1, <= 16)")
     parser.add_argument("--dry-run", action="store_true", help="list buckets and candidate counts; no GPU")
     args = parser.parse_args(argv)
     if not set(args.ranks) <= set(tuning.RANK_POINTS):

@@ -30,7 +30,7 @@ TARGET_PROGRAMS = 528  # heuristic split-K aims at about this many programs: 4 p
 class ShrinkConfig:
     block_m: int     # tokens per tile; < 16: CUDA-core multiply-sum instead of tl.dot (decode)
     block_k: int     # in_features per inner step
-    split_k: int     # programs sharing one tile's K range, adding into y with fp32 atomics
+    split_k: int     # programs sharing one tile's K range, each storing a partial sum (a power of 2)
     num_warps: int
     num_stages: int
     rank_block: int = 0  # ranks per program (a power of 2); 0: the whole padded rank. Programs
@@ -81,7 +81,8 @@ def bucket_of(op: str, stack: LoRAStack, batch: LoRABatch) -> Bucket:
     sizes = tuple(hi - lo for lo, hi in zip(stack.out_offsets, stack.out_offsets[1:]))
     tokens = round_up(batch.num_tokens, TOKEN_POINTS)
     group = min(round_up(min(batch.max_group_len, batch.num_tokens), TOKEN_POINTS), tokens)
-    return Bucket(op, stack.in_features, sizes, round_up(stack.max_rank, RANK_POINTS), tokens, group)
+    # The rank tile the kernels use: the batch's bound when known, else the stack's padding.
+    return Bucket(op, stack.in_features, sizes, round_up(batch.rank_bound(stack.max_rank), RANK_POINTS), tokens, group)
 
 
 def gpu_slug(name: str) -> str:
@@ -162,9 +163,10 @@ def _heuristic_shrink(b: Bucket) -> ShrinkConfig:
     block_m = _block_m(b.group)  # tl.dot even for decode: multiply-sum measured slower
     block_k = min(64 if block_m <= 32 or b.block_r > 64 else 128, max(16, _next_pow2(b.in_features)))
     split_k = 1
-    if block_m <= 32:
+    if block_m <= 32:  # expand sums the planes (kernels.tune.PLANE_TILE_CAP)
         programs = max(1, b.tokens // max(b.group, 1)) * len(b.out_sizes)
-        split_k = min(_next_pow2(-(-TARGET_PROGRAMS // programs)), max(1, b.in_features // 512))
+        split_k = min(_next_pow2(-(-TARGET_PROGRAMS // programs)), _prev_pow2(max(1, b.in_features // 512)),
+                      _prev_pow2(max(1, 8192 // (b.block_r * min(b.group, 64)))))
     return ShrinkConfig(block_m, block_k, split_k, num_warps=4, num_stages=3 if b.block_r <= 64 else 2)
 
 
@@ -181,3 +183,7 @@ def _heuristic_expand(b: Bucket) -> ExpandConfig:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)

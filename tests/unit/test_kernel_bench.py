@@ -130,9 +130,9 @@ def test_baselines_equal_the_reference_in_float32(impl, layout):
     stack = kb.random_stack(case, 2, F32, "cpu", g)
     batch = kb.copy_batch(case, 1, "cpu")  # the second copy's slots: slot offsets matter
     x, out = kb.random_rows(1, case, F32, "cpu", g)[0], kb.random_rows(1, case, F32, "cpu", g)[0]
-    want_y = reference.lora_shrink(x, stack, batch)[:, 0]  # [tokens, max_rank], zero past each rank
+    want_y = reference.lora_shrink(x, stack, batch)[0, :, 0]  # [tokens, max_rank], zero past each rank
     want_out = out.clone()
-    reference.lora_expand(want_out, want_y[:, None], stack, batch)
+    reference.lora_expand(want_out, want_y[None, :, None], stack, batch)
 
     op = BASELINES[impl](stack, batch)
     y = op.shrink(x)

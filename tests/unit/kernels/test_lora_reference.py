@@ -131,7 +131,7 @@ def test_reference_matches_naive_loop(case, layout, dtype):
     untouched = out.clone()
 
     y = lora_shrink(x, stack, batch)
-    assert y.dtype == torch.float32 and y.shape == (batch.num_tokens, stack.num_slices, MAX_RANK)
+    assert y.dtype == torch.float32 and y.shape == (1, batch.num_tokens, stack.num_slices, MAX_RANK)
     lora_expand(out, y, stack, batch)
 
     tol = tolerance(dtype)
@@ -145,7 +145,7 @@ def test_no_lora_exits_early_and_leaves_output_untouched():
     batch = LoRABatch.build([3, 0], [NO_SLOT, 0], "cpu")  # a slot but no tokens: still no LoRA
     assert not batch.has_lora
     y = lora_shrink(torch.randn(3, IN_FEATURES), stack, batch)
-    assert torch.equal(y, torch.zeros(3, 3, MAX_RANK))
+    assert torch.equal(y, torch.zeros(1, 3, 3, MAX_RANK))
     out = torch.ones(3, stack.out_features)
     lora_expand(out, y, stack, batch)
     assert torch.equal(out, torch.ones(3, stack.out_features))

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import NO_SLOT, LoRABatch, reference
+from kernels import NO_SLOT, LoRABatch, LoRAStack, reference, tuning
 from kernels.triton_lora import lora_expand, lora_shrink
 from kernels.tuning import ExpandConfig, ShrinkConfig
-from tests.unit.kernels.test_lora_reference import (CASES, LAYOUTS, lora_masks, make_batch,
+from tests.unit.kernels.test_lora_reference import (CASES, IN_FEATURES, LAYOUTS, lora_masks, make_batch,
                                                     make_inputs, make_stack, poison_unused_storage, tolerance)
 
 F32, F16 = torch.float32, torch.float16
@@ -46,10 +46,11 @@ def run_and_check(stack, batch, x, out, shrink_cfg=None, expand_cfg=None) -> Non
     tol = tolerance(x.dtype)
 
     y = lora_shrink(x, stack, batch, shrink_cfg)
-    assert y.dtype == torch.float32 and y.shape == y_ref.shape
-    torch.testing.assert_close(y[y_mask], y_ref[y_mask], rtol=tol, atol=tol)
+    splits = shrink_cfg.split_k if shrink_cfg else y.shape[0]
+    assert y.dtype == torch.float32 and y.shape == (splits, *y_ref.shape[1:])
+    torch.testing.assert_close(y.sum(0)[y_mask], y_ref[0][y_mask], rtol=tol, atol=tol)
 
-    y_poisoned = torch.where(y_mask, y, float("nan"))
+    y_poisoned = torch.where(y_mask, y, float("nan"))  # every plane
     out = torch.where(out_mask, out, -0.0)
     lora_expand(out, y_poisoned, stack, batch, expand_cfg)
     scale = max(out_ref.abs().max().item(), 1.0) if out_ref.numel() else 1.0
@@ -66,6 +67,24 @@ def test_triton_matches_reference(config, dtype, case, layout):
     stack, _ = make_stack(layout, dtype)
     batch = make_batch(case, loose_bound=loose_bound)
     x, out = make_inputs(batch, stack.out_features, dtype)
+    run_and_check(stack, batch, x, out, shrink_cfg, expand_cfg)
+
+
+@pytest.mark.parametrize("config", ["default", "rank_blocks"])
+def test_a_batch_rank_bound_tiles_only_the_ranks_it_uses(config):
+    """Rank-8 and rank-16 adapters in a stack padded to 64: a batch of them built with max_rank 16
+    is tuned and tiled as rank 16 (not 64), and still matches the reference."""
+    shrink_cfg, expand_cfg, _, _ = CONFIGS[config]
+    g = torch.Generator().manual_seed(3)
+    stack = LoRAStack.empty(3, IN_FEATURES, LAYOUTS["qkv"], 64, torch.float32, "cpu")
+    for slot, rank in ((0, 8), (2, 16)):
+        stack.set_slot(slot, {s: (torch.randn(rank, IN_FEATURES, generator=g), torch.randn(n, rank, generator=g))
+                              for s, n in enumerate(LAYOUTS["qkv"])}, scaling=0.5)
+    batch = LoRABatch.build([3, 2, 4], [0, NO_SLOT, 2], "cpu", max_rank=16)
+    unbounded = LoRABatch.build([3, 2, 4], [0, NO_SLOT, 2], "cpu")
+    assert tuning.bucket_of("shrink", stack, batch).block_r == 16
+    assert tuning.bucket_of("shrink", stack, unbounded).block_r == 64
+    x, out = make_inputs(batch, stack.out_features, torch.float32)
     run_and_check(stack, batch, x, out, shrink_cfg, expand_cfg)
 
 

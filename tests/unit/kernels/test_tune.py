@@ -9,15 +9,19 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import triton_lora, tuning
-from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PRESETS, STAGES, WARPS, BudgetSpent, CheckFailed, ModelShape,
+from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PLANE_TILE_CAP, PRESETS, STAGES, WARPS,
+                          Y_PLANES_CAP,
+                          BudgetSpent, CheckFailed, ModelShape,
                           Progress, Workload, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
-                          rotation_copies, search, static_configs, tile_shapes, token_groups, variants, write_table)
+                          rotation_copies, search, shrink_splits, static_configs, tile_shapes, token_groups, variants,
+                          write_table)
 from kernels.tuning import Bucket, ExpandConfig, ShrinkConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -77,23 +81,33 @@ def test_group_lens_make_contiguous_groups_of_the_largest_size():
 
 @pytest.mark.parametrize("bucket", [Bucket("shrink", 4096, (4096, 1024, 1024), 16, 1, 1),
                                     Bucket("shrink", 11008, (4096,), 128, 8192, 128),
-                                    Bucket("shrink", 96, (32,), 64, 32, 8)], ids=lambda b: b.key)
+                                    Bucket("shrink", 96, (32,), 64, 32, 8),
+                                    Bucket("shrink", 4096, (4096,), 16, 2048, 2048)], ids=lambda b: b.key)
 def test_shrink_candidates_respect_their_constraints(bucket):
     configs = tile_shapes(bucket)
     assert configs and len(set(configs)) == len(configs)
     top = max(16, 1 << (bucket.group - 1).bit_length())
     for c in configs:
+        whole_k = c.block_k >= bucket.in_features  # a 1-row tile over all of K in one step
         if c.block_m == 1:  # CUDA-core tiles: one-token groups only, ranks spread over programs
-            assert bucket.group == 1 and c.block_k in (128, 256, 512) and c.rank_block in (0, 4, 8, 16)
+            assert bucket.group == 1 and c.rank_block in (0, 2, 4, 8, 16)
+            assert c.block_k in (128, 256, 512) or (whole_k and c.split_k == 1 and c.block_k < 2 * bucket.in_features)
+            assert c.block_k * (c.rank_block or bucket.block_r) <= MAX_TILE // 2
         else:
-            assert c.block_m in (16, 32, 64, 128) and top // 2 <= c.block_m <= top
+            assert c.block_m in (16, 32, 64, 128) and min(top // 2, 32) <= c.block_m <= top  # >= 32 rows for big groups
             assert c.block_k in (64, 128, 256) and c.block_m * c.block_k <= MAX_TILE
             assert c.rank_block in (0, 16, 32) and c.rank_block < bucket.block_r
-        assert c.split_k in (1, 2, 4, 8, 16, 32, 64) and bucket.in_features / c.split_k >= c.block_k
+        assert c.split_k in (1, 2, 4, 8, 16, 32) and (bucket.in_features / c.split_k >= c.block_k or whole_k)
+        assert c.split_k * bucket.tokens * len(bucket.out_sizes) * bucket.block_r * 4 <= Y_PLANES_CAP
         assert (c.num_warps, c.num_stages) == (4, 3)
-    if bucket.in_features == 4096 and bucket.group == 1:  # 3 tiles (q, k, v): splits 16, 32, 64 fit the window
-        assert {c.split_k for c in configs if c.block_m == 16} == {16, 32, 64}
+    for c in configs:  # the y planes expand sums in each program: a capped tile
+        assert c.split_k == 1 or c.split_k * bucket.block_r * min(bucket.group, 64) <= PLANE_TILE_CAP
+    if bucket.in_features == 4096 and bucket.group == 1:  # 3 tiles (q, k, v): splits 16 and 32 fit the window
+        assert {1, 16, 32} <= {c.split_k for c in configs}  # 1: whole-K 1-row tiles
         assert {c.block_m for c in configs} == {1, 16}
+        assert ShrinkConfig(1, 4096, 1, 4, 3, rank_block=2) in configs  # whole K, unsplit
+    if bucket.group == 2048:  # one long group: row tiles from 32 up, K split for parallelism
+        assert {c.block_m for c in configs} == {32, 64, 128} and max(c.split_k for c in configs) == 8
 
 
 @pytest.mark.parametrize("bucket", [Bucket("expand", 4096, (4096, 4096, 4096), 16, 8, 1),
@@ -106,7 +120,7 @@ def test_expand_candidates_respect_their_constraints(bucket):
     for c in configs:
         assert c.block_m in (1, 16, 32, 64, 128) and c.block_m <= top
         assert (c.block_m == 1) <= (bucket.group == 1)  # 1-row tiles only for one-token groups
-        assert c.block_n in (32, 64, 128, 256) and c.n_steps in (1, 2, 4)
+        assert c.block_n in (32, 64, 128, 256) and c.n_steps in (1, 2, 4, 8)
         assert c.n_steps == 1 or c.block_n * c.n_steps // 2 < max(bucket.out_sizes)  # no all-masked steps
         assert (c.num_warps, c.num_stages) == (4, 2)
     assert (bucket.group == 1) == any(c.block_m == 1 for c in configs)
@@ -221,7 +235,8 @@ def entry(config, us):
     return {**tuning.config_dict(config), "us": us, "heuristic_us": us * 2}
 
 
-A, B = ShrinkConfig(16, 64, 8, 4, 3), ShrinkConfig(64, 128, 1, 8, 3)
+A, B = ShrinkConfig(16, 64, 1, 4, 3), ShrinkConfig(64, 128, 1, 8, 3)
+SPLIT = ShrinkConfig(16, 64, 8, 4, 3)
 E = ExpandConfig(1, 64, 4, 4, 3)
 
 
@@ -230,6 +245,9 @@ def test_static_config_wins_most_buckets_then_least_time():
                "shrink|k1|n1|r16|t8|g8": entry(B, 1.0), "expand|k1|n1|r16|t1|g1": entry(E, 3.0)}
     assert static_configs(configs) == {"expand": tuning.config_dict(E), "shrink": tuning.config_dict(A)}
     configs["shrink|k1|n1|r16|t32|g32"] = entry(B, 1.0)  # 2 wins each: B's take less time
+    assert static_configs(configs)["shrink"] == tuning.config_dict(B)
+    for t in (128, 512, 2048):  # the most wins, but split: static shrink configs are unsplit
+        configs[f"shrink|k1|n1|r16|t{t}|g{t}"] = entry(SPLIT, 0.5)
     assert static_configs(configs)["shrink"] == tuning.config_dict(B)
 
 
@@ -309,3 +327,15 @@ def test_module_entry_point_runs_the_dry_run():
                              "--ops", "expand", "--ranks", "64", "--tokens", "1"],
                             cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.splitlines()[-1].startswith("4 buckets (shrink 0, expand 4)")
+
+
+def test_expand_is_tuned_on_the_planes_its_shrink_writes():
+    expand = Bucket("expand", 4096, (4096,), 16, 2048, 2048)
+    shrink_key = Bucket("shrink", 4096, (4096,), 16, 2048, 2048).key
+    assert shrink_splits(replace(expand, op="shrink"), None, {}) == 1  # shrink itself: no planes in
+    assert shrink_splits(expand, None, {}) == tuning.heuristic_config(replace(expand, op="shrink")).split_k
+    tuned = {shrink_key: {**tuning.config_dict(ShrinkConfig(64, 128, 8, 4, 3)), "us": 1.0}}
+    assert shrink_splits(expand, {"configs": tuned}, {}) == 8  # from the old table
+    assert shrink_splits(expand, {"configs": tuned}, {shrink_key: {**tuned[shrink_key], "split_k": 4}}) == 4
+    ordered = buckets([PRESETS["llama-7b"]], ["shrink", "expand"], [16], [8])
+    assert [b.op for b in ordered] == sorted(b.op for b in ordered)[::-1]  # every shrink before any expand
