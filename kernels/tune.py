@@ -25,8 +25,8 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from datetime import date
 from concurrent.futures import ProcessPoolExecutor
+from datetime import date
 from functools import partial
 from itertools import accumulate
 from multiprocessing import get_context
@@ -56,11 +56,6 @@ SHRINK_BLOCK_M, SHRINK_BLOCK_K, SPLIT_K = (16, 32, 64, 128), (64, 128, 256), (1,
 EXPAND_BLOCK_M, BLOCK_N, N_STEPS = (1, 16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8)
 RANK_BLOCKS, RANK_BLOCKS_FMA, SHRINK_BLOCK_K_FMA = (16, 32), (2, 4, 8, 16), (128, 256, 512)
 Y_PLANES_CAP = 64 * 2**20  # bytes of shrink's partial-sum planes (split_k of them) one call may write
-# Expand sums the planes of y in each of its programs: a [split, rows, rank] fp32 tile. Past ~8K
-# elements it costs expand more than the split saves shrink (an H200: 32 planes of rank 64 for
-# 8-token groups; 16 planes of rank 16 doubled a 2048-token expand's reads). Expand tiles take
-# up to 64 rows of a group.
-PLANE_TILE_CAP = 8192
 PROGRAMS = (33, 4224)  # shrink's split-K keeps the programs between ~1/4 and ~32 per SM of an H100/H200
 MAX_TILE = 16384  # elements of a shrink x tile (expand: half an out tile) that still fit
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}  # vs the float32 reference
@@ -152,9 +147,10 @@ def _row_tiles(candidates: Iterable[int], group: int) -> tuple[int, ...]:
 def tile_shapes(bucket: Bucket) -> list[Config]:
     """Stage 1: the op's tile shapes worth timing, at STAGE1's warps and stages.
 
-    Pruned by what measurement on an H200 never favoured: row tiles below half the group (they
-    re-read the adapter's weights), tiles past ~16K elements (out of shared memory or registers),
-    and K splits leaving fewer than ~1/4 or more than ~32 programs per SM.
+    Pruned by what measurement on an H200 never favoured: row tiles below half of a small group
+    (they re-read the adapter's weights; `_row_tiles`), tiles past ~16K elements (out of shared
+    memory or registers), K splits leaving fewer than ~1/4 or more than ~32 programs per SM, and
+    splits whose y planes would slow expand (tuning.max_split).
     """
     warps, stages = STAGE1[bucket.op]
     groups, slices = len(group_lens(bucket)), len(bucket.out_sizes)
@@ -172,7 +168,7 @@ def tile_shapes(bucket: Bucket) -> list[Config]:
                           and s * plane_bytes <= Y_PLANES_CAP]
                 fitting = [s for s in splits if PROGRAMS[0] <= tiles * s <= PROGRAMS[1]] or [
                     max(splits, key=lambda s: min(tiles * s, PROGRAMS[1]))]  # the most programs short of it
-                capped = [s for s in splits if s * bucket.block_r * min(bucket.group, 64) <= PLANE_TILE_CAP] or [1]
+                capped = [s for s in splits if s <= tuning.max_split(bucket.block_r, bucket.group)] or [1]
                 fitting = [s for s in fitting if s in capped] or [max(capped)]
                 if m > 1:
                     shapes += [ShrinkConfig(m, k, s, warps, stages, rank_block) for k in SHRINK_BLOCK_K

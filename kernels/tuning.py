@@ -23,6 +23,11 @@ from kernels.lora_stack import LoRAStack
 TABLE_DIR = Path(__file__).parent / "tables"
 TOKEN_POINTS = (1, 8, 32, 128, 512, 2048, 8192)  # tuned batch sizes and group sizes
 RANK_POINTS = (16, 64, 128)  # tuned rank tiles (padded max rank; 32 uses the 64 entry)
+# Expand sums the planes of shrink's split-K y in each of its programs: a [split, rows, rank] fp32
+# tile (rows: up to 64 of a group). Past ~8K elements that costs expand more than the split saves
+# shrink (an H200: 32 planes of rank 64 for 8-token groups; 16 planes of rank 16 doubled a
+# 2048-token expand's reads).
+PLANE_TILE_CAP = 8192
 TARGET_PROGRAMS = 528  # heuristic split-K aims at about this many programs: 4 per SM of an H100/H200
 
 
@@ -163,10 +168,10 @@ def _heuristic_shrink(b: Bucket) -> ShrinkConfig:
     block_m = _block_m(b.group)  # tl.dot even for decode: multiply-sum measured slower
     block_k = min(64 if block_m <= 32 or b.block_r > 64 else 128, max(16, _next_pow2(b.in_features)))
     split_k = 1
-    if block_m <= 32:  # expand sums the planes (kernels.tune.PLANE_TILE_CAP)
+    if block_m <= 32:
         programs = max(1, b.tokens // max(b.group, 1)) * len(b.out_sizes)
         split_k = min(_next_pow2(-(-TARGET_PROGRAMS // programs)), _prev_pow2(max(1, b.in_features // 512)),
-                      _prev_pow2(max(1, 8192 // (b.block_r * min(b.group, 64)))))
+                      max_split(b.block_r, b.group))
     return ShrinkConfig(block_m, block_k, split_k, num_warps=4, num_stages=3 if b.block_r <= 64 else 2)
 
 
@@ -179,6 +184,11 @@ def _heuristic_expand(b: Bucket) -> ExpandConfig:
     if b.tokens <= 64:  # possibly one live tile: one N step a program
         return ExpandConfig(_block_m(b.group), block_n, n_steps=1, num_warps=4, num_stages=2)
     return ExpandConfig(_block_m(b.group), block_n, n_steps=2, num_warps=4, num_stages=2)
+
+
+def max_split(block_r: int, group: int) -> int:
+    """The most K splits (a power of 2) whose y planes keep expand's plane tile under PLANE_TILE_CAP."""
+    return _prev_pow2(max(1, PLANE_TILE_CAP // (block_r * min(group, 64))))
 
 
 def _next_pow2(n: int) -> int:

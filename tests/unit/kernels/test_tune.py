@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kernels import triton_lora, tuning
-from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PLANE_TILE_CAP, PRESETS, STAGES, WARPS,
+from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PRESETS, STAGES, WARPS,
                           Y_PLANES_CAP,
                           BudgetSpent, CheckFailed, ModelShape,
                           Progress, Workload, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
@@ -101,7 +101,7 @@ def test_shrink_candidates_respect_their_constraints(bucket):
         assert c.split_k * bucket.tokens * len(bucket.out_sizes) * bucket.block_r * 4 <= Y_PLANES_CAP
         assert (c.num_warps, c.num_stages) == (4, 3)
     for c in configs:  # the y planes expand sums in each program: a capped tile
-        assert c.split_k == 1 or c.split_k * bucket.block_r * min(bucket.group, 64) <= PLANE_TILE_CAP
+        assert c.split_k == 1 or c.split_k * bucket.block_r * min(bucket.group, 64) <= tuning.PLANE_TILE_CAP
     if bucket.in_features == 4096 and bucket.group == 1:  # 3 tiles (q, k, v): splits 16 and 32 fit the window
         assert {1, 16, 32} <= {c.split_k for c in configs}  # 1: whole-K 1-row tiles
         assert {c.block_m for c in configs} == {1, 16}
