@@ -13,7 +13,7 @@ Shrink may split K over `split_k` programs; each stores its partial product in i
 y ([split_k, tokens, slices, ranks]) and expand sums the planes in the same load that reads y.
 That needs no zero-filled y (a memset node per call in a graph) and no atomics (results are
 deterministic): decode shrinks went from 3.4-4.4 to 2.1-2.3 us on an H200. The price is paid in
-expand, every program of which loads a [split_k, BLOCK_M, BLOCK_R] tile: 32 planes of rank 16
+expand, every program of which loads split_k [BLOCK_M, BLOCK_R] tiles: 32 planes of rank 16
 add ~0.3 us to a 1-row decode tile, while 32 planes of rank 64 for 16-row tiles cost more than
 the split saved; kernels.tune caps the product (PLANE_TILE_CAP).
 
@@ -285,11 +285,11 @@ def _expand_kernel(
     rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
     y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]
-    if SPLIT == 1:
-        y = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BLOCK_M, BLOCK_R] fp32
-    else:  # every plane in one load, then their sum
-        offs_s = tl.arange(0, SPLIT)[:, None, None] * stride_y_split
-        y = tl.sum(tl.load(y_ptrs[None, :, :] + offs_s, mask=y_mask[None, :, :], other=0.0), axis=0)
+    # The planes' loads are independent (all in flight at once) and summed as they come: one
+    # [SPLIT, BLOCK_M, BLOCK_R] load holds SPLIT times the registers of one plane.
+    y = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BLOCK_M, BLOCK_R] fp32
+    for s in tl.static_range(1, SPLIT):
+        y += tl.load(y_ptrs + s * stride_y_split, mask=y_mask, other=0.0)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
     if rank == 0:  # empty slot, or its adapter does not target this slice: out is never written

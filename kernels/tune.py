@@ -6,10 +6,10 @@ and write the table kernels/tuning.py looks up (kernels/tables/<gpu>.json).
     python -m kernels.tune --model llama-7b --skip-tuned         # goes on where a budgeted run stopped
 
 A bucket (tuning.Bucket) is one op on one fused projection of the model, a rank tile block_r, a
-batch of T tokens and a largest group of G. It is timed on a representative batch: ceil(T/G)
-contiguous groups of G tokens (the last one shorter), each its own adapter slot of rank block_r
-targeting every slice. The full grid of configurations is ~10x too large to time, so the search
-has two stages: tile shapes at fixed warps/stages, then the SHORTLIST best shapes over warps x
+batch of T tokens and a largest group of G. It is timed on a representative batch: T tokens in
+groups of G tokens and fewer (`spread_lens`), their rows interleaved (`segments`), each group its
+own adapter slot of rank block_r targeting every slice. The full grid of configurations is ~10x
+too large to time, so the search has two stages: tile shapes at fixed warps/stages, then the SHORTLIST best shapes over warps x
 stages. The heuristic's choice is always timed as well: an entry is never slower than no entry.
 """
 
@@ -43,9 +43,10 @@ from kernels.tuning import Bucket, Config, ExpandConfig, ShrinkConfig
 
 OPS = ("shrink", "expand")
 MAX_GROUPS = 256  # distinct adapters in one batch at most: buckets with more groups never occur
+SPREAD_QUARTERS = (4, 2, 3, 1)  # group sizes of a representative batch, in quarters of its largest
 MEMORY_CAP = 20 * 10**9  # bytes of rotating inputs (stack slots included) one bucket may allocate
-MAX_COPIES = 32  # rotating copies at most: capturing thousands of calls per timing costs more than
-# the tuning itself, and the ranking of configurations of a tiny op barely moves with it
+MAX_COPIES = 1024  # rotating copies at most (a graph of as many calls). With 32, tiny ops ran with
+# their weights in L2 and the tuner ranked their configurations unlike the kernel benchmark
 PROJECTIONS = ("o", "qkv", "gate_up", "down")
 SHORTLIST = 2  # stage-1 shapes that go on to stage 2
 # Stage 1 times every tile shape at these (num_warps, num_stages); stage 2 the shortlist over all.
@@ -111,8 +112,8 @@ def model_shape(spec: str) -> ModelShape:
 
 
 def token_groups(tokens: Iterable[int]) -> list[tuple[int, int]]:
-    """(T, G) pairs: G a token point <= T, and at most MAX_GROUPS groups of G tokens."""
-    return [(t, g) for t in tokens for g in tuning.TOKEN_POINTS if g <= t and -(-t // g) <= MAX_GROUPS]
+    """(T, G) pairs: G a token point <= T, and at most MAX_GROUPS groups in the representative batch."""
+    return [(t, g) for t in tokens for g in tuning.TOKEN_POINTS if g <= t and len(spread_lens(t, g)) <= MAX_GROUPS]
 
 
 def buckets(models: Sequence[ModelShape], ops: Sequence[str], ranks: Sequence[int],
@@ -126,9 +127,31 @@ def buckets(models: Sequence[ModelShape], ops: Sequence[str], ranks: Sequence[in
 
 
 def group_lens(bucket: Bucket) -> list[int]:
-    """The representative batch: ceil(T/G) groups of G tokens, the last one shorter."""
-    full, rest = divmod(bucket.tokens, bucket.group)
-    return [bucket.group] * full + ([rest] if rest else [])
+    """Tokens of each group of the bucket's representative batch (`spread_lens`)."""
+    return spread_lens(bucket.tokens, bucket.group)
+
+
+def spread_lens(tokens: int, group: int) -> list[int]:
+    """Groups of a representative batch of `tokens`: the first holds `group` tokens, the next ones
+    cycle through 1/2, 3/4, 1/4 and 1 of it, the last takes what is left. Real batches' groups
+    differ in size and leave partial tiles; equal full groups made the tuner favour tiles that the
+    kernel benchmark's prefill batches (random request lengths) ran up to 2x slower."""
+    lens: list[int] = []
+    while (left := tokens - sum(lens)) > 0:
+        lens.append(min(left, max(1, group * SPREAD_QUARTERS[len(lens) % len(SPREAD_QUARTERS)] // 4)))
+    return lens
+
+
+def segments(bucket: Bucket) -> tuple[list[int], list[int]]:
+    """(tokens of each segment, its group) of the representative batch: with several groups, each
+    group of 2+ tokens comes as two halves, every first half before every second half, so no such
+    group is contiguous and the kernels gather its rows, as for a batch whose requests alternate
+    adapters. Example, groups (4, 2, 1): segments (2, 1, 1, 2, 1) of groups (0, 1, 2, 0, 1)."""
+    lens = group_lens(bucket)
+    if len(lens) == 1:
+        return lens, [0]
+    halves = [(n - n // 2, g) for g, n in enumerate(lens)] + [(n // 2, g) for g, n in enumerate(lens) if n >= 2]
+    return [n for n, _ in halves], [g for _, g in halves]
 
 
 def _max_block_m(group: int) -> int:
@@ -137,11 +160,13 @@ def _max_block_m(group: int) -> int:
 
 
 def _row_tiles(candidates: Iterable[int], group: int) -> tuple[int, ...]:
-    """Row tiles worth timing for groups of `group` tokens: none past the group, and none under
-    half of it while it is small (each tile re-reads the adapter's weights); groups of hundreds
-    of tokens take tiles from 32 rows up (weight re-reads then hit L2; splits bring parallelism)."""
+    """Row tiles worth timing for groups of `group` tokens: none past the group but 64-row ones
+    (Hopper's wgmma takes 64 rows: on an H200 a 64-row expand tile beat a 16-row one even for
+    2-token groups), and none under half of it while it is small (each tile re-reads the
+    adapter's weights); groups of hundreds of tokens take tiles from 32 rows up (weight re-reads
+    then hit L2; splits bring parallelism)."""
     top = _max_block_m(group)
-    return tuple(b for b in candidates if min(top // 2, 32) <= b <= top)
+    return tuple(b for b in candidates if min(top // 2, 32) <= b <= max(top, 64))
 
 
 def tile_shapes(bucket: Bucket) -> list[Config]:
@@ -274,7 +299,7 @@ class Workload:
     bytes) and activations alike through more than the L2."""
     bucket: Bucket
     stack: LoRAStack             # [copies * groups] slots
-    batches: list[LoRABatch]     # copy c: the groups of group_lens(bucket), on slots c * groups + i
+    batches: list[LoRABatch]     # copy c: segments(bucket), group i on slot c * groups + i
     inputs: list[torch.Tensor]   # shrink: x [T, in_features]; expand: y float32 [splits, T, slices, block_r]
     outs: list[torch.Tensor]     # expand: out [T, out_features]; shrink: none
 
@@ -283,9 +308,10 @@ class Workload:
               splits: int = 1) -> Workload:
         """`splits`: expand's y planes, as the shrink configuration of the same shape writes them."""
         generator = torch.Generator(device=device).manual_seed(seed)
-        lens = group_lens(bucket)
-        stack = random_stack(bucket, copies * len(lens), dtype, device, generator)
-        batches = [LoRABatch.build(lens, range(c * len(lens), (c + 1) * len(lens)), device) for c in range(copies)]
+        groups = len(group_lens(bucket))
+        seg_lens, seg_groups = segments(bucket)
+        stack = random_stack(bucket, copies * groups, dtype, device, generator)
+        batches = [LoRABatch.build(seg_lens, [c * groups + g for g in seg_groups], device) for c in range(copies)]
         t, slices, out_features = bucket.tokens, len(bucket.out_sizes), sum(bucket.out_sizes)
         new = partial(torch.randn, device=device, generator=generator)
         if bucket.op == "shrink":
@@ -309,7 +335,7 @@ class Workload:
 
     def check(self, config: Config) -> None:
         """`config` on copy 0 against the float32 reference on float32 copies of its inputs."""
-        batch, groups = self.batches[0], len(self.batches[0].seg_lens)
+        batch, groups = self.batches[0], len(group_lens(self.bucket))
         s = self.stack
         exact = LoRAStack(s.a[:groups].float(), s.b[:groups].float(), s.ranks[:groups], s.scalings[:groups],
                           s.out_offsets, s.host_ranks[:groups])
@@ -331,13 +357,15 @@ class Workload:
 
 def static_configs(configs: dict[str, dict]) -> dict[str, dict]:
     """Per op, the configuration that wins the most buckets (ties: the lower total time over them):
-    the fixed-tiling baseline of the benchmarks. Shrink's is unsplit: one config must run every
-    shape, and the planes of a split widen every expand's y tile (rank 128: past shared memory)."""
+    the fixed-tiling baseline of the benchmarks. One config must run every shape, so it is taken
+    among tensor-core tiles (a 1-row tile re-reads the weights for every token of a prefill), and
+    shrink's is unsplit (the planes of a split widen every expand's y tile; rank 128: past shared
+    memory)."""
     won: dict[tuple[str, Config], list[float]] = {}
     for key, entry in configs.items():
         op = key.split("|", 1)[0]
         config = tuning.config_from(op, entry)
-        if isinstance(config, ShrinkConfig) and config.split_k > 1:
+        if config.block_m == 1 or (isinstance(config, ShrinkConfig) and config.split_k > 1):
             continue
         won.setdefault((op, config), []).append(entry["us"])
     best: dict[str, tuple[tuple[int, float], Config]] = {}

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from kernels import triton_lora, tuning
+from kernels.batch import LoRABatch
 from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PRESETS, STAGES, WARPS,
                           Y_PLANES_CAP,
                           BudgetSpent, CheckFailed, ModelShape,
                           Progress, Workload, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
-                          rotation_copies, search, shrink_splits, static_configs, tile_shapes, token_groups, variants,
+                          rotation_copies, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
                           write_table)
 from kernels.tuning import Bucket, ExpandConfig, ShrinkConfig
 
@@ -56,8 +57,9 @@ def test_model_config_is_read_from_a_local_directory_or_file(tmp_path):
 
 def test_token_groups_keep_at_most_max_groups_groups():
     pairs = token_groups(tuning.TOKEN_POINTS)
-    assert all(g <= t and math.ceil(t / g) <= MAX_GROUPS for t, g in pairs)
-    assert (8192, 32) in pairs and (8192, 8) not in pairs and (512, 1) not in pairs and (8, 1) in pairs
+    assert all(g <= t and len(group_lens(Bucket("shrink", 64, (32,), 16, t, g))) <= MAX_GROUPS for t, g in pairs)
+    # 8192 tokens in groups of at most 32 take ~400 groups of spread sizes: never one batch.
+    assert (8192, 128) in pairs and (8192, 32) not in pairs and (512, 1) not in pairs and (8, 1) in pairs
     assert token_groups([1, 32]) == [(1, 1), (32, 1), (32, 8), (32, 32)]
 
 
@@ -73,10 +75,24 @@ def test_buckets_cover_each_shape_once():
     assert {b.out_sizes for b in buckets([QWEN], ["expand"], [64], [1], ["qkv"])} == {(3584, 512, 512)}
 
 
-def test_group_lens_make_contiguous_groups_of_the_largest_size():
-    assert group_lens(Bucket("shrink", 64, (32,), 16, 32, 8)) == [8, 8, 8, 8]
-    assert group_lens(Bucket("shrink", 64, (32,), 16, 20, 8)) == [8, 8, 4]
-    assert group_lens(Bucket("shrink", 64, (32,), 16, 1, 1)) == [1]
+def test_representative_groups_spread_below_the_largest_and_sum_to_the_tokens():
+    for tokens, group in token_groups(tuning.TOKEN_POINTS):
+        lens = group_lens(Bucket("expand", 64, (32,), 16, tokens, group))
+        assert sum(lens) == tokens and max(lens) == lens[0] == group and min(lens) >= 1
+        if tokens >= 4 * group >= 16:  # partial tiles: groups of several sizes
+            assert len(set(lens)) >= 3
+    assert group_lens(Bucket("shrink", 64, (32,), 16, 8, 1)) == [1] * 8  # decode: one token each
+
+
+def test_representative_segments_interleave_each_groups_rows():
+    bucket = Bucket("expand", 64, (32,), 16, 60, 16)
+    seg_lens, seg_groups = segments(bucket)
+    lens = group_lens(bucket)
+    assert [sum(n for n, g in zip(seg_lens, seg_groups) if g == i) for i in range(len(lens))] == lens
+    assert all(a != b for a, b in zip(seg_groups, seg_groups[1:]))  # no group's segments touch
+    batch = LoRABatch.build(seg_lens, seg_groups, "cpu")
+    assert batch.rows is not None and batch.max_group_len == 16  # the kernels gather; the bucket holds
+    assert segments(Bucket("expand", 64, (32,), 16, 32, 32)) == ([32], [0])  # one group: contiguous
 
 
 @pytest.mark.parametrize("bucket", [Bucket("shrink", 4096, (4096, 1024, 1024), 16, 1, 1),
@@ -94,7 +110,7 @@ def test_shrink_candidates_respect_their_constraints(bucket):
             assert c.block_k in (128, 256, 512) or (whole_k and c.split_k == 1 and c.block_k < 2 * bucket.in_features)
             assert c.block_k * (c.rank_block or bucket.block_r) <= MAX_TILE // 2
         else:
-            assert c.block_m in (16, 32, 64, 128) and min(top // 2, 32) <= c.block_m <= top  # >= 32 rows for big groups
+            assert c.block_m in (16, 32, 64, 128) and min(top // 2, 32) <= c.block_m <= max(top, 64)  # wgmma: 64
             assert c.block_k in (64, 128, 256) and c.block_m * c.block_k <= MAX_TILE
             assert c.rank_block in (0, 16, 32) and c.rank_block < bucket.block_r
         assert c.split_k in (1, 2, 4, 8, 16, 32) and (bucket.in_features / c.split_k >= c.block_k or whole_k)
@@ -104,7 +120,7 @@ def test_shrink_candidates_respect_their_constraints(bucket):
         assert c.split_k == 1 or c.split_k * bucket.block_r * min(bucket.group, 64) <= tuning.PLANE_TILE_CAP
     if bucket.in_features == 4096 and bucket.group == 1:  # 3 tiles (q, k, v): splits 16 and 32 fit the window
         assert {1, 16, 32} <= {c.split_k for c in configs}  # 1: whole-K 1-row tiles
-        assert {c.block_m for c in configs} == {1, 16}
+        assert {c.block_m for c in configs} == {1, 16, 32, 64}  # 64: a wgmma tile
         assert ShrinkConfig(1, 4096, 1, 4, 3, rank_block=2) in configs  # whole K, unsplit
     if bucket.group == 2048:  # one long group: row tiles from 32 up, K split for parallelism
         assert {c.block_m for c in configs} == {32, 64, 128} and max(c.split_k for c in configs) == 8
@@ -118,14 +134,14 @@ def test_expand_candidates_respect_their_constraints(bucket):
     assert configs and len(set(configs)) == len(configs)
     top = max(16, 1 << (bucket.group - 1).bit_length())
     for c in configs:
-        assert c.block_m in (1, 16, 32, 64, 128) and c.block_m <= top
+        assert c.block_m in (1, 16, 32, 64, 128) and c.block_m <= max(top, 64)
         assert (c.block_m == 1) <= (bucket.group == 1)  # 1-row tiles only for one-token groups
         assert c.block_n in (32, 64, 128, 256) and c.n_steps in (1, 2, 4, 8)
         assert c.n_steps == 1 or c.block_n * c.n_steps // 2 < max(bucket.out_sizes)  # no all-masked steps
         assert (c.num_warps, c.num_stages) == (4, 2)
     assert (bucket.group == 1) == any(c.block_m == 1 for c in configs)
     if bucket.out_sizes == (48, 16):  # slices this narrow: one step of any block_n covers them
-        assert {c.n_steps for c in configs} == {1} and {c.block_m for c in configs} == {16}
+        assert {c.n_steps for c in configs} == {1} and {c.block_m for c in configs} == {16, 32, 64}
 
 
 def test_variants_cover_warps_and_stages_of_each_shortlisted_shape():
@@ -189,11 +205,12 @@ def test_search_keeps_the_heuristic_when_nothing_beats_it_and_rejects_it_when_it
 def test_workload_batches_hit_their_bucket_on_disjoint_slots(op):
     bucket = Bucket(op, 64, (32, 16), 16, 32, 8)
     work = Workload.build(bucket, copies=3, dtype=torch.float32, device="cpu")
-    assert work.stack.num_slots == 12 and len(work.batches) == 3
+    groups = len(group_lens(bucket))  # 8, 4, 6, 2, 8, 4
+    assert work.stack.num_slots == 3 * groups and len(work.batches) == 3
     slots = [set(b.seg_slots) for b in work.batches]
-    assert all(len(s) == 4 for s in slots) and len(set().union(*slots)) == 12
+    assert all(len(s) == groups for s in slots) and len(set().union(*slots)) == 3 * groups
     assert all(tuning.bucket_of(op, work.stack, b) == bucket for b in work.batches)
-    assert work.stack.host_ranks == [[16, 16]] * 12
+    assert work.stack.host_ranks == [[16, 16]] * (3 * groups)
 
 
 @pytest.mark.parametrize("op", ["shrink", "expand"])
@@ -237,12 +254,14 @@ def entry(config, us):
 
 A, B = ShrinkConfig(16, 64, 1, 4, 3), ShrinkConfig(64, 128, 1, 8, 3)
 SPLIT = ShrinkConfig(16, 64, 8, 4, 3)
-E = ExpandConfig(1, 64, 4, 4, 3)
+E, ROW = ExpandConfig(16, 64, 4, 4, 3), ExpandConfig(1, 64, 4, 4, 3)
 
 
 def test_static_config_wins_most_buckets_then_least_time():
     configs = {"shrink|k1|n1|r16|t1|g1": entry(A, 5.0), "shrink|k1|n1|r16|t8|g1": entry(A, 5.0),
-               "shrink|k1|n1|r16|t8|g8": entry(B, 1.0), "expand|k1|n1|r16|t1|g1": entry(E, 3.0)}
+               "shrink|k1|n1|r16|t8|g8": entry(B, 1.0), "expand|k1|n1|r16|t8|g8": entry(E, 3.0)}
+    # The most wins, but 1-row tiles: one config must also run prefills, so static tiles are >= 16 rows.
+    configs |= {f"expand|k1|n1|r16|t{t}|g1": entry(ROW, 1.0) for t in (1, 8)}
     assert static_configs(configs) == {"expand": tuning.config_dict(E), "shrink": tuning.config_dict(A)}
     configs["shrink|k1|n1|r16|t32|g32"] = entry(B, 1.0)  # 2 wins each: B's take less time
     assert static_configs(configs)["shrink"] == tuning.config_dict(B)
