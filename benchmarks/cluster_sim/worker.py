@@ -1,0 +1,215 @@
+"""One simulated GPU worker: continuous batching over the perf model, adapter tiers with load times.
+
+A step runs the decode of every running request plus the prefill of the requests admitted at its
+start (not chunked), and takes decode(batch) + prefill(admitted) by the perf model. Admission is
+first come first served among requests whose adapter is ready, within `max_batch`, the KV budget
+(prompt + output tokens reserved at admission) and `max_prefill_tokens` per step; a request whose
+adapter is still loading is skipped, not blocking those behind it. Adapter loads block only the
+requests that need the adapter; one loader per worker copies one adapter at a time (FIFO), from
+host memory or disk (`LoadCosts`), into a GPU slot given by `AdapterCache` (frequency-driven
+eviction; a slot whose adapter some request holds is never taken).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from benchmarks.cluster_sim.workload import SimRequest
+from gateway.scheduling.adapter_cache import AdapterCache, LoadCosts, Tier
+from gateway.scheduling.batch import BatchEntry, BatchSummary
+from gateway.scheduling.perf_model import PerfModel
+from gateway.scheduling.worker_state import WorkerState
+
+Schedule = Callable[[float, Callable[[float], None]], None]  # run callback(time) at time
+Finished = Callable[[SimRequest, float, float], None]        # (request, first token at, finished at)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    max_batch: int = 64
+    kv_tokens: int = 200_000          # ~100 GB of KV at 512 KB per token (Llama-2-7B, bf16) on a 141 GB H200
+    max_prefill_tokens: int = 8192    # per step; a longer prompt is admitted alone
+    gpu_adapter_slots: int = 32
+    host_adapter_slots: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "kv_tokens", "max_prefill_tokens", "gpu_adapter_slots", "host_adapter_slots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"worker {name} must be >= 1, got {getattr(self, name)}")
+
+
+class _Live:
+    __slots__ = ("req", "admitted_step", "first_token_s")
+
+    def __init__(self, req: SimRequest) -> None:
+        self.req = req
+        self.admitted_step = -1
+        self.first_token_s = float("nan")
+
+
+class SimWorker:
+    def __init__(self, address: str, base_model: str, model: PerfModel, load_costs: LoadCosts,
+                 cache: AdapterCache, config: WorkerConfig, schedule: Schedule, finished: Finished) -> None:
+        self.address = address
+        self._base_model = base_model
+        self._model = model
+        self._load_costs = load_costs
+        self._cache = cache
+        self._config = config
+        self._schedule = schedule
+        self._finished = finished
+        self._queue: list[_Live] = []
+        self._running: dict[int, _Live] = {}
+        self._prefilling: list[_Live] = []    # admitted at the start of the step in flight
+        self._batch = BatchSummary()          # decode entries of `_running`, context tokens
+        self._finish_at: list[tuple[int, int]] = []  # heap of (step of the last token, request index)
+        self._step = 0                        # steps completed
+        self._stepping = False
+        self._kv_free = config.kv_tokens
+        self._loads: deque[str] = deque()     # adapters waiting for the loader
+        self._loading: set[str] = set()       # waiting or being copied
+        self._loader_busy = False
+        self._ranks: dict[str, int] = {}
+        self._events = 0                      # arrivals, step ends and load ends so far: every change is one
+        self._last_report: tuple[int, WorkerState] | None = None
+        self.busy_s = 0.0
+
+    def stage(self, adapter: str) -> bool:
+        """Initial placement: `adapter` into host memory, if a slot is free."""
+        return self._cache.stage_in_host(adapter)
+
+    # ---- requests in ----------------------------------------------------------------------
+
+    def receive(self, req: SimRequest, now: float) -> bool:
+        """A request arrives; returns whether its adapter was ready on the GPU (a cache hit)."""
+        self._events += 1
+        adapter = req.adapter
+        self._cache.touch(adapter, now)
+        self._cache.pin(adapter)
+        self._ranks[adapter] = req.rank
+        hit = self._ready(adapter)
+        if not hit and adapter not in self._loading:
+            self._loading.add(adapter)
+            self._loads.append(adapter)
+            self._start_load(now)
+        self._queue.append(_Live(req))
+        self._kick(now)
+        return hit
+
+    def _ready(self, adapter: str) -> bool:
+        return adapter not in self._loading and self._cache.tier(adapter) is Tier.GPU
+
+    # ---- adapter loads ----------------------------------------------------------------------
+
+    def _start_load(self, now: float) -> None:
+        if self._loader_busy or not self._loads:
+            return
+        adapter = self._loads[0]
+        source = self._cache.admit_to_gpu(adapter, self._ranks[adapter])
+        if source is None:
+            return  # every GPU slot is held by a pinned adapter: retried when a request finishes
+        self._loads.popleft()
+        self._loader_busy = True
+        self._schedule(now + self._load_costs.load_s(source, self._ranks[adapter]),
+                       lambda t: self._load_done(adapter, t))
+
+    def _load_done(self, adapter: str, now: float) -> None:
+        self._events += 1
+        self._loading.discard(adapter)
+        self._loader_busy = False
+        self._start_load(now)
+        self._kick(now)
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def _kick(self, now: float) -> None:
+        if not self._stepping:
+            self._start_step(now)
+
+    def _start_step(self, now: float) -> None:
+        admitted = self._admit() if self._queue else []
+        duration = self._model.decode_s(self._batch)
+        if admitted:
+            duration += self._model.prefill_s(
+                BatchSummary.of(BatchEntry(l.req.adapter, l.req.rank, l.req.prompt) for l in admitted))
+        if duration == 0.0:
+            return  # nothing to run: idle until a request or a load arrives
+        self._prefilling = admitted
+        self._stepping = True
+        self.busy_s += duration
+        self._schedule(now + duration, self._end_step)
+
+    def _admit(self) -> list[_Live]:
+        """First come, first served among ready requests: the first ready one that does not fit
+        stops admission, so a long prompt is not overtaken forever."""
+        admitted, waiting, budget = [], [], self._config.max_prefill_tokens
+        room = self._config.max_batch - len(self._running)
+        blocked = False
+        for live in self._queue:
+            req = live.req
+            if not blocked and self._ready(req.adapter):
+                need = req.prompt + req.output
+                if room > 0 and need <= self._kv_free and (req.prompt <= budget or not admitted):
+                    admitted.append(live)
+                    room -= 1
+                    budget -= req.prompt
+                    self._kv_free -= need
+                    continue
+                blocked = True
+            waiting.append(live)
+        self._queue = waiting
+        return admitted
+
+    def _end_step(self, now: float) -> None:
+        self._events += 1
+        self._stepping = False
+        step = self._step
+        self._step += 1
+        for live in self._prefilling:
+            req = live.req
+            live.admitted_step = step
+            self._running[req.index] = live
+            self._batch.add(BatchEntry(req.adapter, req.rank, req.prompt))
+            heapq.heappush(self._finish_at, (step + req.output - 1, req.index))
+            live.first_token_s = now
+        self._prefilling = []
+        self._batch.advance()
+        while self._finish_at and self._finish_at[0][0] <= step:
+            _, index = heapq.heappop(self._finish_at)
+            self._finish(self._running.pop(index), now)
+        self._start_step(now)
+
+    def _finish(self, live: _Live, now: float) -> None:
+        req = live.req
+        self._batch.remove(BatchEntry(req.adapter, req.rank, req.prompt + self._step - live.admitted_step))
+        self._kv_free += req.prompt + req.output
+        self._cache.unpin(req.adapter)
+        self._finished(req, live.first_token_s, now)
+        if self._loads and not self._loader_busy:
+            self._start_load(now)  # a slot may have come free
+
+    # ---- reporting --------------------------------------------------------------------------
+
+    def report(self, now: float) -> WorkerState:
+        if self._last_report is not None and self._last_report[0] == self._events:
+            return dataclasses.replace(self._last_report[1], timestamp=now)  # nothing changed: a heartbeat
+        running = [BatchEntry(l.req.adapter, l.req.rank, l.req.prompt + self._step - l.admitted_step)
+                   for l in self._running.values()]
+        running += [BatchEntry(l.req.adapter, l.req.rank, l.req.prompt) for l in self._prefilling]
+        queued = tuple(BatchEntry(l.req.adapter, l.req.rank, l.req.prompt) for l in self._queue)
+        slos = [l.req.slo.tpot_s for group in (self._running.values(), self._prefilling, self._queue) for l in group]
+        state = WorkerState(
+            address=self.address, base_model=self._base_model, kind=self._model.kind,
+            running=tuple(running), queued=queued,
+            gpu_adapters=self._cache.gpu_adapters, host_adapters=self._cache.host_adapters,
+            gpu_adapter_slots=self._cache.gpu_slots, max_batch=self._config.max_batch,
+            free_kv_tokens=self._kv_free, tightest_tpot_slo_s=min(slos, default=None), timestamp=now)
+        self._last_report = (self._events, state)
+        return state
+
+    def gpu_adapter_bytes(self) -> int:
+        return self._cache.gpu_ranks() * self._load_costs.bytes_per_rank

@@ -1,0 +1,128 @@
+"""gateway/scheduling/policies.py and tessera_policy.py: each baseline's defining behaviour, and the
+Tessera policy's cache affinity, SLO protection and rank awareness."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from gateway.scheduling.adapter_cache import LoadCosts
+from gateway.scheduling.batch import BatchEntry
+from gateway.scheduling.perf_model import PerfModel, PhaseModel
+from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, RandomChoice, RoundRobin,
+                                         RoutingRequest, Slo)
+from gateway.scheduling.tessera_policy import TesseraPolicy
+from gateway.scheduling.worker_state import WorkerState
+
+PREFILL = PhaseModel("prefill", "tessera", {"intercept": 5e-3, "tokens": 20e-6, "tokens_sq": 0.0,
+                                            "rank_tokens": 0.0, "distinct_rank": 0.0}, None, 0)
+# Step = 5 ms + 0.2 µs per context token + 0.5 µs per rank: 5.2 ms for one 1000-token request of rank 8.
+DECODE = PhaseModel("decode", "tessera", {"intercept": 5e-3, "requests": 0.0, "tokens": 0.2e-6,
+                                          "sum_ranks": 0.5e-6, "distinct_rank": 0.0}, None, 0)
+MODEL = PerfModel("test-gpu", "test", PREFILL, DECODE)
+PADDED = PerfModel("padded-gpu", "test", PREFILL,
+                   PhaseModel("decode", "batch_max_rank", {"intercept": 5e-3, "batch_max_rank": 2e-6}, None, 0))
+
+
+def worker(address: str, load: int = 0, gpu: tuple[str, ...] = (), host: tuple[str, ...] = (), rank: int = 8,
+           context: int = 1000, kind: str = "test-gpu", slo: float | None = None) -> WorkerState:
+    running = tuple(BatchEntry(f"{address}-r{i}", rank, context) for i in range(load))
+    return WorkerState(address=address, base_model="llama", kind=kind, running=running, queued=(),
+                       gpu_adapters=frozenset(gpu), host_adapters=frozenset(gpu + host), gpu_adapter_slots=32,
+                       max_batch=64, free_kv_tokens=100_000, tightest_tpot_slo_s=slo, timestamp=0.0)
+
+
+def request(adapter: str = "x", rank: int = 8, tpot_s: float = 7.5e-3, ttft_s: float = 0.5) -> RoutingRequest:
+    return RoutingRequest(adapter, rank, prompt_tokens=1000, expected_output_tokens=200, slo=Slo(tpot_s, ttft_s))
+
+
+def tessera(model: PerfModel = MODEL) -> TesseraPolicy:
+    return TesseraPolicy({model.kind: model}, LoadCosts(), headroom=1.0)
+
+
+def picks(policy, workers: list[WorkerState], n: int, req: RoutingRequest | None = None) -> list[str]:
+    return [policy.choose(req or request(), workers).address for _ in range(n)]
+
+
+# ---- baselines ---------------------------------------------------------------------------------
+
+def test_round_robin_cycles_in_order() -> None:
+    assert picks(RoundRobin(), [worker("w1", 5), worker("w2"), worker("w3")], 6) == ["w1", "w2", "w3"] * 2
+
+
+def test_random_is_seeded_and_spreads() -> None:
+    workers = [worker(f"w{i}") for i in range(4)]
+    first = picks(RandomChoice(seed=7), workers, 80)
+    assert first == picks(RandomChoice(seed=7), workers, 80)
+    assert first != picks(RandomChoice(seed=8), workers, 80)
+    assert set(first) == {w.address for w in workers}
+
+
+def test_most_idle_takes_the_fewest_running_plus_queued_and_rotates_ties() -> None:
+    queued = worker("w2")
+    queued = WorkerState(**{**queued.__dict__, "queued": (BatchEntry("q", 8, 10),) * 3})
+    workers = [worker("w1", 2), queued, worker("w3", 1), worker("w4", 1)]
+    assert Counter(picks(MostIdle(), workers, 4)) == Counter({"w3": 2, "w4": 2})
+
+
+def test_first_fit_packs_the_first_worker_with_room_not_the_idlest() -> None:
+    policy = FirstFit(max_batch=8)
+    assert picks(policy, [worker("w1", 7), worker("w2", 0)], 1) == ["w1"]
+    assert picks(policy, [worker("w1", 8), worker("w2", 3), worker("w3", 0)], 1) == ["w2"]
+    assert picks(policy, [worker("w1", 9), worker("w2", 8), worker("w3", 12)], 1) == ["w2"]  # none fits: least loaded
+
+
+def test_least_loaded_affinity_prefers_a_holder_within_the_slack() -> None:
+    policy = LeastLoadedLRUAffinity(slack=2)
+    near = [worker("w1", 2), worker("w2", 4, gpu=("x",)), worker("w3", 6, gpu=("x",))]
+    assert picks(policy, near, 2) == ["w2", "w2"]
+    far = [worker("w1", 2), worker("w2", 5, gpu=("x",))]
+    assert picks(policy, far, 1) == ["w1"]
+    host_only = [worker("w1", 2), worker("w2", 2, host=("x",))]   # affinity is to GPU residency
+    assert set(picks(policy, host_only, 2)) == {"w1", "w2"}
+
+
+# ---- Tessera ----------------------------------------------------------------------------------
+
+def test_tessera_prefers_the_worker_holding_the_adapter_over_idle_ones() -> None:
+    workers = [worker("w1"), worker("w2", load=3, gpu=("x",)), worker("w3")]
+    assert picks(tessera(), workers, 3) == ["w2"] * 3
+    assert picks(MostIdle(), workers, 2) == ["w1", "w3"]       # what a load-only policy does
+
+
+def test_tessera_prefers_a_host_copy_to_a_disk_load() -> None:
+    workers = [worker("w1", load=1), worker("w2", load=1, host=("x",)), worker("w3", load=1)]
+    assert picks(tessera(), workers, 3) == ["w2"] * 3
+
+
+def test_tessera_leaves_a_holder_whose_batch_would_break_the_tpot_slo() -> None:
+    # w1 holds x but runs 11 requests: a step of 5 + 12 × (0.2 + 0.004) ms ≈ 7.45 ms, plus prefills
+    # spread over 200 tokens, is over 7.5 ms. w2 has room (3 requests) but must load x from host.
+    workers = [worker("w1", load=11, gpu=("x",)), worker("w2", load=3, host=("x",))]
+    assert picks(tessera(), workers, 1) == ["w2"]
+    relaxed = request(tpot_s=20e-3)                               # a looser SLO: affinity wins again
+    assert picks(tessera(), workers, 1, relaxed) == ["w1"]
+
+
+def test_tessera_protects_the_tightest_slo_already_on_a_worker() -> None:
+    loose = request(tpot_s=50e-3)
+    workers = [worker("w1", load=4, gpu=("x",), slo=5.5e-3), worker("w2", load=4, host=("x",))]
+    assert picks(tessera(), workers, 1, loose) == ["w2"]
+    workers = [worker("w1", load=4, gpu=("x",), slo=50e-3), worker("w2", load=4, host=("x",))]
+    assert picks(tessera(), workers, 1, loose) == ["w1"]
+
+
+def test_tessera_is_rank_aware_under_a_padded_kernel_model() -> None:
+    # Padded kernels: a rank-8 request joining rank-128 requests is computed at rank 128.
+    workers = [worker("w1", load=4, rank=128, kind="padded-gpu"), worker("w2", load=4, rank=8, kind="padded-gpu")]
+    assert picks(tessera(PADDED), workers, 2, request(rank=8)) == ["w2", "w2"]
+    assert set(picks(MostIdle(), workers, 2)) == {"w1", "w2"}     # equal loads: blind to ranks
+
+
+def test_tessera_picks_the_least_bad_when_every_worker_breaks_the_slo() -> None:
+    workers = [worker("w1", load=30, gpu=("x",)), worker("w2", load=20, gpu=("x",))]
+    assert picks(tessera(), workers, 1) == ["w2"]
+
+
+def test_tessera_skips_a_worker_without_kv_room() -> None:
+    full = WorkerState(**{**worker("w1", gpu=("x",)).__dict__, "free_kv_tokens": 500})
+    assert picks(tessera(), [full, worker("w2", host=("x",))], 1) == ["w2"]

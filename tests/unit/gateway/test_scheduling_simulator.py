@@ -1,0 +1,143 @@
+"""benchmarks/simulate_cluster.py and benchmarks/cluster_sim: trace reading, the popularity model,
+one request's timing worked out by hand, determinism, and Tessera against most-idle when the
+GPU adapter cache is far smaller than the adapter set. Synthetic traces only (no ../shared needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections import Counter
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from benchmarks import simulate_cluster
+from benchmarks.cluster_sim.cluster import ClusterConfig, simulate
+from benchmarks.cluster_sim.worker import WorkerConfig
+from benchmarks.cluster_sim.workload import Popularity, SimRequest, build_requests, load_trace
+from gateway.scheduling.adapter_cache import LoadCosts, Tier
+from gateway.scheduling.batch import BatchEntry, BatchSummary
+from gateway.scheduling.perf_model import PerfModel
+from gateway.scheduling.policies import MostIdle, Slo
+from gateway.scheduling.tessera_policy import TesseraPolicy
+
+MODEL = PerfModel.load(Path(simulate_cluster.DEFAULT_MODEL))
+UNIFORM_RANKS = {8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0, 128: 1.0}
+
+
+def write_trace(path: Path, requests: int, per_s: float, seed: int = 0) -> Path:
+    """An Azure-format CSV (7-digit fractions, like the real one): Poisson arrivals."""
+    rng = random.Random(seed)
+    t = datetime(2023, 11, 16, 18, 0, 0)
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for _ in range(requests):
+        t += timedelta(seconds=rng.expovariate(per_s))
+        lines.append(f"{t:%Y-%m-%d %H:%M:%S}.{t.microsecond:06d}0,{rng.randint(50, 2000)},{rng.randint(8, 300)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_trace_reading_and_its_errors(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,374,44\n"
+                    "2023-11-16 18:15:50.9951690,396,0\n"
+                    "2023-11-16 18:17:51.0000000,879,55\n")
+    trace = load_trace(path)
+    assert trace.arrival_s.tolist() == pytest.approx([0.0, 4.314579, 124.31941])
+    assert trace.output.tolist() == [44, 1, 55]      # a request yields at least its first token
+    assert len(load_trace(path, max_requests=2)) == 2
+    assert len(load_trace(path, duration_min=1.0)) == 2
+    with pytest.raises(FileNotFoundError, match="--trace"):
+        load_trace(tmp_path / "missing.csv")
+    (tmp_path / "bad.csv").write_text("time,prompt\n1,2\n")
+    with pytest.raises(ValueError, match="expected columns"):
+        load_trace(tmp_path / "bad.csv")
+
+
+def test_popularity_is_heavy_tailed_and_drifts_only_when_asked(tmp_path: Path) -> None:
+    trace = load_trace(write_trace(tmp_path / "t.csv", 3000, per_s=5.0))   # ~10 minutes
+    def top_per_period(drift: float) -> list[str]:
+        popularity = Popularity(100, 1.1, drift, drift_every_min=2.0, rank_mix=UNIFORM_RANKS)
+        requests = build_requests(trace, popularity, 1.0, MODEL, 1.5, 5.0, seed=3)
+        periods: dict[int, Counter] = {}
+        for r in requests:
+            periods.setdefault(int(r.arrival_s // 120), Counter())[r.adapter] += 1
+        full = [c for _, c in sorted(periods.items()) if sum(c.values()) >= 300]  # not the last, partial one
+        return [c.most_common(1)[0][0] for c in full]
+    steady = top_per_period(0.0)
+    assert len(steady) >= 4 and len(set(steady)) == 1
+    assert len(set(top_per_period(1.0))) > 1
+    popularity = Popularity(100, 1.1, 0.0, 2.0, UNIFORM_RANKS)
+    counts = Counter(r.adapter for r in build_requests(trace, popularity, 1.0, MODEL, 1.5, 5.0, seed=3))
+    assert sum(n for _, n in counts.most_common(5)) / len(trace) > 0.4   # top 5% of adapters: > 40%
+
+
+def test_inputs_are_validated() -> None:
+    with pytest.raises(ValueError, match="drift"):
+        Popularity(10, 1.1, 1.5, 10.0, UNIFORM_RANKS)
+    with pytest.raises(ValueError, match="rank mix"):
+        Popularity(10, 1.1, 0.1, 10.0, {0: 1.0})
+    with pytest.raises(ValueError, match="host slots"):
+        simulate([], [f"a{i}" for i in range(100)], MostIdle(), MODEL, LoadCosts(),
+                 ClusterConfig(workers=2, worker=WorkerConfig(gpu_adapter_slots=4, host_adapter_slots=8)))
+
+
+def test_one_request_takes_its_load_prefill_and_decode_steps_by_the_model() -> None:
+    prompt, output, rank = 1000, 50, 64
+    req = SimRequest(0, 0.0, prompt, output, "a0", rank, Slo(1.0, 1.0))
+    costs = LoadCosts()
+    result = simulate([req], ["a0"], MostIdle(), MODEL, costs, ClusterConfig(workers=1, host_copies=1))
+    load = costs.load_s(Tier.HOST, rank)                       # staged in host memory
+    prefill = MODEL.prefill_s(BatchSummary.of([BatchEntry("a0", rank, prompt)]))
+    assert result.ttft_mean_s == pytest.approx(load + prefill)
+    steps = [MODEL.decode_s(BatchSummary.of([BatchEntry("a0", rank, prompt + k)])) for k in range(1, output)]
+    assert result.tpot_mean_s == pytest.approx(sum(steps) / (output - 1))
+    assert result.hit_rate == 0.0 and result.slo_attainment == 1.0
+    assert result.utilisation == pytest.approx((prefill + sum(steps)) / (load + prefill + sum(steps)))
+
+
+def small_cluster(tmp_path: Path) -> tuple[list[SimRequest], list[str], ClusterConfig]:
+    """50 adapters, 4 workers of 4 GPU slots each: the cache holds a third of the adapters."""
+    trace = load_trace(write_trace(tmp_path / "t.csv", 600, per_s=6.0))
+    popularity = Popularity(50, 1.1, 0.2, drift_every_min=0.5, rank_mix=UNIFORM_RANKS)
+    requests = build_requests(trace, popularity, 1.0, MODEL, 1.5, 5.0, seed=1)
+    config = ClusterConfig(workers=4, worker=WorkerConfig(gpu_adapter_slots=4, host_adapter_slots=16))
+    return requests, popularity.names(), config
+
+
+def test_small_run_is_deterministic_and_tessera_beats_most_idle(tmp_path: Path) -> None:
+    requests, adapters, config = small_cluster(tmp_path)
+    costs = LoadCosts()
+    def run(policy):
+        return dataclasses.replace(simulate(requests, adapters, policy, MODEL, costs, config), wall_s=0.0)
+    tessera = run(TesseraPolicy({MODEL.kind: MODEL}, costs, headroom=0.85))
+    assert tessera == run(TesseraPolicy({MODEL.kind: MODEL}, costs, headroom=0.85))
+    most_idle = run(MostIdle())
+    assert tessera.requests == most_idle.requests == 600
+    assert tessera.slo_attainment > most_idle.slo_attainment
+    assert tessera.hit_rate > most_idle.hit_rate
+    assert tessera.gpu_adapter_gb <= 4 * costs.adapter_bytes(128) / 1e9      # never over the 4 slots
+
+
+def test_cli_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = write_trace(tmp_path / "t.csv", 200, per_s=4.0)
+    out = tmp_path / "run"
+    simulate_cluster.main(["--trace", str(trace), "--workers", "3", "--adapters", "30", "--gpu-adapter-slots", "4",
+                           "--host-adapter-slots", "16", "--policies", "tessera,most-idle,first-fit",
+                           "--quiet", "--out", str(out)])
+    printed = capsys.readouterr().out
+    for policy in ("tessera", "most-idle", "first-fit"):
+        assert f"| {policy} |" in printed
+    markdown = Path(f"{out}.md").read_text()
+    assert markdown.startswith("`PYTHONPATH=. python benchmarks/simulate_cluster.py --trace")
+    data = json.loads(Path(f"{out}.json").read_text())
+    assert [r["policy"] for r in data["results"]] == ["tessera", "most-idle", "first-fit"]
+    assert data["config"]["perf_model_json"]["kind"] == MODEL.kind
+
+
+def test_cli_rejects_a_missing_trace(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="not found"):
+        simulate_cluster.main(["--trace", str(tmp_path / "none.csv"), "--quiet"])
