@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoProcessor, AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
 
 from gpu_worker.block_manager import BlockManager, blocks_for
 from gpu_worker.cuda_graphs import DecodeGraphs
@@ -18,10 +18,13 @@ from gpu_worker.lora.adapter_pool import AdapterPool
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
 from gpu_worker.lora.merged_mode import MergedMode
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.models.llama import LORA_TARGETS, LlamaForCausalLM, load_model, resolve_dtype
+from gpu_worker.models.families import ServedModel, load_served_model
+from gpu_worker.models.llama import LORA_TARGETS, LlamaForCausalLM, resolve_dtype
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from gpu_worker.sequence import SamplingParams, Sequence
+from gpu_worker.vision.images import ImageEncoder
 from kernels import NO_SLOT
+from services.adapter_layout import TEXT_LAYOUT, AdapterLayout
 from services.config import WorkerConfig
 from services.errors import FailedPrecondition
 
@@ -34,9 +37,11 @@ def build_engine(checkpoint_dir: Path, worker: WorkerConfig, adapter_store: Path
                  on_step: Callable[[StepRecord], None] | None = None) -> Engine:
     device = torch.device(worker.device)
     dtype = resolve_dtype(worker.dtype, device)
-    model = load_model(checkpoint_dir, device=device, dtype=dtype)
+    served = load_served_model(checkpoint_dir, device=device, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
-    return assemble_engine(model, tokenizer, worker, adapter_store, on_step)
+    # A vision-language model's processor turns images and their placeholders into model inputs.
+    processor = AutoProcessor.from_pretrained(checkpoint_dir) if served.image_encoder is not None else None
+    return assemble_engine(served, tokenizer, worker, adapter_store, on_step, processor)
 
 
 @dataclass(frozen=True)
@@ -48,19 +53,23 @@ class EngineParts:
     adapters: AdapterPool
 
 
-def assemble_engine(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, worker: WorkerConfig,
-                    adapter_store: Path, on_step: Callable[[StepRecord], None] | None = None) -> Engine:
+def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, worker: WorkerConfig,
+                    adapter_store: Path, on_step: Callable[[StepRecord], None] | None = None,
+                    processor: ProcessorMixin | None = None) -> Engine:
     """An engine around an already loaded model."""
-    parts = assemble_parts(model, worker, adapter_store)
+    parts = assemble_parts(served.language_model, worker, adapter_store, image_encoder=served.image_encoder,
+                           adapter_layout=served.adapter_layout)
     return Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
-                  adapters=parts.adapters, tokenizer=tokenizer, max_context=model.max_context,
-                  max_lora_rank=worker.max_lora_rank, on_step=on_step)
+                  adapters=parts.adapters, tokenizer=tokenizer, max_context=parts.model.max_context,
+                  max_lora_rank=worker.max_lora_rank, on_step=on_step, processor=processor)
 
 
 def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store: Path,
-                   load: Callable[[AdapterRef], LoRAWeights] | None = None) -> EngineParts:
+                   load: Callable[[AdapterRef], LoRAWeights] | None = None, *,
+                   image_encoder: ImageEncoder | None = None, adapter_layout: AdapterLayout = TEXT_LAYOUT) -> EngineParts:
     """Adapter slots, KV cache, scheduler and runner (with CUDA graphs on CUDA) for `model`.
-    `load` replaces reading adapters from the store (benchmarks use random weights)."""
+    `load` replaces reading adapters from the store (benchmarks use random weights);
+    `image_encoder` serves a vision-language model's images; `adapter_layout` names its LoRA tensors."""
     config = model.config
     device = model.lm_head.weight.device
     model.init_lora_slots(worker.adapter_slots, worker.max_lora_rank, worker.lora_targets)
@@ -73,7 +82,7 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     served_paths = {target: LORA_TARGETS[target] for target in worker.lora_targets}
 
     def load_from_store(ref: AdapterRef) -> LoRAWeights:
-        return load_adapter(ref, adapter_store, served_paths, config.num_hidden_layers)
+        return load_adapter(ref, adapter_store, adapter_layout, served_paths, config.num_hidden_layers)
 
     def load_checked(ref: AdapterRef) -> LoRAWeights:
         weights = (load or load_from_store)(ref)
@@ -93,7 +102,7 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     if worker.merge_after_steps > 0 and worker.adapter_slots > 0:
         modules = list({id(m): m for m, _ in model.lora_layers(worker.lora_targets).values()}.values())
         merged = MergedMode(modules, worker.merge_after_steps)
-    return EngineParts(model, ModelRunner(model, kv_cache, device, graphs, merged), scheduler, adapters)
+    return EngineParts(model, ModelRunner(model, kv_cache, device, graphs, merged, image_encoder), scheduler, adapters)
 
 
 def _num_kv_blocks(model: LlamaForCausalLM, shape: CacheShape, worker: WorkerConfig) -> int:

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from gpu_worker.detokenizer import IncrementalDetokenizer
 from gpu_worker.block_manager import BlockManager
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
-    prompt: Prompt
+    prompt: Prompt  # text, or chat messages (whose content may hold images: prompts.ImagePart)
     params: SamplingParams
     adapter: AdapterRef | None = None
 
@@ -108,7 +108,7 @@ class RequestHandle:
 class Engine:
     def __init__(self, *, base_model: str, runner: ModelRunner, scheduler: Scheduler,
                  adapters: AdapterPool, tokenizer: PreTrainedTokenizerBase, max_context: int, max_lora_rank: int,
-                 on_step: Callable[[StepRecord], None] | None = None) -> None:
+                 on_step: Callable[[StepRecord], None] | None = None, processor: ProcessorMixin | None = None) -> None:
         self.base_model = base_model
         self._runner = runner
         self._scheduler = scheduler
@@ -117,7 +117,7 @@ class Engine:
         self._adapters = adapters
         self._tokenizer = tokenizer
         self.max_context = max_context
-        self._prompts = PromptEncoder(tokenizer, max_context)
+        self._prompts = PromptEncoder(tokenizer, max_context, processor)
         self._on_step = on_step
         self._eos = tokenizer.eos_token_id
         self._inbox: queue.SimpleQueue[tuple[str, object] | None] = queue.SimpleQueue()
@@ -146,7 +146,8 @@ class Engine:
         if request.adapter is not None and request.adapter.rank > self._max_lora_rank:
             raise InvalidArgument(f"adapter {request.adapter.name} has rank {request.adapter.rank}; this worker "
                                   f"serves ranks up to {self._max_lora_rank} (max_lora_rank)")
-        ids = self._prompts.encode(request.prompt, request.params.max_tokens)
+        prompt = self._prompts.encode(request.prompt, request.params.max_tokens)
+        ids = prompt.token_ids
         needed = len(ids) + request.params.max_tokens - 1
         if needed > self._blocks.capacity_tokens:
             raise InvalidArgument(f"prompt ({len(ids)} tokens) plus max_tokens ({request.params.max_tokens}) needs "
@@ -156,7 +157,7 @@ class Engine:
                 raise AlreadyExists(f"request {request.request_id} is already running")
             self._in_flight.add(request.request_id)
         detok = IncrementalDetokenizer(self._tokenizer, ids, request.params.stop)
-        seq = Sequence(request.request_id, ids, request.params, request.adapter, detok)
+        seq = Sequence(request.request_id, ids, request.params, request.adapter, detok, prompt.images)
         handle = RequestHandle(request.request_id, loop)
         self._inbox.put(("add", (seq, handle)))
         return handle

@@ -1,5 +1,7 @@
 """Runs one packed forward pass for a step and returns the next-token logits of the sequences
-that sample. Decode-only steps on CUDA replay a captured graph when one fits the batch."""
+that sample. Decode-only steps on CUDA replay a captured graph when one fits the batch. Prefill
+chunks over image tokens get the image features as their embeddings; each sequence's images go
+through the image encoder once, at the first chunk that needs them."""
 
 from __future__ import annotations
 
@@ -13,18 +15,21 @@ from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import Sequence
 from gpu_worker.step_inputs import StepInputs, build_step_inputs
+from gpu_worker.vision.images import ImageEncoder
 from kernels import LoRABatch
 from kernels.attention import AttentionMetadata
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, device: torch.device,
-                 graphs: DecodeGraphs | None = None, merged: MergedMode | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, merged: MergedMode | None = None,
+                 image_encoder: ImageEncoder | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.graphs = graphs
         self.merged = merged
+        self.image_encoder = image_encoder
 
     @property
     def merged_adapter(self) -> str | None:
@@ -42,24 +47,48 @@ class ModelRunner:
         else:
             logits = self._run_eager(inputs)
         for item in items:
-            item.seq.num_cached += item.num_new
+            seq = item.seq
+            seq.num_cached += item.num_new
+            if seq.image_features is not None and seq.num_cached >= seq.images.end:
+                seq.image_features = None
         return inputs.sampling, logits
 
-    def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
-        def device_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+    def _device_tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
+    def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
         width = max(len(table) for table in inputs.block_tables)
         query_start_loc = [0]
         for n in inputs.query_lens:
             query_start_loc.append(query_start_loc[-1] + n)
         attention = AttentionMetadata(
-            query_start_loc=device_tensor(query_start_loc, torch.int32),
-            seq_lens=device_tensor(inputs.seq_lens, torch.int32),
-            block_tables=device_tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], torch.int32),
-            slot_mapping=device_tensor(inputs.slot_mapping, torch.int64),
+            query_start_loc=self._device_tensor(query_start_loc, torch.int32),
+            seq_lens=self._device_tensor(inputs.seq_lens, torch.int32),
+            block_tables=self._device_tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], torch.int32),
+            slot_mapping=self._device_tensor(inputs.slot_mapping, torch.int64),
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens))
         lora = LoRABatch.build(inputs.seg_lens, inputs.seg_slots, self.device, max_rank=inputs.max_lora_rank)
+        input_ids = self._device_tensor(inputs.input_ids, torch.long)
+        embeds = self._input_embeddings(inputs, input_ids)
         with forward_context(ForwardContext(attention, self.kv_cache, lora)):
-            hidden = self.model(device_tensor(inputs.input_ids, torch.long), device_tensor(inputs.positions, torch.long))
-        return self.model.compute_logits(hidden[device_tensor(inputs.logit_rows, torch.long)])
+            hidden = self.model(input_ids, self._device_tensor(inputs.positions, torch.long), embeds)
+        return self.model.compute_logits(hidden[self._device_tensor(inputs.logit_rows, torch.long)])
+
+    def _input_embeddings(self, inputs: StepInputs, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The step's token embeddings [num_tokens, hidden] with image features at image tokens;
+        None when the step has no image token (the model embeds the ids itself)."""
+        if not inputs.image_rows:
+            return None
+        assert self.image_encoder is not None, "image tokens without an image encoder"
+        rows: list[int] = []
+        features: list[torch.Tensor] = []
+        for part in inputs.image_rows:
+            seq = part.seq
+            if seq.image_features is None:
+                seq.image_features = self.image_encoder(seq.images)  # all of the prompt's images at once
+                assert seq.image_features.shape[0] == seq.images.num_tokens, (seq.image_features.shape, seq.images)
+            rows.extend(range(part.row, part.row + part.count))
+            features.append(seq.image_features[part.feature:part.feature + part.count])
+        embeds = self.model.embed(input_ids)
+        embeds[self._device_tensor(rows, torch.long)] = torch.cat(features).to(embeds.dtype)
+        return embeds

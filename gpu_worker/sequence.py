@@ -10,6 +10,7 @@ import torch
 
 from gpu_worker.detokenizer import IncrementalDetokenizer
 from gpu_worker.lora.loader import AdapterRef
+from gpu_worker.vision.images import PromptImages
 from kernels import NO_SLOT
 
 
@@ -50,10 +51,15 @@ _seq_ids = itertools.count()
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 adapter: AdapterRef | None, detokenizer: IncrementalDetokenizer) -> None:
+                 adapter: AdapterRef | None, detokenizer: IncrementalDetokenizer,
+                 images: PromptImages | None = None) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
+        self.images = images
+        # [images.num_tokens, hidden] on the model's device: made by the first prefill chunk that
+        # reaches an image token, dropped once every image token is cached (remade after preemption).
+        self.image_features: torch.Tensor | None = None
         self.output_token_ids: list[int] = []
         self.params = params
         self.adapter = adapter

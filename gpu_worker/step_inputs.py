@@ -14,6 +14,16 @@ from gpu_worker.sequence import Sequence
 
 
 @dataclass(frozen=True)
+class ImageRows:
+    """Packed rows [row, row + count) are image tokens of `seq`: they take its features
+    [feature, feature + count) in place of their token embeddings."""
+    seq: Sequence
+    row: int
+    feature: int
+    count: int
+
+
+@dataclass(frozen=True)
 class StepInputs:
     items: list[ScheduledSeq]        # batch order
     input_ids: list[int]             # [num_tokens]
@@ -26,6 +36,7 @@ class StepInputs:
     seg_slots: list[int]
     logit_rows: list[int]            # the last token of each sequence that samples
     sampling: list[Sequence]         # those sequences, in logit_rows order
+    image_rows: list[ImageRows]      # the step's image tokens (prefill chunks of prompts with images)
 
     @property
     def num_tokens(self) -> int:
@@ -38,14 +49,19 @@ class StepInputs:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens) and len(self.sampling) == len(self.items)
+        return all(n == 1 for n in self.query_lens) and len(self.sampling) == len(self.items) \
+            and not self.image_rows
 
 
 def build_step_inputs(items: list[ScheduledSeq], block_size: int) -> StepInputs:
     items = sorted(items, key=lambda item: item.seq.slot)
-    inputs = StepInputs(items, [], [], [], [], [], [], [], [], [], [])
+    inputs = StepInputs(items, [], [], [], [], [], [], [], [], [], [], [])
     for item in items:
         seq, start, n = item.seq, item.seq.num_cached, item.num_new
+        if seq.images is not None:
+            offset = len(inputs.input_ids) - start  # position p of seq is packed row offset + p
+            inputs.image_rows.extend(ImageRows(seq, offset + position, feature, count)
+                                     for position, feature, count in seq.images.rows_in(start, start + n))
         inputs.input_ids.extend(seq.pending_token_ids(n))
         inputs.positions.extend(range(start, start + n))
         table = seq.block_table

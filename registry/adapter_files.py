@@ -1,12 +1,15 @@
 """Validation of a PEFT LoRA adapter directory against a base model, without torch or unpickling.
 
 A servable adapter is ``adapter_config.json`` (peft_type LORA, r, lora_alpha,
-target_modules) plus ``adapter_model.safetensors`` holding, for every decoder
-layer i and every target projection m, exactly:
+target_modules: a list of projection names, or a regex) plus ``adapter_model.safetensors``
+holding, for every decoder layer i and every target projection m, exactly:
 
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight  [r, in_features]
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out_features, r]
     base_model.model.model.layers.{i}.mlp.down_proj.lora_A.weight     [r, intermediate] ...
+
+(names per model family in services/adapter_layout.py; a vision-language model's adapters may adapt
+its language model only).
 
 Pickle files (.bin, .pt, ...) are never opened: their mere presence without
 safetensors is refused with a message saying so.
@@ -23,6 +26,7 @@ from registry.base_model_files import read_json_object
 from registry.records import SUPPORTED_TARGET_MODULES, ModuleShape
 from registry.safetensors_header import TensorInfo, read_safetensors_header
 from registry.trusted_paths import resolve_inside_roots
+from services.adapter_layout import ADAPTER_LAYOUTS, AdapterLayout, refuse_vision_tensors
 from services.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
@@ -64,7 +68,7 @@ class AdapterSource:
 class LoraSpec:
     rank: int
     alpha: float
-    target_modules: tuple[str, ...]  # in SUPPORTED_TARGET_MODULES order
+    target_modules: tuple[str, ...]  # in SUPPORTED_TARGET_MODULES order; () while named by a regex
 
 
 def locate_adapter_files(source_dir: str, roots: Sequence[Path]) -> AdapterSource:
@@ -91,7 +95,10 @@ def locate_adapter_files(source_dir: str, roots: Sequence[Path]) -> AdapterSourc
 
 
 def _target_modules(value: Any) -> tuple[str, ...]:
-    # PEFT saves a list of module names, or one string (a module name or a regex).
+    """PEFT saves a list of module names, or one string: a module name, or a regex matched against
+    full module paths (() here: the tensors tell which projections it matched)."""
+    if isinstance(value, str) and value not in SUPPORTED_TARGET_MODULES:
+        return ()
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise InvalidArgument(f"{CONFIG_FILE}: target_modules must be a non-empty list of module names, got {value!r}")
@@ -120,17 +127,27 @@ def parse_lora_config(config: Mapping[str, Any]) -> LoraSpec:
     return LoraSpec(rank=rank, alpha=float(alpha), target_modules=_target_modules(config.get("target_modules")))
 
 
-def _expected_tensors(spec: LoraSpec, num_layers: int,
+def _expected_tensors(spec: LoraSpec, layout: AdapterLayout, num_layers: int,
                       module_shapes: Mapping[str, ModuleShape]) -> dict[str, tuple[str, tuple[int, int]]]:
     """Tensor name -> (projection, shape) for every layer x target: A is [r, in], B is [out, r]."""
     expected: dict[str, tuple[str, tuple[int, int]]] = {}
     for layer in range(num_layers):
         for module in spec.target_modules:
             shape = module_shapes[module]
-            prefix = f"base_model.model.model.layers.{layer}.{PROJECTION_BLOCK[module]}.{module}"
-            expected[f"{prefix}.lora_A.weight"] = (module, (spec.rank, shape.in_features))
-            expected[f"{prefix}.lora_B.weight"] = (module, (shape.out_features, spec.rank))
+            path = f"{PROJECTION_BLOCK[module]}.{module}"
+            expected[layout.tensor_name(layer, path, "A")] = (module, (spec.rank, shape.in_features))
+            expected[layout.tensor_name(layer, path, "B")] = (module, (shape.out_features, spec.rank))
     return expected
+
+
+def _regex_targets(tensors: Mapping[str, TensorInfo], layout: AdapterLayout) -> tuple[str, ...]:
+    """The projections a regex target_modules matched: those with a LoRA A tensor in the first layer."""
+    found = tuple(m for m in SUPPORTED_TARGET_MODULES
+                  if layout.tensor_name(0, f"{PROJECTION_BLOCK[m]}.{m}", "A") in tensors)
+    if not found:
+        raise InvalidArgument(f"{CONFIG_FILE}: target_modules matched no projection of the language model's "
+                              f"first layer ({', '.join(SUPPORTED_TARGET_MODULES)})")
+    return found
 
 
 def _tensor_rank(name: str, shape: tuple[int, ...]) -> int | None:
@@ -139,10 +156,10 @@ def _tensor_rank(name: str, shape: tuple[int, ...]) -> int | None:
     return shape[0] if name.endswith(".lora_A.weight") else shape[1]
 
 
-def check_lora_tensors(tensors: Mapping[str, TensorInfo], spec: LoraSpec, num_layers: int,
+def check_lora_tensors(tensors: Mapping[str, TensorInfo], spec: LoraSpec, layout: AdapterLayout, num_layers: int,
                        module_shapes: Mapping[str, ModuleShape]) -> None:
     """Every layer x target must be present with exactly the base model's shapes, and nothing else."""
-    expected = _expected_tensors(spec, num_layers, module_shapes)
+    expected = _expected_tensors(spec, layout, num_layers, module_shapes)
     missing = [name for name in expected if name not in tensors]
     if missing:
         module = expected[missing[0]][0]
@@ -168,9 +185,16 @@ def check_lora_tensors(tensors: Mapping[str, TensorInfo], spec: LoraSpec, num_la
             f"{module} ({module_shapes[module].in_features} -> {module_shapes[module].out_features})")
 
 
-def validate_adapter_dir(directory: Path, num_layers: int, module_shapes: Mapping[str, ModuleShape]) -> LoraSpec:
+def validate_adapter_dir(directory: Path, architecture: str, num_layers: int,
+                         module_shapes: Mapping[str, ModuleShape]) -> LoraSpec:
     """Check a (trusted, already staged) adapter directory against a base model; returns its LoRA spec."""
-    spec = parse_lora_config(read_json_object(directory / CONFIG_FILE))
+    layout = ADAPTER_LAYOUTS[architecture]
+    config = read_json_object(directory / CONFIG_FILE)
     tensors = read_safetensors_header(directory / WEIGHTS_FILE)
-    check_lora_tensors(tensors, spec, num_layers, module_shapes)
+    # First: bare target names ("q_proj") that also reached a vision tower deserve this message.
+    refuse_vision_tensors(layout, tensors, WEIGHTS_FILE)
+    spec = parse_lora_config(config)
+    if not spec.target_modules:
+        spec = dataclasses.replace(spec, target_modules=_regex_targets(tensors, layout))
+    check_lora_tensors(tensors, spec, layout, num_layers, module_shapes)
     return spec

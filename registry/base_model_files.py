@@ -1,10 +1,10 @@
-"""Read a Llama-family base model checkpoint directory's config.json into a spec.
+"""Read a Llama-family (or LLaVA) base model checkpoint directory's config.json into a spec.
 
 The spec records, for every LoRA-targetable projection, its weight's
 [out_features, in_features], so adapters can be checked against the base model
 without loading it. Example (Llama-3-8B: hidden 4096, 32 heads, 8 kv heads,
 head_dim 128, intermediate 14336): q_proj 4096 -> 4096, k_proj 4096 -> 1024,
-down_proj 14336 -> 4096.
+down_proj 14336 -> 4096. For a vision-language model the spec is its language model's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from typing import Any
 from registry.records import ModuleShape
 from services.errors import InvalidArgument
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "LlavaForConditionalGeneration")
+# Vision-language checkpoints keep their language model's settings in a nested config.
+TEXT_CONFIG_KEYS: dict[str, str] = {"LlavaForConditionalGeneration": "text_config"}
+# transformers may save a nested config as its difference from the defaults (llava-hf's LLaVA-1.5
+# text_config names only vocab_size, max_position_embeddings, ...): LlamaConfig's defaults fill in.
+LLAMA_DEFAULTS: dict[str, int] = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                                  "num_attention_heads": 32, "max_position_embeddings": 2048, "vocab_size": 32000}
 MAX_CONFIG_BYTES = 1024 * 1024
 
 
@@ -66,6 +73,16 @@ def projection_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int,
     }
 
 
+def _language_model_config(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    key = TEXT_CONFIG_KEYS.get(architecture)
+    if key is None:
+        return config
+    text = config.get(key)
+    if not isinstance(text, dict):
+        raise InvalidArgument(f"config.json: {architecture} needs a {key} object")
+    return {**LLAMA_DEFAULTS, **text} if text.get("model_type", "llama") == "llama" else text
+
+
 def read_base_model_spec(model_dir: Path) -> BaseModelSpec:
     """Spec of the checkpoint in `model_dir` (a trusted, resolved directory)."""
     if not model_dir.is_dir():
@@ -76,6 +93,8 @@ def read_base_model_spec(model_dir: Path) -> BaseModelSpec:
         raise InvalidArgument(
             f"config.json: architectures {architectures!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    architecture = architectures[0]
+    config = _language_model_config(config, architecture)
     if not any(model_dir.glob("*.safetensors")):
         raise InvalidArgument(f"{model_dir} holds no *.safetensors weights (pickle checkpoints are refused)")
     hidden = _positive_int(config, "hidden_size")
@@ -83,7 +102,7 @@ def read_base_model_spec(model_dir: Path) -> BaseModelSpec:
     kv_heads = _positive_int(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
     head_dim = _positive_int(config, "head_dim") if config.get("head_dim") is not None else hidden // heads
     return BaseModelSpec(
-        architecture=architectures[0],
+        architecture=architecture,
         max_context=_positive_int(config, "max_position_embeddings"),
         vocab_size=_positive_int(config, "vocab_size"),
         hidden_size=hidden,

@@ -138,7 +138,7 @@ class RegistryStore:
         staged = self._blobs.stage(locate_adapter_files(source_dir, self._roots))
         with self._blob_lock:
             try:
-                spec = validate_adapter_dir(staged.directory, base.num_layers, base.module_shapes)
+                spec = validate_adapter_dir(staged.directory, base.architecture, base.num_layers, base.module_shapes)
                 with self._transaction() as s:
                     _check_adapter_name_free(s, name)
                     _check_shared_blob(s, staged.sha256, spec.rank, spec.alpha, list(spec.target_modules))

@@ -44,22 +44,21 @@ def _sha256(path: Path) -> str:
 
 
 def register_demo_assets(store: RegistryStore, assets: DemoAssets, progress: Callable[[str], None] = print) -> None:
-    """Register the built demo model and adapters (idempotent: same content is left alone)."""
-    from services.demo_assets import DEMO_BASE_MODEL
+    """Register one built demo model and its adapters (idempotent: same content is left alone)."""
     from services.errors import NotFound
 
     try:
-        base = store.get_base_model(DEMO_BASE_MODEL)
-        progress(f"base model {DEMO_BASE_MODEL}: already registered (path {base.path})")
+        base = store.get_base_model(assets.name)
+        progress(f"base model {assets.name}: already registered (path {base.path})")
     except NotFound:
-        base = store.register_base_model(DEMO_BASE_MODEL, str(assets.base_dir))
-        progress(f"base model {DEMO_BASE_MODEL}: registered (path {base.path})")
+        base = store.register_base_model(assets.name, str(assets.base_dir))
+        progress(f"base model {assets.name}: registered (path {base.path})")
     for name, source_dir in assets.adapter_dirs.items():
         sha256 = _sha256(source_dir / ADAPTER_WEIGHTS_FILE)
         try:
             existing = store.get_adapter(name)
         except NotFound:
-            record = store.register_adapter(name, DEMO_BASE_MODEL, str(source_dir))
+            record = store.register_adapter(name, assets.name, str(source_dir))
             progress(f"adapter {name}: registered (rank {record.rank}, sha256 {record.sha256[:12]})")
             continue
         if existing.sha256 != sha256:
@@ -81,10 +80,11 @@ def _demo_assets(config: TesseraConfig, args: argparse.Namespace) -> int:
     from registry.store import RegistryStore
     from services.demo_assets import build_demo_assets
 
-    assets = build_demo_assets(config.models_path, progress=print)
+    built = build_demo_assets(config.models_path, progress=print)
     store = RegistryStore.from_config(config)
     try:
-        register_demo_assets(store, assets)
+        for assets in built:
+            register_demo_assets(store, assets)
     except DemoRegistrationError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("role", choices=sorted(ROLE_MODULES))
     serve.set_defaults(run=_serve)
     commands.add_parser("demo-assets", parents=[config_option],
-                        help="build the demo model and adapters and register them").set_defaults(run=_demo_assets)
+                        help="build the demo models and adapters and register them").set_defaults(run=_demo_assets)
     commands.add_parser("up", parents=[config_option],
                         help="run every role as supervised local processes").set_defaults(run=_up)
     commands.add_parser("config", parents=[config_option],

@@ -1,8 +1,10 @@
-"""Builds the demo assets locally: a byte-level BPE tokenizer, a random-weight Llama and LoRA adapters.
+"""Builds the demo assets locally: a byte-level BPE tokenizer, a random-weight Llama, a random-weight
+LLaVA-1.5 (CLIP vision tower + projector + that Llama's architecture) and LoRA adapters for both.
 
 Nothing is downloaded. The tokenizer is trained on Python source text found on this machine
-(the stdlib, in sorted file order, so two builds give the same vocabulary); the model has the real
-Llama architecture with random weights; the adapters are real PEFT checkpoints. Every builder
+(the stdlib, in sorted file order, so two builds give the same vocabulary); the models have the real
+architectures with random weights; the LLaVA model has a working processor (image processor,
+tokenizer with <image>, chat template); the adapters are real PEFT checkpoints. Every builder
 writes into a temporary sibling directory and renames it at the end, so an interrupted build
 never leaves a directory that `build_demo_assets` would mistake for a complete one.
 """
@@ -15,9 +17,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerFast
+from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-DEMO_BASE_MODEL = "tessera-demo-llama"
+DEMO_BASE_MODEL = "tessera-demo-llama"          # what the embedded default serves
+DEMO_VISION_BASE_MODEL = "tessera-demo-llava"   # for a worker configured with this base_model
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 TOKENIZER_VOCAB_SIZE = 4096
@@ -28,6 +31,21 @@ TOKENIZER_CORPUS_BYTES = 3_000_000  # a few MB: trains in seconds, still learns 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<s>' + message['role'] + '\\n' + message['content'] + '</s>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<s>assistant\\n' }}{% endif %}"
+)
+# The same turns with content parts (the processor's message form); an image part renders as the
+# placeholder, which the processor expands to one <image> token per image feature.
+#   <s>user\nWhat is this? <image></s>\n<s>assistant\n
+IMAGE_TOKEN = "<image>"
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<s>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '</s>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<s>assistant\\n' }}{% endif %}"
 )
@@ -43,6 +61,7 @@ LORA_B_GAIN = 4.0
 BASE_WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+PROCESSOR_FILES = ("processor_config.json",)
 
 
 @dataclass(frozen=True)
@@ -60,12 +79,20 @@ DEMO_ADAPTERS = (
     DemoAdapterSpec("demo-r64", 64, 64.0,
                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 3),
 )
+# On the LLaVA model's language model (never its vision tower).
+DEMO_VISION_ADAPTERS = (
+    DemoAdapterSpec("demo-llava-r8", 8, 16.0, ("q_proj", "k_proj", "v_proj", "o_proj"), 4),
+    DemoAdapterSpec("demo-llava-r16", 16, 32.0,
+                    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 5),
+)
 
 
 @dataclass(frozen=True)
 class DemoAssets:
+    """One demo base model and its adapters."""
     base_dir: Path
     adapter_dirs: dict[str, Path]
+    name: str = DEMO_BASE_MODEL
 
 
 def _corpus_files() -> list[Path]:
@@ -129,30 +156,42 @@ def _tokenizer_complete(directory: Path) -> bool:
     return all((directory / name).is_file() for name in TOKENIZER_FILES)
 
 
-def build_llama(out_dir: Path, *, seed: int = 0, hidden_size: int = 256, num_layers: int = 4,
-                num_heads: int = 8, num_kv_heads: int = 4, intermediate_size: int = 688,
-                max_position_embeddings: int = 2048, tokenizer_dir: Path | None = None) -> Path:
-    """Save a random-weight LlamaForCausalLM (GQA, untied lm_head, float32) with its tokenizer files.
-
-    `tokenizer_dir`: an already built tokenizer to copy (tests share one); None trains a new one.
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    staging = _staging_dir(out_dir)
+def _tokenizer(tokenizer_dir: Path | None, staging: Path) -> PreTrainedTokenizerFast:
+    """The tokenizer in `tokenizer_dir` (tests and the LLaVA model share one), else a newly trained one."""
     if tokenizer_dir is not None and _tokenizer_complete(tokenizer_dir):
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
-        tokenizer.save_pretrained(staging)
-    else:
-        tokenizer = build_tokenizer(staging)
-    config = LlamaConfig(
+        return PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    return build_tokenizer(staging)
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    intermediate_size: int = 688
+    max_position_embeddings: int = 2048
+
+
+@dataclass(frozen=True)
+class ClipShape:
+    """A CLIP vision tower: (image_size / patch_size)^2 patches, each one image token (LLaVA-1.5: 336/14)."""
+    image_size: int = 64
+    patch_size: int = 16
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+
+
+def _llama_config(tokenizer: PreTrainedTokenizerFast, shape: LlamaShape) -> LlamaConfig:
+    return LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_position_embeddings,
         initializer_range=INITIALIZER_RANGE,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
@@ -160,23 +199,79 @@ def build_llama(out_dir: Path, *, seed: int = 0, hidden_size: int = 256, num_lay
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
+
+
+def build_llama(out_dir: Path, *, seed: int = 0, shape: LlamaShape = LlamaShape(),
+                tokenizer_dir: Path | None = None) -> Path:
+    """Save a random-weight LlamaForCausalLM (GQA, untied lm_head, float32) with its tokenizer files.
+
+    `tokenizer_dir`: an already built tokenizer to copy (tests share one); None trains a new one.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    staging = _staging_dir(out_dir)
+    tokenizer = _tokenizer(tokenizer_dir, staging)
+    tokenizer.save_pretrained(staging)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(_llama_config(tokenizer, shape)).to(torch.float32).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(staging, safe_serialization=True)
     return _publish(staging, out_dir)
 
 
-def build_lora_adapter(base_dir: Path, out_dir: Path, spec: DemoAdapterSpec) -> Path:
-    """Save a real PEFT LoRA adapter for `base_dir` with random A and B (seeded by spec.seed)."""
+def build_llava(out_dir: Path, *, tokenizer_dir: Path | None, seed: int = 0, text: LlamaShape = LlamaShape(),
+                vision: ClipShape = ClipShape()) -> Path:
+    """Save a random-weight LLaVA-1.5 (CLIP tower, 2-layer GELU projector, Llama; float32) with a working
+    LlavaProcessor: the tokenizer of `tokenizer_dir` plus <image>, a CLIP image processor, the chat template."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import LlavaProcessor
 
     staging = _staging_dir(out_dir)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    tokenizer = _tokenizer(tokenizer_dir, staging)
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.chat_template = VISION_CHAT_TEMPLATE
+    vision_config = CLIPVisionConfig(
+        image_size=vision.image_size, patch_size=vision.patch_size, hidden_size=vision.hidden_size,
+        intermediate_size=4 * vision.hidden_size, num_hidden_layers=vision.num_layers,
+        num_attention_heads=vision.num_heads, projection_dim=vision.hidden_size)
+    patches = (vision.image_size // vision.patch_size) ** 2
+    # LLaVA-1.5's choices: the second-to-last layer's features, CLS dropped: one token per patch.
+    config = LlavaConfig(vision_config=vision_config, text_config=_llama_config(tokenizer, text),
+                         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), image_seq_length=patches,
+                         vision_feature_layer=-2, vision_feature_select_strategy="default", dtype="float32")
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(staging, safe_serialization=True)
+    # The processor counts patches + 1 (CLS) tokens per image, less 1 under the "default" strategy.
+    image_processor = CLIPImageProcessor(size={"shortest_edge": vision.image_size},
+                                         crop_size={"height": vision.image_size, "width": vision.image_size})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=vision.patch_size,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=VISION_CHAT_TEMPLATE)
+    processor.save_pretrained(staging)
+    return _publish(staging, out_dir)
+
+
+def build_lora_adapter(base_dir: Path, out_dir: Path, spec: DemoAdapterSpec) -> Path:
+    """Save a real PEFT LoRA adapter for `base_dir` with random A and B (seeded by spec.seed). On a
+    LLaVA model it adapts the language model only."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    staging = _staging_dir(out_dir)
+    targets: list[str] | str = list(spec.target_modules)
+    if AutoConfig.from_pretrained(base_dir).model_type == "llava":
+        base = AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32)
+        # A regex over module paths: bare names ("q_proj") would match the vision tower's projections too.
+        targets = rf".*language_model.*\.({'|'.join(spec.target_modules)})"
+    else:
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     torch.manual_seed(spec.seed)
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules),
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets,
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", init_lora_weights=False)
     model = get_peft_model(base, config)
     with torch.no_grad():
@@ -187,32 +282,44 @@ def build_lora_adapter(base_dir: Path, out_dir: Path, spec: DemoAdapterSpec) -> 
     return _publish(staging, out_dir)
 
 
-def _base_complete(directory: Path) -> bool:
-    return (directory / "config.json").is_file() and (directory / BASE_WEIGHTS_FILE).is_file() \
-        and _tokenizer_complete(directory)
+def _complete(directory: Path, names: tuple[str, ...]) -> bool:
+    return all((directory / name).is_file() for name in names)
 
 
-def _adapter_complete(directory: Path) -> bool:
-    return all((directory / name).is_file() for name in ADAPTER_FILES)
+def _base_or_build(name: str, base_dir: Path, files: tuple[str, ...], build: Callable[[], Path],
+                   progress: Callable[[str], None]) -> None:
+    if _complete(base_dir, files):
+        progress(f"base model {name}: present at {base_dir}")
+        return
+    progress(f"base model {name}: building random weights ...")
+    build()
+    progress(f"base model {name}: written to {base_dir}")
 
 
-def build_demo_assets(models_dir: Path, progress: Callable[[str], None] = print) -> DemoAssets:
-    """Build (or reuse) the demo base model and the DEMO_ADAPTERS under `models_dir`."""
-    base_dir = models_dir / DEMO_BASE_MODEL
-    if _base_complete(base_dir):
-        progress(f"base model {DEMO_BASE_MODEL}: present at {base_dir}")
-    else:
-        progress(f"base model {DEMO_BASE_MODEL}: training tokenizer and building random weights ...")
-        build_llama(base_dir)
-        progress(f"base model {DEMO_BASE_MODEL}: written to {base_dir}")
+def _adapters_or_build(base_dir: Path, adapters_dir: Path, specs: tuple[DemoAdapterSpec, ...],
+                       progress: Callable[[str], None]) -> dict[str, Path]:
     adapter_dirs: dict[str, Path] = {}
-    for index, spec in enumerate(DEMO_ADAPTERS, start=1):
-        adapter_dir = models_dir / "adapters" / spec.name
-        step = f"adapter {index}/{len(DEMO_ADAPTERS)} {spec.name} (rank {spec.rank})"
-        if _adapter_complete(adapter_dir):
+    for index, spec in enumerate(specs, start=1):
+        adapter_dir = adapters_dir / spec.name
+        step = f"adapter {index}/{len(specs)} {spec.name} (rank {spec.rank})"
+        if _complete(adapter_dir, ADAPTER_FILES):
             progress(f"{step}: present at {adapter_dir}")
         else:
             build_lora_adapter(base_dir, adapter_dir, spec)
             progress(f"{step}: written to {adapter_dir}")
         adapter_dirs[spec.name] = adapter_dir
-    return DemoAssets(base_dir=base_dir, adapter_dirs=adapter_dirs)
+    return adapter_dirs
+
+
+def build_demo_assets(models_dir: Path, progress: Callable[[str], None] = print) -> list[DemoAssets]:
+    """Build (or reuse) under `models_dir` the demo text model with DEMO_ADAPTERS (what the embedded
+    default serves), then the demo LLaVA model, sharing its tokenizer, with DEMO_VISION_ADAPTERS."""
+    base_files = ("config.json", BASE_WEIGHTS_FILE, *TOKENIZER_FILES)
+    text_dir, vision_dir = models_dir / DEMO_BASE_MODEL, models_dir / DEMO_VISION_BASE_MODEL
+    _base_or_build(DEMO_BASE_MODEL, text_dir, base_files, lambda: build_llama(text_dir), progress)
+    _base_or_build(DEMO_VISION_BASE_MODEL, vision_dir, base_files + PROCESSOR_FILES,
+                   lambda: build_llava(vision_dir, tokenizer_dir=text_dir), progress)
+    adapters_dir = models_dir / "adapters"
+    return [DemoAssets(text_dir, _adapters_or_build(text_dir, adapters_dir, DEMO_ADAPTERS, progress)),
+            DemoAssets(vision_dir, _adapters_or_build(vision_dir, adapters_dir, DEMO_VISION_ADAPTERS, progress),
+                       DEMO_VISION_BASE_MODEL)]

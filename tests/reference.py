@@ -1,6 +1,7 @@
 """transformers + PEFT as the reference every Tessera output is checked against.
 
-`PeftModel.from_pretrained` on the same checkpoint and adapter, greedy `generate`.
+`PeftModel.from_pretrained` on the same checkpoint and adapter, greedy `generate` (for a
+vision-language model, on what its processor makes of the same messages and images).
 The greedy-tie rule (as in vLLM's tests): batched float math may flip an argmax
 only where the reference's top-two log-probabilities are within TIE_TOLERANCE; at
 such a step our token must be one of the tied ones, and the continuations may
@@ -9,12 +10,15 @@ legitimately diverge after it, so nothing later is compared.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
+                          PreTrainedModel)
 
 TIE_TOLERANCE = 1e-5
 
@@ -28,6 +32,8 @@ class Greedy:
 class ReferenceModels:
     """The base checkpoint plus named PEFT adapter directories, loaded lazily on `device`."""
 
+    auto_model: Any = AutoModelForCausalLM
+
     def __init__(self, base_name: str, base_dir: Path, adapter_dirs: dict[str, Path],
                  device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.base_name = base_name
@@ -39,21 +45,25 @@ class ReferenceModels:
 
     def model(self, name: str) -> PreTrainedModel:
         if name not in self._models:
-            base = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=self.dtype).to(self.device)
+            base = self.auto_model.from_pretrained(self.base_dir, dtype=self.dtype).to(self.device)
             model = base if name == self.base_name else PeftModel.from_pretrained(base, self.adapter_dirs[name])
             self._models[name] = model.eval()
         return self._models[name]
 
-    def greedy_ids(self, name: str, prompt_ids: list[int], max_new_tokens: int) -> Greedy:
-        input_ids = torch.tensor([prompt_ids], device=self.device)
+    def greedy_inputs(self, name: str, inputs: Mapping[str, torch.Tensor], max_new_tokens: int) -> Greedy:
+        """`inputs`: one prompt's model inputs (input_ids [1, n], and pixel_values etc. where the model takes them)."""
+        inputs = {key: value.to(self.device) for key, value in inputs.items()}
+        inputs.setdefault("attention_mask", torch.ones_like(inputs["input_ids"]))
         with torch.no_grad():
             out = self.model(name).generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                max_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True,
-                pad_token_id=self.tokenizer.pad_token_id)
-        tokens = out.sequences[0, len(prompt_ids):].tolist()
+                **inputs, do_sample=False, max_new_tokens=max_new_tokens, output_logits=True,
+                return_dict_in_generate=True, pad_token_id=self.tokenizer.pad_token_id)
+        tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
         logprobs = [torch.log_softmax(step[0].double().cpu(), dim=-1) for step in out.logits]
         return Greedy(tokens, logprobs[:len(tokens)])
+
+    def greedy_ids(self, name: str, prompt_ids: list[int], max_new_tokens: int) -> Greedy:
+        return self.greedy_inputs(name, {"input_ids": torch.tensor([prompt_ids])}, max_new_tokens)
 
     def greedy_chat(self, name: str, messages: list[dict[str, str]], max_new_tokens: int) -> Greedy:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -66,6 +76,24 @@ class ReferenceModels:
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+class VisionReferenceModels(ReferenceModels):
+    """A vision-language checkpoint (LlavaForConditionalGeneration, ...) and its processor."""
+
+    auto_model = AutoModelForImageTextToText
+
+    def __init__(self, base_name: str, base_dir: Path, adapter_dirs: dict[str, Path],
+                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(base_name, base_dir, adapter_dirs, device, dtype)
+        self.processor = AutoProcessor.from_pretrained(self.base_dir)
+
+    def greedy_messages(self, name: str, messages: list[dict[str, Any]], max_new_tokens: int) -> Greedy:
+        """`messages` in the processor's form: content parts {"type": "text", "text": ...} and
+        {"type": "image", "image": <PIL image>}."""
+        inputs = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True, return_tensors="pt")
+        return self.greedy_inputs(name, inputs, max_new_tokens)
 
 
 def assert_same_greedy(name: str, expected: Greedy, actual: list[int]) -> None:

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 
+from services.adapter_layout import AdapterLayout, refuse_vision_tensors
 from services.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
-# PEFT's saved name of a LoRA matrix, e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
-PEFT_TENSOR_NAME = "base_model.model.model.layers.{layer}.{path}.lora_{which}.weight"
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,24 @@ def _read_config(directory: Path) -> dict:
     return config
 
 
-def load_adapter(ref: AdapterRef, store_root: Path, layer_paths: dict[str, str], num_layers: int) -> LoRAWeights:
-    """Load and verify `ref`. `layer_paths`: PEFT target name -> module path in a decoder layer."""
+def _served_targets(ref: AdapterRef, tensors: dict[str, torch.Tensor], layout: AdapterLayout,
+                    layer_paths: dict[str, str]) -> list[str]:
+    """The PEFT target names the adapter adapts, read from its tensor names: adapter_config.json may
+    name them by a regex (r".*language_model.*\\.(q_proj|v_proj)") rather than a list."""
+    in_layer = re.compile(rf"{re.escape(layout.layers_prefix)}\.\d+\.(.+)\.lora_[AB]\.weight")
+    paths = {match.group(1) for name in tensors if (match := in_layer.fullmatch(name))}
+    unknown = sorted(paths - set(layer_paths.values()))
+    if unknown:
+        raise InvalidArgument(f"adapter {ref.name}: target modules {unknown} are not served")
+    if not paths:
+        raise InvalidArgument(f"adapter {ref.name}: no LoRA tensors under {layout.layers_prefix}")
+    return sorted(target for target, path in layer_paths.items() if path in paths)
+
+
+def load_adapter(ref: AdapterRef, store_root: Path, layout: AdapterLayout, layer_paths: dict[str, str],
+                 num_layers: int) -> LoRAWeights:
+    """Load and verify `ref`. `layout`: where the base model's family keeps LoRA tensors;
+    `layer_paths`: PEFT target name -> module path in a decoder layer, for the targets served."""
     directory = resolve_in_store(ref.storage_path, store_root)
     weights_file = directory / WEIGHTS_FILE
     if not weights_file.is_file():
@@ -76,14 +92,12 @@ def load_adapter(ref: AdapterRef, store_root: Path, layer_paths: dict[str, str],
         raise FailedPrecondition(f"adapter {ref.name}: sha256 {digest} does not match the registry's {ref.sha256}")
     tensors = load_safetensors(data)
 
-    targets = sorted(config["target_modules"])
-    unknown = [t for t in targets if t not in layer_paths]
-    if unknown:
-        raise InvalidArgument(f"adapter {ref.name}: target modules {unknown} are not served")
+    refuse_vision_tensors(layout, tensors, f"adapter {ref.name}")
+    targets = _served_targets(ref, tensors, layout, layer_paths)
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in range(num_layers):
         for target in targets:
-            names = [PEFT_TENSOR_NAME.format(layer=layer, path=layer_paths[target], which=w) for w in "AB"]
+            names = [layout.tensor_name(layer, layer_paths[target], which) for which in "AB"]
             if not all(name in tensors for name in names):
                 raise InvalidArgument(f"adapter {ref.name}: missing {names[0]} or its B")
             modules[(layer, target)] = (tensors.pop(names[0]), tensors.pop(names[1]))

@@ -7,20 +7,18 @@ match (no substring matching), except that q/k/v and gate/up are fused into one 
 The projections adapters may target are LoRALinear modules.
 
 forward() takes the packed new tokens of every sequence in the step (no padding); attention and
-LoRA read the per-step layout from the forward context.
+LoRA read the per-step layout from the forward context. A vision-language model's language model is
+this one too: its prefill gets input embeddings with image features in place of image tokens.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from gpu_worker.forward_context import get_forward_context
 from gpu_worker.layers.norm import RMSNorm
@@ -141,8 +139,8 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, _head_dim(config))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: the token embeddings [num_tokens, hidden]."""
         cos, sin = self.rotary(positions, x.dtype)  # [num_tokens, head_dim] each, shared by every layer
         residual = None
         for layer in self.layers:
@@ -168,9 +166,15 @@ class LlamaForCausalLM(nn.Module):
             window = None
         return min(self.config.max_position_embeddings, window or self.config.max_position_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
-        return self.model(input_ids, positions)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [num_tokens] -> token embeddings [num_tokens, hidden]."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]. inputs_embeds
+        [num_tokens, hidden], when given, replaces embed(input_ids) (image features merged in)."""
+        return self.model(self.embed(input_ids) if inputs_embeds is None else inputs_embeds, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_seqs, hidden] (last token of each sequence) -> float32 [num_seqs, vocab]."""
@@ -235,21 +239,6 @@ class LlamaForCausalLM(nn.Module):
         return [param_name]
 
 
-def _iter_checkpoint(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) over model.safetensors or the shards listed in model.safetensors.index.json."""
-    index = checkpoint_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (checkpoint_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no safetensors weights in {checkpoint_dir}")
-    for file in files:
-        with safe_open(checkpoint_dir / file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """'auto': float32 on CPU, bfloat16 on CUDA; otherwise a torch dtype name ('float16')."""
     if name == "auto":
@@ -259,10 +248,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def load_model(checkpoint_dir: Path, *, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    config = AutoConfig.from_pretrained(checkpoint_dir)
+def build_model(config: PretrainedConfig, tensors: Iterable[tuple[str, torch.Tensor]], source: str, *,
+                device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The model of `config` with `tensors` (Hugging Face names of a causal LM) as its weights."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device="cpu")
-    model.load_weights(_iter_checkpoint(checkpoint_dir), str(checkpoint_dir))
+    model.load_weights(tensors, source)
     return model.to(device=device, dtype=dtype).eval()
+

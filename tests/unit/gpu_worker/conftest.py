@@ -1,10 +1,12 @@
-"""Shared tiny assets: one small Llama and the three demo adapters, built once per session."""
+"""Shared tiny assets, built once per session: one small Llama and the three demo adapters; one small
+LLaVA-1.5 on the same tokenizer and its two demo adapters."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +16,15 @@ from gpu_worker.builder import build_engine
 from gpu_worker.engine import Engine, EngineStats, GenerationRequest, RequestOutput, StepRecord
 from gpu_worker.lora.loader import AdapterRef
 from services.config import WorkerConfig
-from services.demo_assets import DEMO_ADAPTERS, DEMO_BASE_MODEL, build_llama, build_lora_adapter
+from services.demo_assets import (DEMO_ADAPTERS, DEMO_BASE_MODEL, DEMO_VISION_ADAPTERS, DEMO_VISION_BASE_MODEL,
+                                  ClipShape, DemoAdapterSpec, LlamaShape, build_llama, build_llava,
+                                  build_lora_adapter)
+
+# Small enough for fast CPU tests, with GQA (4 heads, 2 KV heads) like real checkpoints.
+TINY_LLAMA = LlamaShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                        max_position_embeddings=256)
+# 32 px images in 8 px patches: 16 image tokens per image.
+TINY_CLIP = ClipShape(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4)
 
 
 @dataclass(frozen=True)
@@ -22,41 +32,64 @@ class TinyAssets:
     base_dir: Path
     store: Path
     adapters: dict[str, AdapterRef]
+    name: str = DEMO_BASE_MODEL
+
+
+def _adapters(base: Path, store: Path, specs: tuple[DemoAdapterSpec, ...], base_name: str) -> dict[str, AdapterRef]:
+    adapters = {}
+    for spec in specs:
+        directory = build_lora_adapter(base, store / spec.name, spec)
+        digest = hashlib.sha256((directory / "adapter_model.safetensors").read_bytes()).hexdigest()
+        adapters[spec.name] = AdapterRef(spec.name, base_name, spec.rank, digest, str(directory))
+    return adapters
 
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> TinyAssets:
     root = tmp_path_factory.mktemp("assets")
-    base = build_llama(root / "base", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=128, max_position_embeddings=256)
+    base = build_llama(root / "base", shape=TINY_LLAMA)
     store = root / "store"
-    adapters = {}
-    for spec in DEMO_ADAPTERS:
-        directory = build_lora_adapter(base, store / spec.name, spec)
-        digest = hashlib.sha256((directory / "adapter_model.safetensors").read_bytes()).hexdigest()
-        adapters[spec.name] = AdapterRef(spec.name, DEMO_BASE_MODEL, spec.rank, digest, str(directory))
-    return TinyAssets(base, store, adapters)
+    return TinyAssets(base, store, _adapters(base, store, DEMO_ADAPTERS, DEMO_BASE_MODEL))
+
+
+@pytest.fixture(scope="session")
+def llava_assets(tiny_assets, tmp_path_factory) -> TinyAssets:
+    root = tmp_path_factory.mktemp("llava")
+    base = build_llava(root / "base", tokenizer_dir=tiny_assets.base_dir, text=TINY_LLAMA, vision=TINY_CLIP)
+    store = root / "store"
+    return TinyAssets(base, store, _adapters(base, store, DEMO_VISION_ADAPTERS, DEMO_VISION_BASE_MODEL),
+                      DEMO_VISION_BASE_MODEL)
 
 
 def make_engine(assets: TinyAssets, steps: list[StepRecord] | None = None, **worker_fields) -> Engine:
-    worker = WorkerConfig(base_model=DEMO_BASE_MODEL, **worker_fields)
+    worker = WorkerConfig(base_model=assets.name, **worker_fields)
     engine = build_engine(assets.base_dir, worker, assets.store,
                           on_step=steps.append if steps is not None else None)
     engine.start()
     return engine
 
 
-@pytest.fixture
-def engine_factory(tiny_assets):
+def _engines(assets: TinyAssets) -> Iterator[Callable[..., Engine]]:
+    """A factory of started engines on `assets`, all stopped at teardown."""
     engines: list[Engine] = []
 
     def factory(steps: list[StepRecord] | None = None, **worker_fields) -> Engine:
-        engines.append(make_engine(tiny_assets, steps, **worker_fields))
+        engines.append(make_engine(assets, steps, **worker_fields))
         return engines[-1]
 
     yield factory
     for engine in engines:
         engine.stop()
+
+
+@pytest.fixture
+def engine_factory(tiny_assets):
+    yield from _engines(tiny_assets)
+
+
+@pytest.fixture
+def llava_engine_factory(llava_assets):
+    yield from _engines(llava_assets)
 
 
 async def collect(engine: Engine, request: GenerationRequest) -> list[RequestOutput]:

@@ -10,11 +10,12 @@ import pytest
 from gpu_worker.lora.adapter_pool import AdapterPool
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
 from gpu_worker.models.llama import LORA_TARGETS
+from services.adapter_layout import TEXT_LAYOUT
 from services.errors import FailedPrecondition, PermissionDenied
 
 
 def _load(ref, store):
-    return load_adapter(ref, store, LORA_TARGETS, num_layers=2)
+    return load_adapter(ref, store, TEXT_LAYOUT, LORA_TARGETS, num_layers=2)
 
 
 def test_loads_peft_names_with_scaling(tiny_assets):

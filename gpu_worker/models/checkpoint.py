@@ -1,0 +1,32 @@
+"""Reading a Hugging Face checkpoint's safetensors, one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+def _weight_files(checkpoint_dir: Path) -> list[str]:
+    """model.safetensors, or the shards listed in model.safetensors.index.json."""
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (checkpoint_dir / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise FileNotFoundError(f"no safetensors weights in {checkpoint_dir}")
+
+
+def iter_checkpoint(checkpoint_dir: Path,
+                    select: Callable[[str], str | None] = lambda name: name) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor that `select` keeps: it maps a checkpoint name to the name the
+    caller wants, or to None to skip the tensor without reading it."""
+    for file in _weight_files(checkpoint_dir):
+        with safe_open(checkpoint_dir / file, framework="pt") as f:
+            for name in f.keys():
+                wanted = select(name)
+                if wanted is not None:
+                    yield wanted, f.get_tensor(name)

@@ -1,0 +1,51 @@
+"""Which model family serves a checkpoint (by its config's model_type), and what loading it gives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from gpu_worker.models.checkpoint import iter_checkpoint
+from gpu_worker.models.llama import LlamaForCausalLM, build_model
+from gpu_worker.models.llava import load_llava
+from gpu_worker.vision.images import ImageEncoder
+from services.adapter_layout import LLAVA_LAYOUT, TEXT_LAYOUT, AdapterLayout
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    language_model: LlamaForCausalLM
+    image_encoder: ImageEncoder | None  # vision-language models: a prompt's images -> its image tokens' features
+    adapter_layout: AdapterLayout       # where PEFT saves this family's LoRA tensors
+
+
+def _load_text(checkpoint_dir: Path, config: PretrainedConfig, device: torch.device,
+               dtype: torch.dtype) -> ServedModel:
+    model = build_model(config, iter_checkpoint(checkpoint_dir), str(checkpoint_dir), device=device, dtype=dtype)
+    return ServedModel(model, None, TEXT_LAYOUT)
+
+
+def _load_llava(checkpoint_dir: Path, config: PretrainedConfig, device: torch.device,
+                dtype: torch.dtype) -> ServedModel:
+    language, encoder = load_llava(checkpoint_dir, config, device=device, dtype=dtype)
+    return ServedModel(language, encoder, LLAVA_LAYOUT)
+
+
+_LOADERS: dict[str, Callable[[Path, PretrainedConfig, torch.device, torch.dtype], ServedModel]] = {
+    "llama": _load_text,
+    "mistral": _load_text,
+    "qwen2": _load_text,
+    "llava": _load_llava,
+}
+
+
+def load_served_model(checkpoint_dir: Path, *, device: torch.device, dtype: torch.dtype) -> ServedModel:
+    config = AutoConfig.from_pretrained(checkpoint_dir)
+    loader = _LOADERS.get(config.model_type)
+    if loader is None:
+        raise ValueError(f"{checkpoint_dir}: unsupported model_type {config.model_type!r} ({', '.join(_LOADERS)})")
+    return loader(checkpoint_dir, config, device, dtype)

@@ -1,0 +1,83 @@
+"""LLaVA-1.5 (LlavaForConditionalGeneration): a CLIP vision tower and a projector in front of a Llama.
+
+The language model is our LlamaForCausalLM (paged KV, continuous batching, LoRA), built from the
+checkpoint's language-model tensors. The vision side is transformers' own modules (the CLIP tower,
+LlavaMultiModalProjector) with the checkpoint's weights, run once per prompt: the hidden states of
+vision_feature_layer (the CLS position dropped under the "default" strategy) go through the
+projector, one feature per image token, as LlavaModel.get_image_features computes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModel, LlavaConfig
+from transformers.initialization import no_init_weights
+from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+from gpu_worker.models.checkpoint import iter_checkpoint
+from gpu_worker.models.llama import LlamaForCausalLM, build_model
+from gpu_worker.vision.images import PromptImages
+
+LANGUAGE, VISION = "language", "vision"
+# Checkpoint name prefix -> (the part it belongs to, its prefix there); the first match wins.
+# transformers 5 saves, as llava-hf ships, language_model.model.* / language_model.lm_head.* /
+# vision_tower.*; LlavaForConditionalGeneration's own module tree says model.language_model.* /
+# lm_head.* / model.vision_tower.*; older CLIP towers nest their weights under vision_model.
+CHECKPOINT_PREFIXES: tuple[tuple[str, str, str], ...] = (
+    ("language_model.model.", LANGUAGE, "model."),
+    ("language_model.lm_head.", LANGUAGE, "lm_head."),
+    ("model.language_model.", LANGUAGE, "model."),
+    ("lm_head.", LANGUAGE, "lm_head."),
+    ("vision_tower.vision_model.", VISION, "vision_tower."),
+    ("vision_tower.", VISION, "vision_tower."),
+    ("model.vision_tower.vision_model.", VISION, "vision_tower."),
+    ("model.vision_tower.", VISION, "vision_tower."),
+    ("multi_modal_projector.", VISION, "multi_modal_projector."),
+    ("model.multi_modal_projector.", VISION, "multi_modal_projector."),
+)
+
+
+def _names_of(part: str, source: str) -> Callable[[str], str | None]:
+    """Checkpoint name -> its name inside `part` (None: another part's tensor)."""
+    def select(name: str) -> str | None:
+        for prefix, owner, ours in CHECKPOINT_PREFIXES:
+            if name.startswith(prefix):
+                return ours + name[len(prefix):] if owner == part else None
+        raise ValueError(f"{source}: tensor {name!r} belongs to no part of a LLaVA checkpoint")
+    return select
+
+
+class LlavaImageEncoder(nn.Module):
+    def __init__(self, config: LlavaConfig) -> None:
+        super().__init__()
+        self.vision_tower = AutoModel.from_config(config.vision_config)
+        self.multi_modal_projector = LlavaMultiModalProjector(config)
+        layer = config.vision_feature_layer
+        self.feature_layers = [layer] if isinstance(layer, int) else list(layer)
+        self.drop_cls = config.vision_feature_select_strategy == "default"
+
+    def forward(self, images: PromptImages) -> torch.Tensor:
+        """-> [num_images * tokens_per_image, text hidden], image by image."""
+        weight = self.multi_modal_projector.linear_1.weight
+        pixel_values = images.pixel_values.to(weight.device, weight.dtype)
+        # (embeddings, layer 1, ..., layer L), each [num_images, 1 + patches, vision hidden]; CLS first
+        hidden_states = self.vision_tower(pixel_values, output_hidden_states=True).hidden_states
+        selected = [hidden_states[i][:, 1:] if self.drop_cls else hidden_states[i] for i in self.feature_layers]
+        features = self.multi_modal_projector(torch.cat(selected, dim=-1))  # [num_images, tokens, text hidden]
+        return features.flatten(0, 1)
+
+
+def load_llava(checkpoint_dir: Path, config: LlavaConfig, *, device: torch.device,
+               dtype: torch.dtype) -> tuple[LlamaForCausalLM, LlavaImageEncoder]:
+    """The language model and the image encoder, each reading only its own tensors."""
+    source = str(checkpoint_dir)
+    language = build_model(config.text_config, iter_checkpoint(checkpoint_dir, _names_of(LANGUAGE, source)),
+                           source, device=device, dtype=dtype)
+    with no_init_weights():  # every weight is overwritten below
+        encoder = LlavaImageEncoder(config)
+    encoder.load_state_dict(dict(iter_checkpoint(checkpoint_dir, _names_of(VISION, source))), strict=True)
+    return language, encoder.to(device=device, dtype=dtype).eval()
