@@ -1,9 +1,10 @@
 """GatewayCore: the one domain object behind both front doors (REST and gRPC).
 
-generate = validate -> resolve `model` (registry cache) -> pick a worker (router) -> stream
-from it, tracking in-flight requests and metrics. A worker that fails with UNAVAILABLE
-before sending anything is marked down and the request goes to the next one; once tokens
-have streamed, a failure ends the request (its tokens cannot be taken back).
+generate = validate -> resolve `model` (registry cache) -> admit (a bounded number in flight per
+base model) -> pick a worker (router, over the workers' pushed state) -> stream from it, tracking
+in-flight requests and metrics. A worker that fails with UNAVAILABLE before sending anything is
+marked down and the request goes to the next one; once tokens have streamed, a failure ends the
+request (its tokens cannot be taken back).
 """
 
 from __future__ import annotations
@@ -17,18 +18,26 @@ from services.config import GatewayConfig
 from services.errors import Unavailable
 from tessera.v1 import common_pb2, inference_pb2, worker_pb2
 
+from gateway.admission import Admission
 from gateway.metrics import GENERATED_TOKENS, IN_FLIGHT, REQUEST_LATENCY, TIME_TO_FIRST_TOKEN
 from gateway.registry_cache import RegistryCache, ResolvedModel
 from gateway.router import Router
+from gateway.scheduling.policies import RoutingRequest, Slo
 from gateway.schemas import validate_generate_request
+from gateway.state_feed import StateFeed
 from gateway.worker_client import WorkerClient
+
+CHARS_PER_TOKEN = 4  # the gateway does not tokenize; a BPE token is ~4 characters of English
 
 
 class GatewayCore:
-    def __init__(self, config: GatewayConfig, cache: RegistryCache, router: Router, workers: WorkerClient) -> None:
+    def __init__(self, config: GatewayConfig, cache: RegistryCache, admission: Admission, router: Router,
+                 feed: StateFeed, workers: WorkerClient) -> None:
         self._config = config
         self._cache = cache
+        self._admission = admission
         self._router = router
+        self._feed = feed
         self._workers = workers
 
     async def generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[common_pb2.GenerateResponse]:
@@ -36,11 +45,11 @@ class GatewayCore:
         request = validate_generate_request(request, self._config)
         resolved = await self._cache.resolve(request.model)
         worker_request = _worker_request(request, resolved)
-        accepted = time.monotonic()
-        first_token = True
-        IN_FLIGHT.inc()
-        try:
-            async with contextlib.aclosing(self._forward(resolved.base_model, worker_request)) as responses:
+        routing = routing_request(request, resolved, self._config)
+        with self._admission.admit(resolved.base_model), IN_FLIGHT.track_inprogress():
+            accepted = time.monotonic()
+            first_token = True
+            async with contextlib.aclosing(self._forward(resolved.base_model, routing, worker_request)) as responses:
                 async for response in responses:
                     kind = response.WhichOneof("payload")
                     if kind == "delta" and first_token:
@@ -52,16 +61,17 @@ class GatewayCore:
                         GENERATED_TOKENS.inc(response.final.usage.completion_tokens)
                         REQUEST_LATENCY.observe(time.monotonic() - accepted)
                     yield response
-        finally:
-            IN_FLIGHT.dec()
 
-    async def _forward(self, base_model: str,
+    async def _forward(self, base_model: str, routing: RoutingRequest,
                        request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[common_pb2.GenerateResponse]:
         failed: set[str] = set()
         while True:
             candidates = [w for w in await self._cache.workers_for(base_model) if w.address not in failed]
-            address = self._router.pick(base_model, candidates).address
-            self._router.started(address)
+            addresses = [w.address for w in candidates]
+            self._feed.watch(addresses)
+            await self._feed.settled(addresses, self._config.state_stale_s)
+            address = self._router.pick(routing, base_model, candidates).address
+            self._router.started(address, request.request_id, routing.slo.tpot_s)
             streamed = final = False
             try:
                 async with contextlib.aclosing(self._workers.generate(address, request)) as responses:
@@ -78,7 +88,7 @@ class GatewayCore:
                     raise
                 failed.add(address)
             finally:
-                self._router.finished(address)
+                self._router.finished(address, request.request_id)
 
     async def list_models(self) -> list[inference_pb2.ModelCard]:
         """Every base model and every adapter, in name order."""
@@ -90,6 +100,19 @@ class GatewayCore:
                                           created_unix=a.created_unix)
                   for a in sorted(snapshot.adapters.values(), key=lambda a: a.name)]
         return cards
+
+
+def routing_request(request: inference_pb2.GenerateRequest, resolved: ResolvedModel,
+                     config: GatewayConfig) -> RoutingRequest:
+    """What the policy prices: the adapter, an estimate of the prompt's tokens, max_tokens as the
+    expected output (an upper bound: what the request may hold a batch seat for) and the SLO."""
+    adapter = resolved.adapter
+    chars = len(request.text) if request.WhichOneof("prompt") == "text" else sum(
+        len(m.role) + len(m.content) for m in request.chat.messages)
+    slo = Slo(tpot_s=(request.slo.tpot_ms or config.default_tpot_slo_ms) / 1e3,
+              ttft_s=(request.slo.ttft_ms or config.default_ttft_slo_ms) / 1e3)
+    return RoutingRequest(adapter.name if adapter else "", adapter.rank if adapter else 0,
+                          chars // CHARS_PER_TOKEN + 1, request.sampling.max_tokens, slo)
 
 
 def _worker_request(request: inference_pb2.GenerateRequest, resolved: ResolvedModel) -> worker_pb2.WorkerGenerateRequest:

@@ -1,69 +1,113 @@
-"""Which worker serves a request: the scheduling hook of the gateway.
+"""Which worker serves a request: a scheduling policy over the workers' pushed state.
 
-`Router` is the interface the core calls; `LeastInFlightRouter` is the first policy (least
-requests in flight from this gateway, ties round-robin). Rank- and SLO-aware policies plug
-in behind the same three calls: `pick`, `started`/`finished`, `mark_down`.
+The registry says which workers are healthy and serve the base model; the WorkerStateTable (fed
+by gateway/state_feed.py) says what each is running, queueing and holding, plus what this gateway
+sent it since; the policy — `gateway.routing_policy`, the very classes the cluster simulator runs
+(gateway/scheduling) — picks among the workers with a fresh state. A worker that failed with
+UNAVAILABLE is skipped for `mark_down_s`; the core then retries on another.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
+from services.config import ConfigError
 from services.errors import Unavailable
 from tessera.v1 import common_pb2
 
+from gateway.scheduling.adapter_cache import LoadCosts
+from gateway.scheduling.perf_model import PerfModel
+from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, Policy, RandomChoice,
+                                         RoundRobin, RoutingRequest)
+from gateway.scheduling.tessera_policy import TesseraPolicy
+from gateway.scheduling.worker_state import WorkerStateTable
+
 MARK_DOWN_S = 2.0  # a worker that just failed with UNAVAILABLE is skipped this long
+PERF_MODELS_DIR = Path(__file__).resolve().parent / "perf_models"
+
+POLICIES: dict[str, Callable[[Mapping[str, PerfModel]], Policy]] = {
+    "tessera": lambda models: TesseraPolicy(models, LoadCosts()),
+    "most-idle": lambda models: MostIdle(),
+    "round-robin": lambda models: RoundRobin(),
+    "random": lambda models: RandomChoice(seed=0),
+    "first-fit": lambda models: FirstFit(),
+    "least-loaded-lru": lambda models: LeastLoadedLRUAffinity(),
+}
+NEEDS_PERF_MODELS = frozenset({"tessera"})
 
 
-class Router(Protocol):
-    def pick(self, base_model: str, workers: Sequence[common_pb2.WorkerInfo]) -> common_pb2.WorkerInfo:
-        """Choose among healthy `workers` serving `base_model`; Unavailable if none fits."""
-
-    def started(self, address: str) -> None:
-        """A request was sent to the worker at `address`."""
-
-    def finished(self, address: str) -> None:
-        """That request ended (any outcome)."""
-
-    def mark_down(self, address: str) -> None:
-        """The worker failed with UNAVAILABLE: avoid it for a short while."""
+def load_perf_models(directory: Path) -> dict[str, PerfModel]:
+    """Every `<kind>.json` in `directory`, by kind."""
+    models = {}
+    for path in sorted(directory.glob("*.json")):
+        try:
+            model = PerfModel.load(path)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"perf model {path} is invalid: {exc}") from exc
+        models[model.kind] = model
+    return models
 
 
-class LeastInFlightRouter:
-    """Least in-flight requests first; ties broken round-robin. Runs on the event loop only."""
+def build_policy(name: str, models: Mapping[str, PerfModel]) -> Policy:
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ConfigError(f"gateway.routing_policy: unknown policy '{name}'; known: {', '.join(POLICIES)}")
+    if name in NEEDS_PERF_MODELS and not models:
+        raise ConfigError(f"gateway.routing_policy '{name}' needs perf models, and gateway.perf_models_dir has none "
+                          f"(profile a worker kind: python -m gpu_worker.profile)")
+    return factory(models)
 
-    def __init__(self, mark_down_s: float = MARK_DOWN_S) -> None:
+
+class Router:
+    """Runs on the event loop only."""
+
+    def __init__(self, policy: Policy, table: WorkerStateTable, mark_down_s: float = MARK_DOWN_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._policy = policy
+        self.table = table
         self._mark_down_s = mark_down_s
-        self._in_flight: collections.Counter[str] = collections.Counter()
+        self._clock = clock
         self._down_until: dict[str, float] = {}
-        self._turn = itertools.count()
+        self._tpot_slos: dict[str, dict[str, float]] = collections.defaultdict(dict)  # address -> id -> SLO
 
-    def pick(self, base_model: str, workers: Sequence[common_pb2.WorkerInfo]) -> common_pb2.WorkerInfo:
-        now = time.monotonic()
-        up = [w for w in workers if self._down_until.get(w.address, 0.0) <= now]
+    def pick(self, request: RoutingRequest, base_model: str,
+             workers: Sequence[common_pb2.WorkerInfo]) -> common_pb2.WorkerInfo:
+        """Choose among the registry's healthy `workers` serving `base_model`; Unavailable if none fits."""
+        now = self._clock()
+        up = {w.address: w for w in workers if self._down_until.get(w.address, 0.0) <= now}
         if not up:
             down = f" ({len(workers)} recently failed)" if workers else ""
             raise Unavailable(f"no healthy worker serves base model '{base_model}'{down}; retry shortly")
-        fewest = min(self._in_flight[w.address] for w in up)
-        # Sorted so the round-robin order does not depend on the registry's listing order.
-        tied = sorted((w for w in up if self._in_flight[w.address] == fewest), key=lambda w: w.address)
-        return tied[next(self._turn) % len(tied)]
+        candidates = [s for s in self.table.candidates(base_model) if s.address in up]
+        if not candidates:
+            raise Unavailable(f"no healthy worker serves base model '{base_model}' ({len(up)} registered, none "
+                              f"reporting its state); retry shortly")
+        choice = self._policy.choose(request, candidates)
+        self.table.dispatched(choice.address, request.entry, request.slo.tpot_s)
+        return up[choice.address]
 
-    def started(self, address: str) -> None:
-        self._in_flight[address] += 1
+    def started(self, address: str, request_id: str, tpot_slo_s: float) -> None:
+        """The request was sent to the worker at `address`."""
+        self._tpot_slos[address][request_id] = tpot_slo_s
 
-    def finished(self, address: str) -> None:
-        self._in_flight[address] -= 1
-        assert self._in_flight[address] >= 0, f"in-flight count for {address} went negative"
-        if self._in_flight[address] == 0:
-            del self._in_flight[address]
+    def finished(self, address: str, request_id: str) -> None:
+        """That request ended (any outcome)."""
+        slos = self._tpot_slos[address]
+        del slos[request_id]
+        if not slos:
+            del self._tpot_slos[address]
 
     def mark_down(self, address: str) -> None:
-        self._down_until[address] = time.monotonic() + self._mark_down_s
+        """The worker failed with UNAVAILABLE: avoid it for a short while."""
+        self._down_until[address] = self._clock() + self._mark_down_s
+
+    def tightest_tpot_slo_s(self, address: str) -> float | None:
+        """The smallest TPOT SLO among this gateway's requests in flight on `address`."""
+        slos = self._tpot_slos.get(address)
+        return min(slos.values()) if slos else None
 
     def in_flight(self, address: str) -> int:
-        return self._in_flight[address]
+        return len(self._tpot_slos.get(address, ()))

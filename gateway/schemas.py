@@ -11,7 +11,8 @@ Two steps, one set of rules:
 
 Every failure is an `InvalidArgument` whose `param` names the offending field, so REST
 answers 400 and gRPC INVALID_ARGUMENT with the same message. Unknown JSON fields are
-ignored, as OpenAI does.
+ignored, as OpenAI does; `tessera_slo` ({"tpot_ms": 50, "ttft_ms": 2000}) is ours: the latency
+objectives routing places the request by (docs/routing.md).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1  # SamplingParams.seed is a uint64
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, and the most a worker returns (either door)
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, OpenAI's limit for the legacy API
+MAX_SLO_MS = 3_600_000.0
+SLO_FIELDS = ("tpot_ms", "ttft_ms")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,6 +106,12 @@ def check_prompt_chars(chars: int, config: GatewayConfig, param: str) -> None:
                               param=param)
 
 
+def check_slo_ms(value: float, param: str) -> None:
+    if not (math.isfinite(value) and 0 < value <= MAX_SLO_MS):
+        raise InvalidArgument(f"{param} must be a number of milliseconds in (0, {MAX_SLO_MS:.0f}], got {value}",
+                              param=param)
+
+
 def validate_generate_request(request: inference_pb2.GenerateRequest,
                               config: GatewayConfig) -> inference_pb2.GenerateRequest:
     """Check a request from either door; return a copy with max_tokens filled in."""
@@ -132,6 +141,9 @@ def validate_generate_request(request: inference_pb2.GenerateRequest,
     check_stop_token_ids(list(sampling.stop_token_ids))
     if sampling.HasField("logprobs"):
         check_logprobs(sampling.logprobs, MAX_TOP_LOGPROBS, "logprobs")
+    for field in SLO_FIELDS:  # 0: the gateway's default
+        if (value := getattr(request.slo, field)) != 0:
+            check_slo_ms(value, f"slo.{field}")
     checked = inference_pb2.GenerateRequest()
     checked.CopyFrom(request)
     if sampling.max_tokens == 0:
@@ -243,6 +255,30 @@ def _sampling(body: Mapping[str, Any], max_tokens_key: str, logprobs: int | None
     return sampling
 
 
+def _slo(body: Mapping[str, Any]) -> inference_pb2.Slo:
+    """The `tessera_slo` extension; a field left out takes the gateway's default."""
+    value = body.get("tessera_slo")
+    slo = inference_pb2.Slo()
+    if value is None:
+        return slo
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f'tessera_slo must be an object like {{"tpot_ms": 50, "ttft_ms": 2000}}, got {value!r}',
+                              param="tessera_slo")
+    unknown = sorted(set(value) - set(SLO_FIELDS))
+    if unknown:
+        raise InvalidArgument(f"tessera_slo has unknown fields {unknown}; known: {', '.join(SLO_FIELDS)}",
+                              param="tessera_slo")
+    for field in SLO_FIELDS:
+        number = value.get(field)
+        if number is None:
+            continue
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise InvalidArgument(f"tessera_slo.{field} must be a number, got {number!r}", param=f"tessera_slo.{field}")
+        check_slo_ms(float(number), f"tessera_slo.{field}")
+        setattr(slo, field, float(number))
+    return slo
+
+
 def _model(body: Mapping[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -318,7 +354,7 @@ def parse_chat_request(body: Any, config: GatewayConfig) -> ApiRequest:
     request = inference_pb2.GenerateRequest(
         model=_model(body), chat=_messages(body),
         sampling=_sampling(body, max_tokens_key, _chat_logprobs(body), config),
-        request_id=_request_id())
+        request_id=_request_id(), slo=_slo(body))
     stream, include_usage = _stream_options(body)
     return ApiRequest(validate_generate_request(request, config), stream, include_usage)
 
@@ -329,7 +365,7 @@ def parse_completion_request(body: Any, config: GatewayConfig) -> ApiRequest:
     request = inference_pb2.GenerateRequest(
         model=_model(body), text=_prompt(body),
         sampling=_sampling(body, "max_tokens", _completion_logprobs(body), config),
-        request_id=_request_id())
+        request_id=_request_id(), slo=_slo(body))
     stream, include_usage = _stream_options(body)
     return ApiRequest(validate_generate_request(request, config), stream, include_usage)
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
+from pathlib import Path
 
-from services.config import TesseraConfig
+from services.config import ConfigError, GatewayConfig, TesseraConfig
 from services.grpc_server import GrpcServer, start_grpc_server
 from services.http_server import WsgiServer
 from services.logs import setup_logging
@@ -18,12 +20,15 @@ from services.metrics import start_metrics_server
 from services.runtime import run_until_signalled
 from tessera.v1 import inference_pb2_grpc
 
+from gateway.admission import Admission
 from gateway.app import create_app
 from gateway.bridge import CoreBridge
 from gateway.core import GatewayCore
 from gateway.grpc_api import SERVICE_NAME, InferenceServicer
 from gateway.registry_cache import RegistryCache
-from gateway.router import LeastInFlightRouter
+from gateway.router import NEEDS_PERF_MODELS, PERF_MODELS_DIR, Router, build_policy, load_perf_models
+from gateway.scheduling.worker_state import WorkerStateTable
+from gateway.state_feed import StateFeed
 from gateway.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -35,6 +40,7 @@ class Gateway:
 
     core: GatewayCore
     cache: RegistryCache
+    feed: StateFeed
     workers: WorkerClient
     grpc_server: GrpcServer
     http_server: WsgiServer
@@ -50,6 +56,7 @@ class Gateway:
     async def close(self) -> None:
         self.http_server.close()
         await self.grpc_server.stop()
+        await self.feed.close()
         await self.workers.close()
         await self.cache.close()
 
@@ -57,17 +64,38 @@ class Gateway:
 async def start_gateway(config: TesseraConfig) -> Gateway:
     """Start everything on the running loop (ports 0 pick free ones; see Gateway.*_port)."""
     gw = config.gateway
+    check_routing_config(gw)
+    models = load_perf_models(Path(gw.perf_models_dir) if gw.perf_models_dir else PERF_MODELS_DIR)
+    policy = build_policy(gw.routing_policy, models)
     cache = RegistryCache(gw.registry_address, gw.metadata_refresh_s)
     await cache.start()
     workers = WorkerClient(gw.request_timeout_s)
-    core = GatewayCore(gw, cache, LeastInFlightRouter(), workers)
+    router = Router(policy, WorkerStateTable(time.monotonic, gw.state_stale_s))
+    priced = gw.routing_policy in NEEDS_PERF_MODELS
+    feed = StateFeed(workers, router.table, gw.state_interval_ms, router.tightest_tpot_slo_s,
+                     set(models) if priced else None, min(models) if priced else "")
+    log.info("routing with policy %s over perf models %s", policy.name, ", ".join(sorted(models)) or "none")
+    core = GatewayCore(gw, cache, Admission(gw.max_queued_per_model), router, feed, workers)
     grpc_server = await start_grpc_server(
         f"{gw.host}:{gw.grpc_port}",
         lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(core), server),
         [SERVICE_NAME])
     bridge = CoreBridge(core, asyncio.get_running_loop(), gw.request_timeout_s)
     http_server = WsgiServer(create_app(bridge, gw), gw.host, gw.http_port, gw.http_threads).start()
-    return Gateway(core, cache, workers, grpc_server, http_server)
+    return Gateway(core, cache, feed, workers, grpc_server, http_server)
+
+
+def check_routing_config(gw: GatewayConfig) -> None:
+    if not 10 <= gw.state_interval_ms <= 100:
+        raise ConfigError(f"gateway.state_interval_ms must be between 10 and 100, got {gw.state_interval_ms}")
+    if gw.state_stale_s <= 2 * gw.state_interval_ms / 1e3:
+        raise ConfigError(f"gateway.state_stale_s ({gw.state_stale_s}) must exceed two state intervals "
+                          f"({2 * gw.state_interval_ms} ms)")
+    for key in ("default_tpot_slo_ms", "default_ttft_slo_ms"):
+        if not getattr(gw, key) > 0:
+            raise ConfigError(f"gateway.{key} must be positive, got {getattr(gw, key)}")
+    if gw.max_queued_per_model < 1:
+        raise ConfigError(f"gateway.max_queued_per_model must be >= 1, got {gw.max_queued_per_model}")
 
 
 def serve(config: TesseraConfig) -> None:

@@ -49,6 +49,17 @@ class WorkerClient:
             # Closing this generator early (the client went away) must stop the worker's work.
             call.cancel()
 
+    async def watch_state(self, address: str, interval_ms: int) -> AsyncIterator[worker_pb2.WorkerState]:
+        """The worker's pushed states until the stream ends (no deadline: it lives as long as the worker)."""
+        call = self._stub(address).WatchState(worker_pb2.WatchStateRequest(interval_ms=interval_ms))
+        try:
+            async for state in call:
+                yield state
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, f"worker {address}") from None
+        finally:
+            call.cancel()
+
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()

@@ -67,6 +67,14 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class SeqLoad:
+    """A sequence as the gateway's performance model prices it."""
+    adapter: str | None
+    rank: int
+    tokens: int  # running: context so far; waiting: tokens to (re)compute before its first decode
+
+
+@dataclass(frozen=True)
 class EngineStats:
     running_requests: int
     waiting_requests: int
@@ -77,6 +85,8 @@ class EngineStats:
     adapter_slots: int
     pinned_adapters: int    # adapter pins held by running sequences
     generated_tokens_total: int
+    running_load: tuple[SeqLoad, ...] = ()
+    waiting_load: tuple[SeqLoad, ...] = ()
 
 
 class RequestHandle:
@@ -288,4 +298,11 @@ class Engine:
             preemptions_total=self._scheduler.num_preemptions,
             adapter_slots=self._adapters.num_slots,
             pinned_adapters=self._adapters.num_pinned(),
-            generated_tokens_total=self._generated_total)
+            generated_tokens_total=self._generated_total,
+            running_load=tuple(map(_seq_load, running)),
+            waiting_load=tuple(map(_seq_load, self._scheduler.waiting)))
+
+
+def _seq_load(seq: Sequence) -> SeqLoad:
+    adapter = seq.adapter
+    return SeqLoad(adapter.name if adapter else None, adapter.rank if adapter else 0, seq.num_tokens)

@@ -7,11 +7,14 @@ import logging
 from pathlib import Path
 
 import grpc
+import torch
 
 from gpu_worker import metrics
 from gpu_worker.builder import build_engine
+from gpu_worker.device_kind import device_name, perf_model_kind
 from gpu_worker.registry_client import RegistryClient, WorkerIdentity, fetch_base_model
 from gpu_worker.servicer import WorkerServicer, worker_stats
+from gpu_worker.state_push import StateSource
 from services.config import TesseraConfig
 from services.grpc_server import start_grpc_server
 from services.logs import setup_logging
@@ -36,9 +39,12 @@ async def _main(config: TesseraConfig, stop: asyncio.Event) -> None:
         engine.start()
         metrics.bind_queue_gauges(engine)
         start_metrics_server(w.host, w.metrics_port)
+        kind = perf_model_kind(device_name(torch.device(w.device)), w.base_model)
+        log.info("reporting perf model kind %s", kind)
+        state = StateSource(engine, kind, w.max_num_seqs)
         server = await start_grpc_server(
             f"{w.host}:{w.grpc_port}",
-            lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(engine), s),
+            lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(engine, state), s),
             [SERVICE_NAME])
         # The advertised port is known only once the server is bound (port 0 in tests).
         identity = WorkerIdentity(w.advertise_address or f"{w.host}:{server.port}", w.device, w.base_model,

@@ -12,6 +12,7 @@ from gpu_worker.engine import Engine, GenerationRequest, RequestOutput
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.prompts import ChatMessage, Prompt
 from gpu_worker.sequence import MAX_LOGPROBS, FinishReason, SamplingParams
+from gpu_worker.state_push import StateSource
 from services.errors import InvalidArgument
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -89,8 +90,9 @@ def _final(request_id: str, output: RequestOutput) -> common_pb2.GenerateRespons
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, state: StateSource) -> None:
         self.engine = engine
+        self._state = state
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
@@ -112,6 +114,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def GetStats(self, request: worker_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> common_pb2.WorkerStats:
         return worker_stats(self.engine)
+
+    async def WatchState(self, request: worker_pb2.WatchStateRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.WorkerState]:
+        async for state in self._state.watch(request.interval_ms):
+            yield state
 
 
 def worker_stats(engine: Engine) -> common_pb2.WorkerStats:

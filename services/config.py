@@ -57,6 +57,16 @@ class GatewayConfig:
     http_threads: int = 32
     # Client API keys for the REST API (Authorization: Bearer <key>); empty: open.
     api_keys: list[str] = dataclasses.field(default_factory=list)
+    # Routing (docs/routing.md): the policy, the perf models it prices workers with, and the state
+    # workers push. tessera | most-idle | round-robin | random | first-fit | least-loaded-lru
+    routing_policy: str = "tessera"
+    perf_models_dir: str = ""  # "" -> the repo's gateway/perf_models (<kind>.json per worker kind)
+    state_interval_ms: int = 50  # how often each worker pushes its state (10..100)
+    state_stale_s: float = 1.0  # a worker whose last push is older is out of rotation
+    default_tpot_slo_ms: float = 200.0  # SLO of a request that names none (the registry has no per-adapter SLO)
+    default_ttft_slo_ms: float = 5000.0
+    # Admission: requests in flight per base model at this gateway; beyond it, 429 / RESOURCE_EXHAUSTED.
+    max_queued_per_model: int = 256
 
 
 @dataclasses.dataclass(slots=True)

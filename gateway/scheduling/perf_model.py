@@ -8,8 +8,8 @@ A model is linear in a few terms of the batch. Forms on offer (each with an inte
 Tessera's own form follows where its step time goes (docs/benchmarks/engine.md): base matmuls per
 token, attention per context token (KV reads) or per token² (causal prefill), LoRA work per
 rank·token, and each distinct adapter's weights read once per step (Σ_distinct rank).
-`fit_phase` fits every form by least squares and keeps the one with the best adjusted R², so a form
-with more terms wins only when the terms pay for themselves.
+`fit_phase` fits every form by least squares (coefficients >= 0) and keeps the one with the best
+adjusted R², so a form with more terms wins only when the terms pay for themselves.
 """
 
 from __future__ import annotations
@@ -109,7 +109,17 @@ def fit_form(phase: Phase, form: str, samples: Sequence[ProfileSample]) -> tuple
     summaries = [BatchSummary.of(s.entries) for s in samples]
     x = np.array([[getattr(s, TERMS[t].batch) for t in terms] for s in summaries], dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    # Every term is a cost, so coefficients are held >= 0: a term fitted negative (noise, or
+    # collinearity within the profiled range) would predict negative time outside that range.
+    # It is dropped and the others refitted, until none is negative.
+    active = list(range(len(terms)))
+    coef = np.zeros(len(terms))
+    while active:
+        fitted, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (fitted >= 0).all():
+            coef[active] = fitted
+            break
+        del active[int(np.argmin(fitted))]
     residual = float(np.sum((y - x @ coef) ** 2))
     total = float(np.sum((y - y.mean()) ** 2))
     r2 = 1.0 - residual / total if total > 0 else float(residual == 0.0)

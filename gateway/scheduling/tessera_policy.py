@@ -19,6 +19,7 @@ then the request spills to the next best, which loads the adapter — a replica,
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from gateway.scheduling.adapter_cache import LoadCosts
 from gateway.scheduling.batch import BatchSummary
@@ -29,37 +30,59 @@ from gateway.scheduling.worker_state import WorkerState
 PENALTY_S = 1e3  # above any real cost: an SLO-breaking placement loses to every other
 
 
+@dataclass(frozen=True)
+class Prediction:
+    added_s: float  # what r adds to w's steps, per output token, plus its adapter's load
+    tpot_s: float   # time per output token on w with r
+    ttft_s: float   # r's time to first token on w
+
+
 class TesseraPolicy:
     name = "tessera"
 
-    def __init__(self, models: Mapping[str, PerfModel], load_costs: LoadCosts, headroom: float = 0.85) -> None:
+    def __init__(self, models: Mapping[str, PerfModel], load_costs: LoadCosts, headroom: float = 0.85,
+                 fallback_kind: str | None = None) -> None:
+        """`fallback_kind`: the model that prices workers of kinds not profiled yet (default: the
+        first kind by name), so that a new GPU or base model is served before it is profiled."""
         assert 0 < headroom <= 1, "headroom is the fraction of the SLO the prediction may use"
+        assert models, "the policy prices workers with performance models: none given"
         self._models = dict(models)
+        self.fallback_kind = fallback_kind or min(self._models)
+        assert self.fallback_kind in self._models, (self.fallback_kind, sorted(self._models))
         self._load_costs = load_costs
-        self._headroom = headroom
+        self.headroom = headroom
         self._rotation = Rotation()
 
+    def model_for(self, kind: str) -> PerfModel:
+        return self._models.get(kind, self._models[self.fallback_kind])
+
     def choose(self, request: RoutingRequest, candidates: Sequence[WorkerState]) -> WorkerState:
-        alone = BatchSummary.of([request.entry])
-        own_prefill = {kind: m.prefill_s(alone) for kind, m in self._models.items()}
+        own_prefill = {kind: self.own_prefill_s(request, kind) for kind in {w.kind for w in candidates}}
         return self._rotation.pick_min(candidates, key=lambda w: self.cost(request, w, own_prefill[w.kind]))
 
-    def cost(self, request: RoutingRequest, worker: WorkerState, own_prefill_s: float) -> float:
-        model = self._models[worker.kind]
+    def own_prefill_s(self, request: RoutingRequest, kind: str) -> float:
+        """`request`'s prompt alone on a worker of `kind` (the last argument of `predict` and `cost`)."""
+        return self.model_for(kind).prefill_s(BatchSummary.of([request.entry]))
+
+    def predict(self, request: RoutingRequest, worker: WorkerState, own_prefill_s: float) -> Prediction:
+        model = self.model_for(worker.kind)
         out = max(1, request.expected_output_tokens)
         batch = worker.batch
         after = batch.plus(request.entry)
         step, step_after = model.decode_s(batch), model.decode_s(after)
         load_s = self._load_costs.load_s(worker.tier(request.adapter), request.rank)
-        cost = own_prefill_s / out + (step_after - step) + load_s
+        return Prediction(added_s=own_prefill_s / out + (step_after - step) + load_s,
+                          tpot_s=step_after + model.prefill.predict_alone(after) / out,
+                          ttft_s=max(load_s, step + model.prefill_s(worker.queued_batch)) + step + own_prefill_s)
 
-        tpot = step_after + model.prefill.predict_alone(after) / out
-        ttft = max(load_s, step + model.prefill_s(worker.queued_batch)) + step + own_prefill_s
+    def cost(self, request: RoutingRequest, worker: WorkerState, own_prefill_s: float) -> float:
+        predicted = self.predict(request, worker, own_prefill_s)
+        cost = predicted.added_s
         tightest = worker.tightest_tpot_slo_s
         tpot_slo = request.slo.tpot_s if tightest is None else min(request.slo.tpot_s, tightest)
-        overshoot = max(tpot / tpot_slo, ttft / request.slo.ttft_s) / self._headroom
-        room = (worker.load < worker.max_batch
-                and worker.free_kv_tokens - worker.queued_batch.tokens >= request.prompt_tokens + out)
+        overshoot = max(predicted.tpot_s / tpot_slo, predicted.ttft_s / request.slo.ttft_s) / self.headroom
+        room = (worker.load < worker.max_batch and worker.free_kv_tokens - worker.queued_batch.tokens
+                >= request.prompt_tokens + max(1, request.expected_output_tokens))
         if overshoot > 1 or not room:
             cost += PENALTY_S * (1 + overshoot)  # among bad choices, the least bad
         return cost

@@ -1,7 +1,8 @@
 from tessera.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -25,3 +26,41 @@ class WorkerGenerateRequest(_message.Message):
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class WatchStateRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class LoadEntry(_message.Message):
+    __slots__ = ("adapter", "rank", "tokens")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    rank: int
+    tokens: int
+    def __init__(self, adapter: _Optional[str] = ..., rank: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class WorkerState(_message.Message):
+    __slots__ = ("base_model", "perf_model", "running", "queued", "gpu_adapters", "host_adapters", "gpu_adapter_slots", "max_batch", "free_kv_tokens")
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PERF_MODEL_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    GPU_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    GPU_ADAPTER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    perf_model: str
+    running: _containers.RepeatedCompositeFieldContainer[LoadEntry]
+    queued: _containers.RepeatedCompositeFieldContainer[LoadEntry]
+    gpu_adapters: _containers.RepeatedScalarFieldContainer[str]
+    host_adapters: _containers.RepeatedScalarFieldContainer[str]
+    gpu_adapter_slots: int
+    max_batch: int
+    free_kv_tokens: int
+    def __init__(self, base_model: _Optional[str] = ..., perf_model: _Optional[str] = ..., running: _Optional[_Iterable[_Union[LoadEntry, _Mapping]]] = ..., queued: _Optional[_Iterable[_Union[LoadEntry, _Mapping]]] = ..., gpu_adapters: _Optional[_Iterable[str]] = ..., host_adapters: _Optional[_Iterable[str]] = ..., gpu_adapter_slots: _Optional[int] = ..., max_batch: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ...) -> None: ...

@@ -46,6 +46,11 @@ class WorkerServiceStub:
                 request_serializer=tessera_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_common__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.WatchState = channel.unary_stream(
+                '/tessera.v1.WorkerService/WatchState',
+                request_serializer=tessera_dot_v1_dot_worker__pb2.WatchStateRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_worker__pb2.WorkerState.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -64,6 +69,13 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchState(self, request, context):
+        """The worker's load and adapter residency, pushed every `interval_ms` for the gateway's scheduler.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=tessera_dot_v1_dot_worker__pb2.GetStatsRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_common__pb2.WorkerStats.SerializeToString,
+            ),
+            'WatchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchState,
+                    request_deserializer=tessera_dot_v1_dot_worker__pb2.WatchStateRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_worker__pb2.WorkerState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +150,33 @@ class WorkerService:
             '/tessera.v1.WorkerService/GetStats',
             tessera_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
             tessera_dot_v1_dot_common__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tessera.v1.WorkerService/WatchState',
+            tessera_dot_v1_dot_worker__pb2.WatchStateRequest.SerializeToString,
+            tessera_dot_v1_dot_worker__pb2.WorkerState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,6 +23,7 @@ T = TypeVar("T")
 BASE = "tiny-llama"
 ADAPTER = "sql-lora"
 OTHER_BASE = "tiny-qwen"  # a base model with no worker
+PERF_MODEL = "cpu-tessera-demo-llama"  # committed in gateway/perf_models
 
 
 class LoopThread:
@@ -86,9 +87,26 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     requests: list[worker_pb2.WorkerGenerateRequest] = dataclasses.field(default_factory=list)
     cancelled: int = 0
     address: str = ""
+    running: dict[str, worker_pb2.LoadEntry] = dataclasses.field(default_factory=dict)  # request id -> entry
+
+    async def WatchState(self, request, context) -> AsyncIterator[worker_pb2.WorkerState]:
+        """Its running requests, as a real worker reports them (PERF_MODEL: a kind the gateway knows)."""
+        while True:
+            yield worker_pb2.WorkerState(base_model=BASE, perf_model=PERF_MODEL, running=list(self.running.values()),
+                                         max_batch=8, gpu_adapter_slots=4, free_kv_tokens=100_000)
+            await asyncio.sleep(request.interval_ms / 1e3)
 
     async def Generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
         self.requests.append(request)
+        self.running[request.request_id] = worker_pb2.LoadEntry(
+            adapter=request.adapter.name, rank=request.adapter.rank, tokens=len(request.text) // 4 + 1)
+        try:
+            async for response in self._generate(request, context):
+                yield response
+        finally:
+            del self.running[request.request_id]
+
+    async def _generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:
         if self.reject is not None:
             await context.abort(*self.reject)
         prompt = request.text if request.WhichOneof("prompt") == "text" else request.chat.messages[-1].content
@@ -124,7 +142,7 @@ class GatewayEnv:
     """A fake registry, fake workers serving BASE, and the real gateway in front of them."""
 
     def __init__(self, *, workers: int = 1, api_keys: list[str] | None = None,
-                 refresh_s: float = 60.0) -> None:
+                 refresh_s: float = 60.0, max_queued: int = 256, policy: str = "tessera") -> None:
         self.loop = LoopThread()
         self.registry = FakeRegistry()
         self.registry_server, self.registry_port = self.loop.run(
@@ -142,6 +160,8 @@ class GatewayEnv:
         gw.default_max_tokens = 5
         gw.http_threads = 4
         gw.api_keys = api_keys or []
+        gw.max_queued_per_model = max_queued
+        gw.routing_policy = policy
         self.gateway: Gateway = self.loop.run(start_gateway(self.config))
 
     def add_worker(self, worker: FakeWorker, base_model: str = BASE) -> FakeWorker:

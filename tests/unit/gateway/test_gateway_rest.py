@@ -187,7 +187,8 @@ def test_mid_stream_worker_failure_raises_in_the_openai_client(env: GatewayEnv) 
 
 
 def test_a_worker_failing_before_any_token_is_skipped() -> None:
-    env = GatewayEnv(workers=2)
+    # Round-robin is sure to try both workers; tessera would batch every request onto one of them.
+    env = GatewayEnv(workers=2, policy="round-robin")
     try:
         env.workers[0].fail_after = 0
         for _ in range(4):

@@ -168,3 +168,11 @@ def test_default_sim_model_reproduces_the_engine_benchmark_it_was_derived_from()
     prefill = [r for r in bench["rows"] if r["kind"] == "prefill" and r["case"] == "own_adapters"][0]
     batch = BatchSummary.of(BatchEntry(f"own{i}", 64, 2048) for i in range(4))
     assert model.prefill_s(batch) == pytest.approx(prefill["seconds"], rel=0.02)
+
+
+def test_a_term_fitted_negative_is_dropped_so_predictions_stay_positive() -> None:
+    # Step time falls with rank here (noise, say): a free fit would give sum_ranks a negative slope.
+    samples = [ProfileSample("decode", (BatchEntry("a", rank, 100),), 0.010 - rank * 1e-5) for rank in RANKS]
+    model = fit_phase("decode", samples)
+    assert all(c >= 0 for c in model.coefficients.values())
+    assert model.predict(BatchSummary.of([BatchEntry("a", 10_000, 100)])) > 0

@@ -126,3 +126,13 @@ def test_tessera_picks_the_least_bad_when_every_worker_breaks_the_slo() -> None:
 def test_tessera_skips_a_worker_without_kv_room() -> None:
     full = WorkerState(**{**worker("w1", gpu=("x",)).__dict__, "free_kv_tokens": 500})
     assert picks(tessera(), [full, worker("w2", host=("x",))], 1) == ["w2"]
+
+
+def test_tessera_prices_an_unprofiled_kind_with_the_fallback_model() -> None:
+    # A new GPU or base model reports a kind with no profile yet: it is served, priced as the fallback.
+    policy = TesseraPolicy({MODEL.kind: MODEL, PADDED.kind: PADDED}, LoadCosts(), headroom=1.0,
+                           fallback_kind=MODEL.kind)
+    new = worker("w2", gpu=("x",), kind="new-gpu")
+    assert picks(policy, [worker("w1", load=3), new], 2) == ["w2"] * 2
+    assert policy.model_for("new-gpu") is MODEL and policy.model_for(PADDED.kind) is PADDED
+    assert TesseraPolicy({PADDED.kind: PADDED, MODEL.kind: MODEL}, LoadCosts()).fallback_kind == "padded-gpu"

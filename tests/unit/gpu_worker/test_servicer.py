@@ -9,14 +9,18 @@ import pytest
 from transformers import AutoTokenizer
 
 from gpu_worker.servicer import WorkerServicer
+from gpu_worker.state_push import StateSource
 from services.demo_assets import DEMO_BASE_MODEL
 from services.grpc_server import start_grpc_server
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+PERF_MODEL = "cpu-tessera-demo-llama"
+
 
 async def _with_server(engine, body):
     server = await start_grpc_server(
-        "127.0.0.1:0", lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(engine), s),
+        "127.0.0.1:0", lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(
+            WorkerServicer(engine, StateSource(engine, PERF_MODEL, max_batch=32)), s),
         ["tessera.v1.WorkerService"])
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -161,3 +165,30 @@ def test_stop_token_ids_stop_the_stream_and_out_of_vocabulary_is_invalid(engine_
     assert f"stop_token_ids[0] is {engine.vocab_size}, outside this model's vocabulary [0, {engine.vocab_size})" \
         in errors[0].details()
     assert "stop_token_ids[1] is -1" in errors[1].details()
+
+
+def test_watch_state_pushes_the_running_batch_and_resident_adapters(engine_factory, tiny_assets):
+    engine = engine_factory()
+
+    async def body(stub):
+        call = stub.Generate(_request(tiny_assets, text="hello", sampling=common_pb2.SamplingParams(max_tokens=200)))
+        await call.read()  # running now, with demo-r16 in a slot
+        states = stub.WatchState(worker_pb2.WatchStateRequest(interval_ms=10))
+        busy = [await states.read() for _ in range(2)][-1]
+        call.cancel()
+        state = busy
+        while state.running:  # pushed again and again: the abort shows within a few intervals
+            state = await states.read()
+        states.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.WatchState(worker_pb2.WatchStateRequest(interval_ms=5)):
+                pass
+        return busy, state, err.value
+
+    busy, idle, err = asyncio.run(_with_server(engine, body))
+    assert busy.base_model == DEMO_BASE_MODEL and busy.perf_model == PERF_MODEL and busy.max_batch == 32
+    (entry,) = busy.running
+    assert entry.adapter == "demo-r16" and entry.rank == 16 and entry.tokens > 1
+    assert list(busy.gpu_adapters) == ["demo-r16"] and not busy.queued
+    assert not idle.running and idle.free_kv_tokens > busy.free_kv_tokens
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "interval_ms must be between 10 and 1000" in err.details()

@@ -1,0 +1,121 @@
+"""Feeds the WorkerStateTable from the workers' WatchState streams.
+
+The gateway learns worker addresses from the registry; for each one a request is routed among,
+it keeps one server-streaming WatchState call open, and each pushed state (every
+`state_interval_ms`) becomes that worker's report. A stream that ends (the worker died or
+restarted) forgets the worker at once — out of rotation — and the next request re-subscribes;
+a stream that merely stalls goes stale in the table after `state_stale_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable
+
+from services.errors import TesseraError
+from tessera.v1 import worker_pb2
+
+from gateway.scheduling.batch import BatchEntry
+from gateway.scheduling.worker_state import WorkerState, WorkerStateTable
+from gateway.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
+
+RESUBSCRIBE_AFTER_S = 0.5  # after a stream fails, requests do not re-dial that worker sooner
+
+
+def worker_state(address: str, message: worker_pb2.WorkerState, tightest_tpot_slo_s: float | None,
+                 timestamp: float) -> WorkerState:
+    """A pushed state as the scheduling core sees it, keyed by the address the gateway dials."""
+    gpu = frozenset(message.gpu_adapters)
+    return WorkerState(
+        address=address, base_model=message.base_model, kind=message.perf_model,
+        running=_entries(message.running), queued=_entries(message.queued), gpu_adapters=gpu,
+        host_adapters=gpu | frozenset(message.host_adapters), gpu_adapter_slots=message.gpu_adapter_slots,
+        max_batch=message.max_batch, free_kv_tokens=message.free_kv_tokens,
+        tightest_tpot_slo_s=tightest_tpot_slo_s, timestamp=timestamp)
+
+
+def _entries(loads: Iterable[worker_pb2.LoadEntry]) -> tuple[BatchEntry, ...]:
+    return tuple(BatchEntry(e.adapter, e.rank, e.tokens) for e in loads)
+
+
+class StateFeed:
+    """Runs on the event loop only.
+
+    `tightest_tpot_slo_s(address)`: the tightest TPOT SLO among this gateway's requests on a
+    worker (workers do not know SLOs). `known_kinds`: perf models the policy prices with (None:
+    it needs none); a worker reporting another kind is priced with `fallback_kind`'s model, and the
+    log says so once per stream.
+    """
+
+    def __init__(self, client: WorkerClient, table: WorkerStateTable, interval_ms: int,
+                 tightest_tpot_slo_s: Callable[[str], float | None], known_kinds: Collection[str] | None,
+                 fallback_kind: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        self._client = client
+        self._table = table
+        self._interval_ms = interval_ms
+        self._tightest = tightest_tpot_slo_s
+        self._known_kinds = known_kinds
+        self._fallback_kind = fallback_kind
+        self._clock = clock
+        self._streams: dict[str, asyncio.Task[None]] = {}
+        self._settled: dict[str, asyncio.Event] = {}  # per stream: set by its first state or its end
+        self._retry_at: dict[str, float] = {}
+
+    def watch(self, addresses: Collection[str]) -> None:
+        """Make sure a stream is open to each of `addresses` (idempotent)."""
+        now = self._clock()
+        for address in addresses:
+            stream = self._streams.get(address)
+            if (stream is None or stream.done()) and now >= self._retry_at.get(address, 0.0):
+                self._settled[address] = asyncio.Event()
+                self._streams[address] = asyncio.create_task(self._follow(address), name=f"watch {address}")
+
+    async def settled(self, addresses: Collection[str], timeout_s: float) -> None:
+        """Until the stream to each of `addresses` has pushed a first state or failed (workers just
+        subscribed to: the first request after a start sees them all), at most `timeout_s`."""
+        waits = [asyncio.create_task(self._settled[a].wait()) for a in addresses
+                 if a in self._settled and not self._settled[a].is_set()]
+        if not waits:
+            return
+        try:
+            await asyncio.wait(waits, timeout=timeout_s)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    async def close(self) -> None:
+        for stream in self._streams.values():
+            stream.cancel()
+        for stream in self._streams.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await stream
+        self._streams.clear()
+
+    async def _follow(self, address: str) -> None:
+        settled = self._settled[address]
+        warned_kind = ""
+        try:
+            async for message in self._client.watch_state(address, self._interval_ms):
+                if (self._known_kinds is not None and message.perf_model not in self._known_kinds
+                        and warned_kind != message.perf_model):
+                    warned_kind = message.perf_model
+                    log.warning("worker %s reports perf model '%s', which the gateway has no model for "
+                                "(known: %s); it is priced with '%s' until one is profiled "
+                                "(python -m gpu_worker.profile)", address, message.perf_model,
+                                ", ".join(sorted(self._known_kinds)), self._fallback_kind)
+                # Stamped one interval back: a dispatch in the last interval may not be in this state
+                # yet, so the table keeps counting it (twice at worst, never not at all).
+                at = self._clock() - self._interval_ms / 1e3
+                self._table.report(worker_state(address, message, self._tightest(address), at))
+                settled.set()
+        except TesseraError as exc:
+            log.info("state stream from %s ended: %s", address, exc.message)
+        finally:
+            settled.set()
+            self._table.forget(address)
+            self._retry_at[address] = self._clock() + RESUBSCRIBE_AFTER_S

@@ -1,0 +1,236 @@
+"""`python -m gpu_worker.profile`: measure this worker kind's steps and fit the gateway's perf model.
+
+Runs the engine's own machinery (model runner, paged KV cache, LoRA slots, sampler) over a grid of
+batch compositions — batch sizes × prompt or context lengths × adapter cases (no adapter, one
+adapter of rank r shared by the batch, an adapter of rank r per request, a mix of ranks) — and
+times each step, keeping the fastest of a few passes (other processes on the machine only ever add
+time). `PerfModel.fit` then keeps, per phase, the form with the best adjusted R², and the JSON
+names the device and the kind workers report (gpu_worker/device_kind.py). Adapters are random
+weights of each rank; merged mode is off, so a one-adapter batch is priced unmerged (an upper
+bound once a worker merges a hot adapter).
+
+    python -m gpu_worker.profile --model ~/.tessera/models/tessera-demo-llama --quick
+      -> gateway/perf_models/cpu-tessera-demo-llama.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from gateway.scheduling.batch import BatchEntry
+from gateway.scheduling.perf_model import PerfModel, Phase, ProfileSample
+from gpu_worker.builder import EngineParts, assemble_parts
+from gpu_worker.device_kind import device_name, perf_model_kind
+from gpu_worker.lora.loader import AdapterRef, LoRAWeights
+from gpu_worker.models.families import load_served_model
+from gpu_worker.models.llama import resolve_dtype
+from gpu_worker.sampler import sample
+from gpu_worker.scheduler import ScheduledSeq
+from gpu_worker.sequence import SamplingParams, Sequence
+from services.config import WorkerConfig
+
+PERF_MODELS_DIR = Path(__file__).resolve().parents[1] / "gateway" / "perf_models"
+
+Adapter = tuple[str, int] | None  # (name, rank); None: the base model
+
+
+@dataclass(frozen=True)
+class Grid:
+    prefill_batches: tuple[int, ...]
+    prompt_lens: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    ranks: tuple[int, ...]  # adapter ranks besides "no adapter"
+    repeats: int            # passes over the grid; each composition keeps its fastest
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.prefill_batches + self.decode_batches)
+
+    @property
+    def max_step_tokens(self) -> int:
+        return max(max(self.prefill_batches) * max(self.prompt_lens), max(self.decode_batches) * max(self.context_lens))
+
+
+FULL = Grid((1, 2, 4, 8), (16, 64, 256, 512), (1, 4, 8, 16, 32), (32, 256, 1024), (8, 16, 32, 64), 5)
+QUICK = Grid((1, 2, 4), (16, 64, 256), (1, 4, 8), (32, 256), (8, 64), 3)
+TINY = Grid((1, 2), (8, 32), (1, 4), (16, 64), (8,), 2)  # a smoke test of the whole command
+GRIDS = {"full": FULL, "quick": QUICK, "tiny": TINY}
+
+
+def adapter_cases(batch: int, ranks: tuple[int, ...]) -> Iterator[tuple[str, list[Adapter]]]:
+    """(case name, one adapter per request) for every case of a batch of `batch` requests."""
+    yield "base", [None] * batch
+    for r in ranks:
+        yield f"shared-r{r}", [(f"shared-r{r}", r)] * batch
+        if batch > 1:
+            yield f"own-r{r}", [(f"own-r{r}-{i}", r) for i in range(batch)]
+    if batch > 1 and len(ranks) > 1:
+        yield "mixed", [(f"own-r{ranks[i % len(ranks)]}-{i}", ranks[i % len(ranks)]) for i in range(batch)]
+
+
+def projection_dims(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
+    """PEFT target -> (in_features, out_features) of a Llama projection."""
+    h, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def random_adapters(config: PretrainedConfig, targets: list[str], device: torch.device,
+                    dtype: torch.dtype) -> Callable[[AdapterRef], LoRAWeights]:
+    """A loader making a random adapter of `ref.rank` on every target (seeded by its name)."""
+    dims = projection_dims(config)
+
+    def load(ref: AdapterRef) -> LoRAWeights:
+        gen = torch.Generator().manual_seed(zlib.crc32(ref.name.encode()))
+
+        def weight(rows: int, cols: int) -> torch.Tensor:
+            return (torch.randn(rows, cols, generator=gen) * 0.01).to(device, dtype)
+
+        modules = {(layer, t): (weight(ref.rank, dims[t][0]), weight(dims[t][1], ref.rank))
+                   for layer in range(config.num_hidden_layers) for t in targets}
+        return LoRAWeights(ref.name, ref.rank, 2.0, modules)
+    return load
+
+
+class Profiler:
+    def __init__(self, parts: EngineParts, device: torch.device, seed: int = 0) -> None:
+        self._parts = parts
+        self._device = device
+        self._gen = torch.Generator().manual_seed(seed)
+        self._vocab = parts.model.config.vocab_size
+
+    def prefill(self, adapters: list[Adapter], prompt_len: int) -> ProfileSample:
+        """One step prefilling every prompt whole."""
+        seqs = self._sequences(adapters, prompt_len)
+        seconds = self._step(seqs, [prompt_len] * len(seqs))
+        self._release(seqs)
+        return ProfileSample("prefill", _entries(adapters, prompt_len), seconds)
+
+    def decode(self, adapters: list[Adapter], context_len: int, steps: int = 3) -> ProfileSample:
+        """The fastest of `steps` decode steps (the first one warms up) over prompts of `context_len`."""
+        seqs = self._sequences(adapters, context_len)
+        self._step(seqs, [context_len] * len(seqs))
+        times = [self._step(seqs, [1] * len(seqs)) for _ in range(steps)]
+        self._release(seqs)
+        return ProfileSample("decode", _entries(adapters, context_len + steps // 2 + 1), min(times[1:]))
+
+    def _sequences(self, adapters: list[Adapter], prompt_len: int) -> list[Sequence]:
+        seqs = []
+        for i, adapter in enumerate(adapters):
+            ids = torch.randint(0, self._vocab, (prompt_len,), generator=self._gen).tolist()
+            seq = Sequence(f"profile-{i}", ids, SamplingParams(max_tokens=1 << 20), None, None)
+            if adapter is not None:
+                seq.adapter = AdapterRef(adapter[0], "profile", adapter[1], "", "")
+                seq.slot = self._parts.adapters.acquire(seq.adapter)
+                assert seq.slot is not None, "profile needs an adapter slot per request"
+            seqs.append(seq)
+        return seqs
+
+    def _step(self, seqs: list[Sequence], num_new: list[int]) -> float:
+        """Seconds of one engine step (forward + sampling; sampling syncs the device)."""
+        items = []
+        for seq, n in zip(seqs, num_new):
+            self._parts.scheduler.blocks.grow(seq, n)
+            items.append(ScheduledSeq(seq, n, seq.num_cached + n == seq.num_tokens))
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        started = time.perf_counter()
+        sampling, logits = self._parts.runner.run(items)
+        tokens, _ = sample(logits, sampling)
+        seconds = time.perf_counter() - started
+        for seq, token in zip(sampling, tokens):
+            seq.output_token_ids.append(token)
+        return seconds
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self._parts.scheduler.blocks.free(seq)
+            if seq.adapter is not None:
+                self._parts.adapters.release(seq.adapter.name)
+
+
+def _entries(adapters: list[Adapter], tokens: int) -> tuple[BatchEntry, ...]:
+    return tuple(BatchEntry(a[0] if a else "", a[1] if a else 0, tokens) for a in adapters)
+
+
+def run_grid(profiler: Profiler, grid: Grid, progress: Callable[[str], None]) -> list[ProfileSample]:
+    """Every composition once per pass, `grid.repeats` passes; each keeps its fastest pass. Passes,
+    not back-to-back repeats: a burst of load from another process then spoils one pass of a
+    composition, not all of its measurements."""
+    plan: list[tuple[Phase, int, int, str, list[Adapter]]] = [
+        ("prefill", b, n, case, adapters) for b in grid.prefill_batches for n in grid.prompt_lens
+        for case, adapters in adapter_cases(b, grid.ranks)]
+    plan += [("decode", b, n, case, adapters) for b in grid.decode_batches for n in grid.context_lens
+             for case, adapters in adapter_cases(b, grid.ranks)]
+    best: list[ProfileSample | None] = [None] * len(plan)
+    for done in range(grid.repeats):
+        for i, (phase, batch, tokens, case, adapters) in enumerate(plan):
+            sample = (profiler.prefill if phase == "prefill" else profiler.decode)(adapters, tokens)
+            if best[i] is None or sample.seconds < best[i].seconds:
+                best[i] = sample
+        progress(f"pass {done + 1}/{grid.repeats}: {len(plan)} compositions")
+    for (phase, batch, tokens, case, _), sample in zip(plan, best):
+        progress(f"  {phase} batch={batch} tokens={tokens} {case}: {sample.seconds * 1e3:.2f} ms")
+    return best
+
+
+def profile(model_dir: Path, device: torch.device, base_model: str, grid: Grid,
+            progress: Callable[[str], None]) -> PerfModel:
+    dtype = resolve_dtype("auto", device)
+    model = load_served_model(model_dir, device=device, dtype=dtype).language_model
+    worker = WorkerConfig(base_model=base_model, device=str(device), max_num_seqs=grid.max_batch,
+                          max_batch_tokens=grid.max_step_tokens, adapter_slots=2 * grid.max_batch,
+                          max_lora_rank=max(grid.ranks), merge_after_steps=0,
+                          kv_cache_tokens=grid.max_batch * (max(grid.prompt_lens + grid.context_lens) + 4
+                                                            + 2 + WorkerConfig().kv_block_size))
+    parts = assemble_parts(model, worker, Path("/nonexistent"),
+                           load=random_adapters(model.config, worker.lora_targets, device, dtype))
+    name = device_name(device)
+    started = time.perf_counter()
+    samples = run_grid(Profiler(parts, device), grid, progress)
+    source = (f"python -m gpu_worker.profile on {name}: {len(samples)} steps of {base_model} (ranks "
+              f"{', '.join(map(str, grid.ranks))}, merged mode off), {time.perf_counter() - started:.0f} s")
+    fitted = PerfModel.fit(perf_model_kind(name, base_model), name, samples)
+    return PerfModel(fitted.kind, fitted.device, fitted.prefill, fitted.decode, source)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True, help="checkpoint directory (e.g. the demo model's)")
+    p.add_argument("--base-model", help="the name workers serve it under (default: the directory's name)")
+    p.add_argument("--device", default="cpu", help='"cpu", "cuda", "cuda:1"')
+    p.add_argument("--out", type=Path, help=f"JSON to write (default: {PERF_MODELS_DIR}/<kind>.json)")
+    p.add_argument("--grid", choices=GRIDS, default="full", help="full, quick (under a minute on a CPU) or tiny")
+    p.add_argument("--quick", action="store_const", dest="grid", const="quick", help="--grid quick")
+    args = p.parse_args(argv)
+    if not (args.model / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available")
+    model = profile(args.model, device, args.base_model or args.model.name, GRIDS[args.grid],
+                    lambda line: print(line, file=sys.stderr, flush=True))
+    out = args.out or PERF_MODELS_DIR / f"{model.kind}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model.save(out)
+    print(f"{model.kind} on {model.device} -> {out}")
+    for phase in (model.prefill, model.decode):
+        forms = ", ".join(f"{form} R²={r2:.4f}" for form, r2 in phase.r2_by_form.items())
+        print(f"  {phase.phase}: chose {phase.form} (R²={phase.r2:.4f}, {phase.samples} samples); {forms}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
