@@ -19,11 +19,12 @@ from services.errors import Unavailable
 from tessera.v1 import common_pb2, inference_pb2, worker_pb2
 
 from gateway.admission import Admission
+from gateway.images import check_takes_images
 from gateway.metrics import GENERATED_TOKENS, IN_FLIGHT, REQUEST_LATENCY, TIME_TO_FIRST_TOKEN
 from gateway.registry_cache import RegistryCache, ResolvedModel
 from gateway.router import Router
 from gateway.scheduling.policies import RoutingRequest, Slo
-from gateway.schemas import validate_generate_request
+from gateway.schemas import chat_text_chars, validate_generate_request
 from gateway.state_feed import StateFeed
 from gateway.worker_client import WorkerClient
 
@@ -44,6 +45,7 @@ class GatewayCore:
         """Stream token deltas, then exactly one `final` (a FINISH_REASON_ABORT final is an error)."""
         request = validate_generate_request(request, self._config)
         resolved = await self._cache.resolve(request.model)
+        check_takes_images(request, resolved)
         worker_request = _worker_request(request, resolved)
         routing = routing_request(request, resolved, self._config)
         with self._admission.admit(resolved.base_model), IN_FLIGHT.track_inprogress():
@@ -107,8 +109,8 @@ def routing_request(request: inference_pb2.GenerateRequest, resolved: ResolvedMo
     """What the policy prices: the adapter, an estimate of the prompt's tokens, max_tokens as the
     expected output (an upper bound: what the request may hold a batch seat for) and the SLO."""
     adapter = resolved.adapter
-    chars = len(request.text) if request.WhichOneof("prompt") == "text" else sum(
-        len(m.role) + len(m.content) for m in request.chat.messages)
+    chars = len(request.text) if request.WhichOneof("prompt") == "text" else (
+        chat_text_chars(request.chat) + sum(len(m.role) for m in request.chat.messages))
     slo = Slo(tpot_s=(request.slo.tpot_ms or config.default_tpot_slo_ms) / 1e3,
               ttft_s=(request.slo.ttft_ms or config.default_ttft_slo_ms) / 1e3)
     return RoutingRequest(adapter.name if adapter else "", adapter.rank if adapter else 0,

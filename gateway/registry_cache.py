@@ -33,6 +33,7 @@ class ResolvedModel:
 
     base_model: str
     adapter: common_pb2.Adapter | None
+    architecture: str = ""  # the base model's, as registered ("LlamaForCausalLM"); "" if unknown
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,9 +137,12 @@ class RegistryCache:
         if self._snapshot is None:
             return None
         if model in self._snapshot.base_models:
-            return ResolvedModel(base_model=model, adapter=None)
+            return ResolvedModel(model, None, self._snapshot.base_models[model].architecture)
         adapter = self._snapshot.adapters.get(model)
-        return None if adapter is None else ResolvedModel(base_model=adapter.base_model, adapter=adapter)
+        if adapter is None:
+            return None
+        base = self._snapshot.base_models.get(adapter.base_model)
+        return ResolvedModel(adapter.base_model, adapter, base.architecture if base else "")
 
     async def workers_for(self, base_model: str) -> list[common_pb2.WorkerInfo]:
         """Healthy workers serving `base_model`; refreshes once if there are none."""

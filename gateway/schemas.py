@@ -26,8 +26,9 @@ from services.config import GatewayConfig
 from services.errors import InvalidArgument
 from tessera.v1 import common_pb2, inference_pb2
 
+from gateway.images import check_chat_images, check_image, image_from_url
+
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
-IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1  # SamplingParams.stop_token_ids are int32; the worker checks its vocabulary
@@ -129,7 +130,11 @@ def validate_generate_request(request: inference_pb2.GenerateRequest,
             raise InvalidArgument("messages must hold at least one message", param="messages")
         for i, message in enumerate(request.chat.messages):
             check_role(message.role, f"messages[{i}].role")
-        check_prompt_chars(sum(len(m.content) for m in request.chat.messages), config, "messages")
+            if message.content and message.parts:
+                raise InvalidArgument(f"messages[{i}] has both content and parts; send one of them",
+                                      param=f"messages[{i}]")
+        check_prompt_chars(chat_text_chars(request.chat), config, "messages")
+        check_chat_images(request.chat, config)
     sampling = request.sampling
     if sampling.max_tokens != 0:
         check_max_tokens(sampling.max_tokens, config)
@@ -298,26 +303,42 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, _bool(options, "include_usage")
 
 
-def _content(content: Any, param: str) -> str:
-    """A message's content: a string, or a list of text parts joined by newlines."""
+def chat_text_chars(chat: common_pb2.ChatPrompt) -> int:
+    """The characters of a chat prompt's text, in `content` or in text parts."""
+    return sum(len(m.content) + sum(len(p.text) for p in m.parts) for m in chat.messages)
+
+
+def _content_part(part: Any, config: GatewayConfig, param: str) -> common_pb2.ContentPart:
+    """{"type": "text", "text": ...} or {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}."""
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return common_pb2.ContentPart(text=part["text"])
+    if kind == "image_url":
+        image_url = part.get("image_url")
+        url = image_url.get("url") if isinstance(image_url, Mapping) else None
+        if not isinstance(url, str):
+            raise InvalidArgument(f"{param} must hold image_url: {{'url': str}}", param=param)
+        image = image_from_url(url, config, param)
+        check_image(image, config, param)  # here too, so the error names the REST field
+        return common_pb2.ContentPart(image=image)
+    raise InvalidArgument(f"{param} must be a {{'type': 'text', 'text': str}} or {{'type': 'image_url', "
+                          f"'image_url': {{'url': str}}}} part, got type {kind!r}", param=param)
+
+
+def _message(role: str, content: Any, config: GatewayConfig, param: str) -> common_pb2.ChatMessage:
+    """content: a string; a list of text parts (joined by newlines, as before images); or a list of
+    text and image parts, kept in order as `parts`."""
     if isinstance(content, str):
-        return content
+        return common_pb2.ChatMessage(role=role, content=content)
     if not isinstance(content, list):
         raise InvalidArgument(f"{param} must be a string or a list of content parts", param=param)
-    texts = []
-    for j, part in enumerate(content):
-        part_param = f"{param}[{j}]"
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind in IMAGE_PART_TYPES:
-            raise InvalidArgument("images are not supported by this model yet", param=part_param)
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise InvalidArgument(f"{part_param} must be a {{'type': 'text', 'text': str}} part, got type {kind!r}",
-                                  param=part_param)
-        texts.append(part["text"])
-    return "\n".join(texts)
+    parts = [_content_part(part, config, f"{param}[{j}]") for j, part in enumerate(content)]
+    if all(p.WhichOneof("part") == "text" for p in parts):
+        return common_pb2.ChatMessage(role=role, content="\n".join(p.text for p in parts))
+    return common_pb2.ChatMessage(role=role, parts=parts)
 
 
-def _messages(body: Mapping[str, Any]) -> common_pb2.ChatPrompt:
+def _messages(body: Mapping[str, Any], config: GatewayConfig) -> common_pb2.ChatPrompt:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages must be a non-empty list of messages", param="messages")
@@ -329,7 +350,7 @@ def _messages(body: Mapping[str, Any]) -> common_pb2.ChatPrompt:
         if not isinstance(role, str):
             raise InvalidArgument(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
         check_role(role, f"messages[{i}].role")
-        chat.messages.add(role=role, content=_content(message.get("content"), f"messages[{i}].content"))
+        chat.messages.append(_message(role, message.get("content"), config, f"messages[{i}].content"))
     return chat
 
 
@@ -352,7 +373,7 @@ def parse_chat_request(body: Any, config: GatewayConfig) -> ApiRequest:
     # Newer OpenAI clients send max_completion_tokens; older ones max_tokens.
     max_tokens_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     request = inference_pb2.GenerateRequest(
-        model=_model(body), chat=_messages(body),
+        model=_model(body), chat=_messages(body, config),
         sampling=_sampling(body, max_tokens_key, _chat_logprobs(body), config),
         request_id=_request_id(), slo=_slo(body))
     stream, include_usage = _stream_options(body)

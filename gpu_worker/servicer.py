@@ -10,7 +10,7 @@ import grpc
 
 from gpu_worker.engine import Engine, GenerationRequest, RequestOutput
 from gpu_worker.lora.loader import AdapterRef
-from gpu_worker.prompts import ChatMessage, Prompt
+from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.sequence import MAX_LOGPROBS, FinishReason, SamplingParams
 from gpu_worker.state_push import StateSource
 from services.errors import InvalidArgument
@@ -33,6 +33,17 @@ def _stop_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _chat_message(message: common_pb2.ChatMessage, index: int) -> ChatMessage:
+    """`content` (text), or `parts` (text and images in order)."""
+    if not message.parts:
+        return ChatMessage(message.role, message.content)
+    if message.content:
+        raise InvalidArgument(f"messages[{index}] has both content and parts; send one of them",
+                              param=f"messages[{index}]")
+    return ChatMessage(message.role, tuple(ImagePart(p.image) if p.WhichOneof("part") == "image" else p.text
+                                           for p in message.parts))
+
+
 def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: int) -> GenerationRequest:
     """Proto -> domain request; proto zero values mean 'default' (see common.proto).
     `vocab_size` bounds the stop token ids: [0, vocab_size) are the model's ids."""
@@ -51,7 +62,7 @@ def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: in
     if kind is None:
         raise InvalidArgument("request has no prompt", param="prompt")
     prompt: Prompt = message.text if kind == "text" else tuple(
-        ChatMessage(m.role, m.content) for m in message.chat.messages)
+        _chat_message(m, i) for i, m in enumerate(message.chat.messages))
     adapter = None
     if message.HasField("adapter"):
         a = message.adapter

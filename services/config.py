@@ -53,6 +53,10 @@ class GatewayConfig:
     max_tokens_limit: int = 4096  # larger max_tokens is a 400
     default_max_tokens: int = 256
     max_prompt_chars: int = 1_000_000
+    # Images in chat messages (docs/images.md), checked before a request reaches a worker.
+    max_image_bytes: int = 8 * 1024 * 1024  # one encoded image; larger is a 413
+    max_images_per_request: int = 16  # a video's frames count one each
+    max_image_pixels: int = 4096 * 4096  # width * height of one image
     request_timeout_s: float = 600.0
     http_threads: int = 32
     # Client API keys for the REST API (Authorization: Bearer <key>); empty: open.

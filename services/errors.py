@@ -30,6 +30,12 @@ class InvalidArgument(TesseraError):
     error_type = "invalid_request_error"
 
 
+class PayloadTooLarge(InvalidArgument):
+    """Bad input by size (an image over the byte limit): 413 over HTTP, INVALID_ARGUMENT over gRPC."""
+
+    http_status = 413
+
+
 class NotFound(TesseraError):
     grpc_code = grpc.StatusCode.NOT_FOUND
     http_status = 404

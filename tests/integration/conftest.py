@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 import requests
@@ -70,6 +71,21 @@ class RunningSystem:
                 return
             time.sleep(0.3)
         raise TimeoutError(f"gateway cannot route to a worker: {last.status_code} {last.text}")
+
+
+def spawn_role(role: str, env: dict[str, str], log: TextIO) -> subprocess.Popen:
+    """One more process of `role` (`tessera serve <role>`) beside the system's, configured by `env`."""
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role], env=env, cwd=REPO_ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_role(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float) -> None:

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +24,7 @@ from gateway.scheduling.tessera_policy import TesseraPolicy
 from gateway.state_feed import worker_state
 from services.config import GatewayConfig
 from tessera.v1 import common_pb2, inference_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.integration.conftest import REPO_ROOT, RunningSystem, free_port
+from tests.integration.conftest import RunningSystem, free_port, spawn_role, stop_role
 
 pytestmark = pytest.mark.integration
 
@@ -71,20 +67,6 @@ class Cluster:
         return requests.post(f"{self.http_base}/completions", json=body, timeout=120)
 
 
-def _spawn(role: str, env: dict[str, str], log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role], env=env, cwd=REPO_ROOT,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
 @pytest.fixture(scope="module")
 def cluster(system: RunningSystem) -> Iterator[Cluster]:
     ports = {name: free_port() for name in ("WORKER__GRPC_PORT", "WORKER__METRICS_PORT", "GATEWAY__HTTP_PORT",
@@ -94,10 +76,10 @@ def cluster(system: RunningSystem) -> Iterator[Cluster]:
     log = open(system.home / "routing-test.log", "w")
     processes = []
     try:
-        processes.append(_spawn("worker", env, log))
+        processes.append(spawn_role("worker", env, log))
         worker_b = f"127.0.0.1:{ports['WORKER__GRPC_PORT']}"
         system.wait_healthy(worker_b, timeout_s=120)
-        processes.append(_spawn("gateway", env, log))
+        processes.append(spawn_role("gateway", env, log))
         system.wait_healthy(f"127.0.0.1:{ports['GATEWAY__GRPC_PORT']}", timeout_s=60)
         with grpc.insecure_channel(system.registry_grpc) as channel:
             registry = registry_pb2_grpc.RegistryStub(channel)
@@ -109,7 +91,7 @@ def cluster(system: RunningSystem) -> Iterator[Cluster]:
         yield Cluster(system, system.worker_grpc, worker_b, f"http://127.0.0.1:{ports['GATEWAY__HTTP_PORT']}/v1")
     finally:
         for process in reversed(processes):
-            _stop(process)
+            stop_role(process)
         log.close()
 
 

@@ -24,43 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/common.proto\x12\ntessera.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\"\xbd\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"n\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.tessera.v1.TopLogprob\"Y\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.tessera.v1.TokenLogprob\"m\n\nCompletion\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.tessera.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.tessera.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x83\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.tessera.v1.TokenDeltaH\x00\x12\'\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x16.tessera.v1.CompletionH\x00\x42\t\n\x07payload\"|\n\tBaseModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x14\n\x0c\x63reated_unix\x18\x06 \x01(\x03\"\xc8\x01\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05\x61lpha\x18\x04 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12\x14\n\x0cstorage_path\x18\x08 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\t \x01(\x03\x12\x16\n\x0etask_head_json\x18\n \x01(\t\"\xc2\x01\n\x0bWorkerStats\x12\x18\n\x10running_requests\x18\x01 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x15\n\rrunning_ranks\x18\x03 \x03(\x05\x12\x19\n\x11resident_adapters\x18\x04 \x03(\t\x12\x16\n\x0e\x66ree_kv_tokens\x18\x05 \x01(\x03\x12\x15\n\radapter_slots\x18\x06 \x01(\x05\x12\x1e\n\x16generated_tokens_total\x18\x07 \x01(\x03\"\xbf\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nbase_model\x18\x04 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x05\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x06 \x01(\x03\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12&\n\x05stats\x18\x08 \x01(\x0b\x32\x17.tessera.v1.WorkerStats\"h\n\tPlacement\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.tessera.v1.Tier\x12\x17\n\x0fupdated_unix_ms\x18\x04 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/common.proto\x12\ntessera.v1\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"T\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\x05parts\x18\x03 \x03(\x0b\x32\x17.tessera.v1.ContentPart\"7\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.tessera.v1.ChatMessage\"\xbd\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"n\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.tessera.v1.TopLogprob\"Y\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.tessera.v1.TokenLogprob\"m\n\nCompletion\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.tessera.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.tessera.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x83\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.tessera.v1.TokenDeltaH\x00\x12\'\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x16.tessera.v1.CompletionH\x00\x42\t\n\x07payload\"|\n\tBaseModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x14\n\x0c\x63reated_unix\x18\x06 \x01(\x03\"\xc8\x01\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05\x61lpha\x18\x04 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12\x14\n\x0cstorage_path\x18\x08 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\t \x01(\x03\x12\x16\n\x0etask_head_json\x18\n \x01(\t\"\xc2\x01\n\x0bWorkerStats\x12\x18\n\x10running_requests\x18\x01 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x15\n\rrunning_ranks\x18\x03 \x03(\x05\x12\x19\n\x11resident_adapters\x18\x04 \x03(\t\x12\x16\n\x0e\x66ree_kv_tokens\x18\x05 \x01(\x03\x12\x15\n\radapter_slots\x18\x06 \x01(\x05\x12\x1e\n\x16generated_tokens_total\x18\x07 \x01(\x03\"\xbf\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nbase_model\x18\x04 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x05\x12\x1e\n\x16last_heartbeat_unix_ms\x18\x06 \x01(\x03\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12&\n\x05stats\x18\x08 \x01(\x0b\x32\x17.tessera.v1.WorkerStats\"h\n\tPlacement\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x1e\n\x04tier\x18\x03 \x01(\x0e\x32\x10.tessera.v1.Tier\x12\x17\n\x0fupdated_unix_ms\x18\x04 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tessera.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1731
-  _globals['_FINISHREASON']._serialized_end=1851
-  _globals['_TIER']._serialized_start=1853
-  _globals['_TIER']._serialized_end=1925
-  _globals['_CHATMESSAGE']._serialized_start=39
-  _globals['_CHATMESSAGE']._serialized_end=83
-  _globals['_CHATPROMPT']._serialized_start=85
-  _globals['_CHATPROMPT']._serialized_end=140
-  _globals['_SAMPLINGPARAMS']._serialized_start=143
-  _globals['_SAMPLINGPARAMS']._serialized_end=332
-  _globals['_USAGE']._serialized_start=334
-  _globals['_USAGE']._serialized_end=391
-  _globals['_TOPLOGPROB']._serialized_start=393
-  _globals['_TOPLOGPROB']._serialized_end=455
-  _globals['_TOKENLOGPROB']._serialized_start=457
-  _globals['_TOKENLOGPROB']._serialized_end=567
-  _globals['_TOKENDELTA']._serialized_start=569
-  _globals['_TOKENDELTA']._serialized_end=658
-  _globals['_COMPLETION']._serialized_start=660
-  _globals['_COMPLETION']._serialized_end=769
-  _globals['_GENERATERESPONSE']._serialized_start=772
-  _globals['_GENERATERESPONSE']._serialized_end=903
-  _globals['_BASEMODEL']._serialized_start=905
-  _globals['_BASEMODEL']._serialized_end=1029
-  _globals['_ADAPTER']._serialized_start=1032
-  _globals['_ADAPTER']._serialized_end=1232
-  _globals['_WORKERSTATS']._serialized_start=1235
-  _globals['_WORKERSTATS']._serialized_end=1429
-  _globals['_WORKERINFO']._serialized_start=1432
-  _globals['_WORKERINFO']._serialized_end=1623
-  _globals['_PLACEMENT']._serialized_start=1625
-  _globals['_PLACEMENT']._serialized_end=1729
+  _globals['_FINISHREASON']._serialized_start=1827
+  _globals['_FINISHREASON']._serialized_end=1947
+  _globals['_TIER']._serialized_start=1949
+  _globals['_TIER']._serialized_end=2021
+  _globals['_CONTENTPART']._serialized_start=39
+  _globals['_CONTENTPART']._serialized_end=93
+  _globals['_CHATMESSAGE']._serialized_start=95
+  _globals['_CHATMESSAGE']._serialized_end=179
+  _globals['_CHATPROMPT']._serialized_start=181
+  _globals['_CHATPROMPT']._serialized_end=236
+  _globals['_SAMPLINGPARAMS']._serialized_start=239
+  _globals['_SAMPLINGPARAMS']._serialized_end=428
+  _globals['_USAGE']._serialized_start=430
+  _globals['_USAGE']._serialized_end=487
+  _globals['_TOPLOGPROB']._serialized_start=489
+  _globals['_TOPLOGPROB']._serialized_end=551
+  _globals['_TOKENLOGPROB']._serialized_start=553
+  _globals['_TOKENLOGPROB']._serialized_end=663
+  _globals['_TOKENDELTA']._serialized_start=665
+  _globals['_TOKENDELTA']._serialized_end=754
+  _globals['_COMPLETION']._serialized_start=756
+  _globals['_COMPLETION']._serialized_end=865
+  _globals['_GENERATERESPONSE']._serialized_start=868
+  _globals['_GENERATERESPONSE']._serialized_end=999
+  _globals['_BASEMODEL']._serialized_start=1001
+  _globals['_BASEMODEL']._serialized_end=1125
+  _globals['_ADAPTER']._serialized_start=1128
+  _globals['_ADAPTER']._serialized_end=1328
+  _globals['_WORKERSTATS']._serialized_start=1331
+  _globals['_WORKERSTATS']._serialized_end=1525
+  _globals['_WORKERINFO']._serialized_start=1528
+  _globals['_WORKERINFO']._serialized_end=1719
+  _globals['_PLACEMENT']._serialized_start=1721
+  _globals['_PLACEMENT']._serialized_end=1825
 # @@protoc_insertion_point(module_scope)

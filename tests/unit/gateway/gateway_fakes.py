@@ -87,12 +87,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     requests: list[worker_pb2.WorkerGenerateRequest] = dataclasses.field(default_factory=list)
     cancelled: int = 0
     address: str = ""
+    base_model: str = BASE
     running: dict[str, worker_pb2.LoadEntry] = dataclasses.field(default_factory=dict)  # request id -> entry
 
     async def WatchState(self, request, context) -> AsyncIterator[worker_pb2.WorkerState]:
         """Its running requests, as a real worker reports them (PERF_MODEL: a kind the gateway knows)."""
         while True:
-            yield worker_pb2.WorkerState(base_model=BASE, perf_model=PERF_MODEL, running=list(self.running.values()),
+            yield worker_pb2.WorkerState(base_model=self.base_model, perf_model=PERF_MODEL, running=list(self.running.values()),
                                          max_batch=8, gpu_adapter_slots=4, free_kv_tokens=100_000)
             await asyncio.sleep(request.interval_ms / 1e3)
 
@@ -167,6 +168,7 @@ class GatewayEnv:
     def add_worker(self, worker: FakeWorker, base_model: str = BASE) -> FakeWorker:
         server, port = self.loop.run(start_fake_server(worker, worker_pb2_grpc.add_WorkerServiceServicer_to_server))
         worker.address = f"127.0.0.1:{port}"
+        worker.base_model = base_model
         self.workers.append(worker)
         self._worker_servers.append(server)
         self.registry.workers.append(common_pb2.WorkerInfo(

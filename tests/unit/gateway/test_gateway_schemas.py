@@ -91,7 +91,7 @@ def test_text_parts_are_joined_and_max_completion_tokens_is_accepted() -> None:
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "must be one of"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "string or a list"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]", "images are not supported by this model yet"),
+     "messages[0].content[0]", "must be a base64 data URL"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]", "'audio'"),
     ({"messages": [{"role": "user", "content": "x" * 51}]}, "messages", "too long"),
     ({"max_tokens": -1}, "max_tokens", "between 1 and 100"),

@@ -8,9 +8,11 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from gpu_worker.servicer import WorkerServicer
+from gpu_worker.prompts import ChatMessage, ImagePart
+from gpu_worker.servicer import WorkerServicer, generation_request
 from gpu_worker.state_push import StateSource
 from services.demo_assets import DEMO_BASE_MODEL
+from services.errors import InvalidArgument
 from services.grpc_server import start_grpc_server
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -192,3 +194,16 @@ def test_watch_state_pushes_the_running_batch_and_resident_adapters(engine_facto
     assert list(busy.gpu_adapters) == ["demo-r16"] and not busy.queued
     assert not idle.running and idle.free_kv_tokens > busy.free_kv_tokens
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "interval_ms must be between 10 and 1000" in err.details()
+
+
+def test_content_parts_become_text_and_images_in_order():
+    parts = [common_pb2.ContentPart(text="Look: "), common_pb2.ContentPart(image=b"png-1"),
+             common_pb2.ContentPart(image=b"png-2"), common_pb2.ContentPart(text=" which?")]
+    request = worker_pb2.WorkerGenerateRequest(chat=common_pb2.ChatPrompt(messages=[
+        common_pb2.ChatMessage(role="system", content="Be brief."), common_pb2.ChatMessage(role="user", parts=parts)]))
+    prompt = generation_request(request, vocab_size=100).prompt
+    assert prompt == (ChatMessage("system", "Be brief."),
+                      ChatMessage("user", ("Look: ", ImagePart(b"png-1"), ImagePart(b"png-2"), " which?")))
+    request.chat.messages[1].content = "and text"
+    with pytest.raises(InvalidArgument, match=r"messages\[1\] has both content and parts"):
+        generation_request(request, vocab_size=100)

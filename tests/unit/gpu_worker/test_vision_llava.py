@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import io
 
-import numpy as np
 import pytest
 from PIL import Image
 
@@ -18,6 +17,7 @@ from gpu_worker.models.llava import LlavaImageEncoder
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.sequence import SamplingParams
 from services.errors import InvalidArgument
+from tests.images import gradient_image
 from tests.reference import VisionReferenceModels, assert_same_greedy
 
 from .conftest import TINY_CLIP, run_all, tokens_of
@@ -25,19 +25,9 @@ from .conftest import TINY_CLIP, run_all, tokens_of
 MAX_NEW = 12
 
 
-def _image(seed: int, size: tuple[int, int], image_format: str) -> bytes:
-    """A colour gradient with noise, `size` = (width, height), encoded as PNG, JPEG or WEBP."""
-    width, height = size
-    rng = np.random.default_rng(seed)
-    ramp = np.linspace(0, 1, width)[None, :, None] * rng.uniform(0, 255, 3)
-    pixels = np.clip(ramp + rng.normal(0, 40, (height, width, 3)), 0, 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format=image_format)
-    return out.getvalue()
-
-
-PNG, JPEG, WEBP = _image(1, (48, 40), "PNG"), _image(2, (64, 32), "JPEG"), _image(3, (33, 47), "WEBP")
-FRAMES = tuple(_image(10 + i, (40, 40), "PNG") for i in range(3))
+PNG, JPEG, WEBP = (gradient_image(1, (48, 40), "PNG"), gradient_image(2, (64, 32), "JPEG"),
+                   gradient_image(3, (33, 47), "WEBP"))
+FRAMES = tuple(gradient_image(10 + i, (40, 40), "PNG") for i in range(3))
 PROMPTS: dict[str, Prompt] = {
     "one_image": (ChatMessage("user", ("What is in this picture? ", ImagePart(PNG))),),
     "other_image": (ChatMessage("user", ("What is in this picture? ", ImagePart(JPEG))),),

@@ -1,0 +1,101 @@
+"""Images at the gateway's edge: data URLs -> bytes, and cheap checks against the configured limits.
+
+Both doors carry an image as its encoded file (`ContentPart.image`); REST clients send it as an
+OpenAI `image_url` part holding a data URL (`data:image/png;base64,iVBOR...`). The checks here read
+only the image's header (format, width, height) and `verify` its structure, without decoding the
+pixels, so a bad image is a 4xx here and never takes a worker's time; the worker decodes it fully
+(and refuses what does not decode) when it builds the prompt.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import warnings
+
+from PIL import Image
+
+from services.config import GatewayConfig
+from services.errors import InvalidArgument, PayloadTooLarge
+from tessera.v1 import common_pb2, inference_pb2
+
+from gateway.registry_cache import ResolvedModel
+
+IMAGE_FORMATS = frozenset({"PNG", "JPEG", "WEBP"})  # what PIL's `Image.format` says
+# Base models whose workers take images, by the registry's architecture (config.json's).
+IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+REMOTE_SCHEMES = ("http://", "https://")
+
+
+def image_from_url(url: str, config: GatewayConfig, param: str) -> bytes:
+    """An `image_url.url` -> the image file's bytes. Only inline data URLs: fetching remote URLs would
+    let any client make the gateway download anything."""
+    if url.startswith(REMOTE_SCHEMES):
+        raise InvalidArgument("remote image URLs are disabled; send the image inline as a data URL "
+                              "(data:image/png;base64,...)", param=param)
+    header, comma, payload = url.partition(",")
+    if not (header.startswith("data:image/") and header.endswith(";base64") and comma):
+        raise InvalidArgument("an image URL must be a base64 data URL like data:image/png;base64,...", param=param)
+    # Refuse by the encoded length before decoding: 4 base64 characters carry 3 bytes.
+    if len(payload) // 4 * 3 > config.max_image_bytes + 2:
+        raise _too_large(len(payload) // 4 * 3, config, param)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as exc:
+        raise InvalidArgument(f"the image's data URL is not valid base64 ({exc})", param=param) from exc
+
+
+def check_image(data: bytes, config: GatewayConfig, param: str) -> None:
+    """Refuse an empty, oversized, undecodable, unsupported or too-large-in-pixels image file."""
+    if not data:
+        raise InvalidArgument("the image is empty (0 bytes)", param=param)
+    if len(data) > config.max_image_bytes:
+        raise _too_large(len(data), config, param)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own pixel limit decides
+            with Image.open(io.BytesIO(data)) as image:
+                kind, (width, height) = image.format, image.size
+                if kind in IMAGE_FORMATS and width * height <= config.max_image_pixels:
+                    image.verify()  # structure and checksums, without decoding the pixels
+    except Image.DecompressionBombError as exc:  # PIL's own ceiling, far above any sane limit
+        raise InvalidArgument(f"the image has too many pixels ({exc})", param=param) from exc
+    except (OSError, ValueError, SyntaxError) as exc:  # PIL raises all three for broken files
+        raise InvalidArgument(f"the image could not be decoded ({exc}); send a PNG, JPEG or WebP file",
+                              param=param) from exc
+    if kind not in IMAGE_FORMATS:
+        raise InvalidArgument(f"image format {kind} is not supported; send PNG, JPEG or WebP", param=param)
+    if width * height > config.max_image_pixels:
+        raise InvalidArgument(f"the image is {width}x{height} = {width * height} pixels; the limit is "
+                              f"{config.max_image_pixels}", param=param)
+
+
+def _images(chat: common_pb2.ChatPrompt) -> list[tuple[str, bytes]]:
+    """(field name, bytes) of every image part of a chat prompt."""
+    return [(f"messages[{i}].parts[{j}].image", part.image)
+            for i, message in enumerate(chat.messages)
+            for j, part in enumerate(message.parts) if part.WhichOneof("part") == "image"]
+
+
+def check_chat_images(chat: common_pb2.ChatPrompt, config: GatewayConfig) -> None:
+    """Check the number of images of a chat prompt and every one of them."""
+    images = _images(chat)
+    if len(images) > config.max_images_per_request:
+        raise InvalidArgument(f"the request has {len(images)} images; the limit is {config.max_images_per_request}",
+                              param="messages")
+    for param, data in images:
+        check_image(data, config, param)
+
+
+def check_takes_images(request: inference_pb2.GenerateRequest, resolved: ResolvedModel) -> None:
+    """Images only go to a vision-language base model; a text model's worker would refuse them anyway."""
+    if (request.WhichOneof("prompt") == "chat" and resolved.architecture not in IMAGE_ARCHITECTURES
+            and _images(request.chat)):
+        raise InvalidArgument(f"model {request.model} (base model {resolved.base_model}, {resolved.architecture}) "
+                              f"does not take images; send text only, or use a vision-language model",
+                              param="messages")
+
+
+def _too_large(size: int, config: GatewayConfig, param: str) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the image is {size} bytes; the limit is {config.max_image_bytes}", param=param)
