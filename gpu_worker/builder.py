@@ -22,6 +22,7 @@ from gpu_worker.models.families import ServedModel, load_served_model
 from gpu_worker.models.llama import LORA_TARGETS, LlamaForCausalLM, resolve_dtype
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from gpu_worker.sequence import SamplingParams, Sequence
+from gpu_worker.vision.image_cache import CachedImageEncoder, ImageFeatureCache
 from gpu_worker.vision.images import ImageEncoder
 from kernels import NO_SLOT
 from services.adapter_layout import TEXT_LAYOUT, AdapterLayout
@@ -93,7 +94,7 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
 
     adapters = AdapterPool(model.lora_layers(worker.lora_targets), worker.adapter_slots, load_checked)
     scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
-                          BlockManager(num_blocks, worker.kv_block_size), adapters)
+                          BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters)
     graphs = None
     if device.type == "cuda" and worker.cuda_graphs:
         graphs = DecodeGraphs(model, kv_cache, max_batch=worker.max_num_seqs,
@@ -102,7 +103,9 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     if worker.merge_after_steps > 0 and worker.adapter_slots > 0:
         modules = list({id(m): m for m, _ in model.lora_layers(worker.lora_targets).values()}.values())
         merged = MergedMode(modules, worker.merge_after_steps)
-    return EngineParts(model, ModelRunner(model, kv_cache, device, graphs, merged, image_encoder), scheduler, adapters)
+    images = CachedImageEncoder(image_encoder, ImageFeatureCache(worker.image_cache_bytes)) \
+        if image_encoder is not None else None
+    return EngineParts(model, ModelRunner(model, kv_cache, device, graphs, merged, images), scheduler, adapters)
 
 
 def _num_kv_blocks(model: LlamaForCausalLM, shape: CacheShape, worker: WorkerConfig) -> int:

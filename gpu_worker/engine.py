@@ -85,6 +85,9 @@ class EngineStats:
     adapter_slots: int
     pinned_adapters: int    # adapter pins held by running sequences
     generated_tokens_total: int
+    prefix_cache_hit_tokens_total: int = 0  # prompt tokens whose K/V came from the prefix cache
+    image_cache_hits_total: int = 0         # images whose features came from the image-embedding cache
+    image_cache_misses_total: int = 0       # images that went through the vision encoder
     running_load: tuple[SeqLoad, ...] = ()
     waiting_load: tuple[SeqLoad, ...] = ()
 
@@ -238,6 +241,8 @@ class Engine:
             return
         started = time.perf_counter()
         sampling, logits = self._runner.run(batch.items)
+        for item in batch.items:
+            self._blocks.publish(item.seq)  # before retiring: a finished prompt's blocks stay reusable
         tokens, logprobs = sample(logits, sampling)
         for seq, token, token_logprobs in zip(sampling, tokens, logprobs):
             seq.append(token, self._eos)
@@ -289,6 +294,7 @@ class Engine:
 
     def _snapshot(self) -> EngineStats:
         running = self._scheduler.running
+        images = self._runner.image_encoder
         return EngineStats(
             running_requests=len(running),
             waiting_requests=len(self._scheduler.waiting),
@@ -299,6 +305,9 @@ class Engine:
             adapter_slots=self._adapters.num_slots,
             pinned_adapters=self._adapters.num_pinned(),
             generated_tokens_total=self._generated_total,
+            prefix_cache_hit_tokens_total=self._blocks.prefix_hit_tokens,
+            image_cache_hits_total=images.cache.hits if images is not None else 0,
+            image_cache_misses_total=images.cache.misses if images is not None else 0,
             running_load=tuple(map(_seq_load, running)),
             waiting_load=tuple(map(_seq_load, self._scheduler.waiting)))
 

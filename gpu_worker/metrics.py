@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from gpu_worker.engine import Engine, StepRecord
 from services.metrics import LATENCY_BUCKETS
@@ -26,7 +30,24 @@ def record_step(step: StepRecord) -> None:
     STEP_MODELS.observe(len(set(step.adapters)))
 
 
-def bind_queue_gauges(engine: Engine) -> None:
-    """The gauges read the engine's stats snapshot whenever /metrics is scraped."""
+class _CacheCounters(Collector):
+    """The prefix and image caches' totals, which the engine counts itself, as Prometheus counters."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self._engine.stats()
+        yield CounterMetricFamily("tessera_worker_prefix_cache_hit_tokens", "Prompt tokens whose KV came from "
+                                  "the prefix cache", value=s.prefix_cache_hit_tokens_total)
+        yield CounterMetricFamily("tessera_worker_image_cache_hits", "Images whose features came from the "
+                                  "image-embedding cache", value=s.image_cache_hits_total)
+        yield CounterMetricFamily("tessera_worker_image_cache_misses", "Images run through the vision encoder",
+                                  value=s.image_cache_misses_total)
+
+
+def bind_engine_stats(engine: Engine) -> None:
+    """The gauges and cache counters read the engine's stats snapshot whenever /metrics is scraped."""
     RUNNING.set_function(lambda: engine.stats().running_requests)
     WAITING.set_function(lambda: engine.stats().waiting_requests)
+    REGISTRY.register(_CacheCounters(engine))

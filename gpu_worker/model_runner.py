@@ -15,7 +15,7 @@ from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import Sequence
 from gpu_worker.step_inputs import StepInputs, build_step_inputs
-from gpu_worker.vision.images import ImageEncoder
+from gpu_worker.vision.image_cache import CachedImageEncoder
 from kernels import LoRABatch
 from kernels.attention import AttentionMetadata
 
@@ -23,7 +23,7 @@ from kernels.attention import AttentionMetadata
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, device: torch.device,
                  graphs: DecodeGraphs | None = None, merged: MergedMode | None = None,
-                 image_encoder: ImageEncoder | None = None) -> None:
+                 image_encoder: CachedImageEncoder | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -46,9 +46,11 @@ class ModelRunner:
             logits = self.graphs.replay(inputs)
         else:
             logits = self._run_eager(inputs)
+        merged = self.merged_adapter is not None
         for item in items:
             seq = item.seq
             seq.num_cached += item.num_new
+            seq.kv_shareable &= not merged
             if seq.image_features is not None and seq.num_cached >= seq.images.end:
                 seq.image_features = None
         return inputs.sampling, logits
@@ -85,8 +87,7 @@ class ModelRunner:
         for part in inputs.image_rows:
             seq = part.seq
             if seq.image_features is None:
-                seq.image_features = self.image_encoder(seq.images)  # all of the prompt's images at once
-                assert seq.image_features.shape[0] == seq.images.num_tokens, (seq.image_features.shape, seq.images)
+                seq.image_features = self.image_encoder(seq.images)  # the prompt's uncached images at once
             rows.extend(range(part.row, part.row + part.count))
             features.append(seq.image_features[part.feature:part.feature + part.count])
         embeds = self.model.embed(input_ids)

@@ -9,6 +9,7 @@ preprocessed, each image's placeholder expanded to its image tokens.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
@@ -77,13 +78,14 @@ class PromptEncoder:
         return encoded
 
     def _encode_multimodal(self, prompt: tuple[ChatMessage, ...]) -> EncodedPrompt:
-        messages, images = [], []
+        messages, images, digests = [], [], []
         for message in prompt:
             parts = (message.content,) if isinstance(message.content, str) else message.content
             content = []
             for part in parts:
                 if isinstance(part, ImagePart):
                     images.append(decode_image(part.data, len(images)))
+                    digests.append(hashlib.sha256(part.data).hexdigest())  # the image cache's and KV prefix's key
                     content.append({"type": "image", "image": images[-1]})
                 else:
                     content.append({"type": "text", "text": part})
@@ -97,4 +99,4 @@ class PromptEncoder:
         if not images:
             return EncodedPrompt(ids)
         runs = image_token_runs(ids, self.processor.image_token_id)
-        return EncodedPrompt(ids, PromptImages(out["pixel_values"], runs))
+        return EncodedPrompt(ids, PromptImages(out["pixel_values"], runs, tuple(digests)))

@@ -4,7 +4,8 @@ Every step is built from the sequences' pending tokens (vLLM v1's view): a decod
 one, a prefilling one the rest of its prompt. Running sequences go first, decodes before prefill
 chunks, so a long prompt never stalls the decodes; then waiting sequences are admitted in FIFO
 order while the step stays within max_batch_tokens and max_num_seqs, the KV cache has blocks and
-the adapter gets a slot. A prompt longer than the remaining budget is prefilled in chunks over
+the adapter gets a slot; an admitted sequence whose leading blocks are in the prefix cache starts
+its prefill after them. A prompt longer than the remaining budget is prefilled in chunks over
 several steps. When a running sequence needs a block and none is free, the newest running
 sequence is preempted: its blocks are freed and it goes back to the head of the queue, to be
 recomputed (prompt and outputs so far) when blocks free up.
@@ -101,8 +102,9 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
                 still_waiting.append(seq)
                 continue
-            num_new = min(seq.num_pending, budget)
-            if not self.blocks.can_grow(seq, num_new):
+            prefix = self.blocks.match_prefix(seq)  # prefill starts after the blocks it reuses
+            num_new = min(seq.num_pending - len(prefix) * self.blocks.block_size, budget)
+            if not self.blocks.can_admit(prefix, num_new):
                 still_waiting.append(seq)  # FIFO: nobody behind it jumps the queue for blocks
                 still_waiting.extend(self.waiting)
                 self.waiting.clear()
@@ -114,7 +116,7 @@ class Scheduler:
             except TesseraError as exc:
                 batch.failed.append((seq, exc))
                 continue
-            self.blocks.grow(seq, num_new)
+            self.blocks.admit(seq, prefix, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)

@@ -69,6 +69,13 @@ class Sequence:
         self.rank = 0
         self.num_cached = 0                 # leading tokens whose K/V are in the cache
         self.block_table: list[int] = []    # KV-cache blocks holding those tokens, in order
+        # Prefix caching (block_manager.py): content hashes of the leading full blocks computed so far
+        # (they depend on tokens and images only, so they stay valid across preemption), how many of
+        # block_table's blocks were offered to the cache, and whether its K/V may be shared at all
+        # (not once a step ran on merged weights: their K/V is not bit-identical to unmerged LoRA's).
+        self.block_hashes: list[bytes] = []
+        self.num_published_blocks = 0
+        self.kv_shareable = True
         self.finish_reason: FinishReason | None = None
         self.generator: torch.Generator | None = None  # created by the sampler for sampled requests
 
@@ -88,11 +95,14 @@ class Sequence:
     def pending_token_ids(self, count: int) -> list[int]:
         """The next `count` tokens to run: a prompt chunk (or, after preemption, the recomputed
         prompt and outputs), or the last sampled token when decoding."""
-        start = self.num_cached
+        return self.token_ids_in(self.num_cached, self.num_cached + count)
+
+    def token_ids_in(self, start: int, end: int) -> list[int]:
+        """Positions [start, end) of the prompt followed by the outputs."""
         if start >= self.prompt_len:
-            return self.output_token_ids[start - self.prompt_len:start - self.prompt_len + count]
-        tokens = self.prompt_token_ids[start:start + count]
-        return tokens + self.output_token_ids[:count - len(tokens)]
+            return self.output_token_ids[start - self.prompt_len:end - self.prompt_len]
+        tokens = self.prompt_token_ids[start:end]
+        return tokens + self.output_token_ids[:end - start - len(tokens)]
 
     def append(self, token_id: int, eos_token_id: int | None) -> None:
         self.output_token_ids.append(token_id)

@@ -37,7 +37,7 @@ async def _main(config: TesseraConfig, stop: asyncio.Event) -> None:
         engine = await asyncio.to_thread(build_engine, Path(base.path), w, config.worker_adapter_store_path,
                                          metrics.record_step)
         engine.start()
-        metrics.bind_queue_gauges(engine)
+        metrics.bind_engine_stats(engine)
         start_metrics_server(w.host, w.metrics_port)
         kind = perf_model_kind(device_name(torch.device(w.device)), w.base_model)
         log.info("reporting perf model kind %s", kind)

@@ -101,6 +101,12 @@ class WorkerConfig:
     # (steps then cost what base steps cost; a saved copy of the weights it touches restores
     # them exactly). 0: never merge.
     merge_after_steps: int = 8
+    # Prefix caching: a new request reuses the KV blocks of the longest prefix (whole blocks: tokens,
+    # images, adapter) that an earlier request computed, and prefills only the rest.
+    enable_prefix_caching: bool = True
+    # Image-embedding cache: the vision encoder's features of recent images (by content hash), on the
+    # model's device; 0 disables it.
+    image_cache_bytes: int = 256 * 1024 * 1024
     adapter_store: str = ""  # "" -> {home}/adapters; adapters outside it are refused
 
 

@@ -20,7 +20,6 @@ from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
 from gpu_worker.models.checkpoint import iter_checkpoint
 from gpu_worker.models.llama import LlamaForCausalLM, build_model
-from gpu_worker.vision.images import PromptImages
 
 LANGUAGE, VISION = "language", "vision"
 # Checkpoint name prefix -> (the part it belongs to, its prefix there); the first match wins.
@@ -60,15 +59,14 @@ class LlavaImageEncoder(nn.Module):
         self.feature_layers = [layer] if isinstance(layer, int) else list(layer)
         self.drop_cls = config.vision_feature_select_strategy == "default"
 
-    def forward(self, images: PromptImages) -> torch.Tensor:
-        """-> [num_images * tokens_per_image, text hidden], image by image."""
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[num_images, channels, height, width] -> [num_images, tokens_per_image, text hidden]."""
         weight = self.multi_modal_projector.linear_1.weight
-        pixel_values = images.pixel_values.to(weight.device, weight.dtype)
+        pixel_values = pixel_values.to(weight.device, weight.dtype)
         # (embeddings, layer 1, ..., layer L), each [num_images, 1 + patches, vision hidden]; CLS first
         hidden_states = self.vision_tower(pixel_values, output_hidden_states=True).hidden_states
         selected = [hidden_states[i][:, 1:] if self.drop_cls else hidden_states[i] for i in self.feature_layers]
-        features = self.multi_modal_projector(torch.cat(selected, dim=-1))  # [num_images, tokens, text hidden]
-        return features.flatten(0, 1)
+        return self.multi_modal_projector(torch.cat(selected, dim=-1))
 
 
 def load_llava(checkpoint_dir: Path, config: LlavaConfig, *, device: torch.device,

@@ -29,9 +29,16 @@ from services.errors import InvalidArgument
 class PromptImages:
     pixel_values: torch.Tensor                 # [num_images, channels, height, width] from the image processor
     token_runs: tuple[tuple[int, int], ...]    # (first position, length) of each run of consecutive image tokens
+    digests: tuple[str, ...]                   # [num_images] sha256 of each image's encoded bytes
 
     def __post_init__(self) -> None:
         assert self.token_runs, "a prompt with images has image tokens"
+        assert len(self.digests) == self.pixel_values.shape[0], (self.digests, self.pixel_values.shape)
+        assert self.num_tokens % len(self.digests) == 0, "every image has as many tokens (LLaVA-1.5)"
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.num_tokens // len(self.digests)
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +61,13 @@ class PromptImages:
                 yield lo, feature + lo - run_start, hi - lo
             feature += length
 
+    def content_in(self, start: int, end: int) -> tuple[tuple[int, str, int], ...]:
+        """(position, image digest, feature index within that image) of each image token among
+        positions [start, end): what, beyond the token ids, decides those positions' K/V."""
+        per_image = self.tokens_per_image
+        return tuple((position + i, self.digests[(feature + i) // per_image], (feature + i) % per_image)
+                     for position, feature, count in self.rows_in(start, end) for i in range(count))
+
 
 def image_token_runs(token_ids: list[int], image_token_id: int) -> tuple[tuple[int, int], ...]:
     """The runs of consecutive `image_token_id` in `token_ids`, as (first position, length)."""
@@ -69,8 +83,9 @@ def image_token_runs(token_ids: list[int], image_token_id: int) -> tuple[tuple[i
 
 
 class ImageEncoder(Protocol):
-    def __call__(self, images: PromptImages) -> torch.Tensor:
-        """-> [images.num_tokens, hidden]: the features that replace the prompt's image tokens, in order."""
+    def __call__(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values: [num_images, channels, height, width] -> [num_images, tokens_per_image, hidden]:
+        the features that replace each image's tokens, in order."""
 
 
 def decode_image(data: bytes, index: int) -> Image.Image:

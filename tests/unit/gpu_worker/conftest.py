@@ -15,6 +15,7 @@ import pytest
 from gpu_worker.builder import build_engine
 from gpu_worker.engine import Engine, EngineStats, GenerationRequest, RequestOutput, StepRecord
 from gpu_worker.lora.loader import AdapterRef
+from gpu_worker.models.llava import LlavaImageEncoder
 from services.config import WorkerConfig
 from services.demo_assets import (DEMO_ADAPTERS, DEMO_BASE_MODEL, DEMO_VISION_ADAPTERS, DEMO_VISION_BASE_MODEL,
                                   ClipShape, DemoAdapterSpec, LlamaShape, build_llama, build_llava,
@@ -90,6 +91,19 @@ def engine_factory(tiny_assets):
 @pytest.fixture
 def llava_engine_factory(llava_assets):
     yield from _engines(llava_assets)
+
+
+@pytest.fixture
+def encoder_calls(monkeypatch) -> list[int]:
+    """Counts LlavaImageEncoder forward passes: each entry is how many images one pass encoded."""
+    calls: list[int] = []
+    forward = LlavaImageEncoder.forward
+
+    def counted(self, pixel_values):
+        calls.append(pixel_values.shape[0])
+        return forward(self, pixel_values)
+    monkeypatch.setattr(LlavaImageEncoder, "forward", counted)
+    return calls
 
 
 async def collect(engine: Engine, request: GenerationRequest) -> list[RequestOutput]:

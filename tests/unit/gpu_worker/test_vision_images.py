@@ -16,7 +16,7 @@ IDS = [1, 7, IMG, IMG, IMG, IMG, 7, 7, IMG, IMG, IMG, IMG, 7]
 
 
 def _images() -> PromptImages:
-    return PromptImages(torch.zeros(2, 3, 4, 4), image_token_runs(IDS, IMG))
+    return PromptImages(torch.zeros(2, 3, 4, 4), image_token_runs(IDS, IMG), ("a" * 64, "b" * 64))
 
 
 def test_runs_of_image_tokens():

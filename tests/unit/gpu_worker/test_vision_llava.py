@@ -13,7 +13,6 @@ import pytest
 from PIL import Image
 
 from gpu_worker.engine import GenerationRequest
-from gpu_worker.models.llava import LlavaImageEncoder
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.sequence import SamplingParams
 from services.errors import InvalidArgument
@@ -75,19 +74,6 @@ def _assert_match(reference, cases, results) -> None:
         assert_same_greedy(f"{adapter}: {key}", reference(adapter, key), tokens_of(outputs))
 
 
-@pytest.fixture
-def encoder_calls(monkeypatch) -> list[int]:
-    """Counts LlavaImageEncoder forward passes (one per prompt whose images get encoded)."""
-    calls: list[int] = []
-    forward = LlavaImageEncoder.forward
-
-    def counted(self, images):
-        calls.append(images.pixel_values.shape[0])
-        return forward(self, images)
-    monkeypatch.setattr(LlavaImageEncoder, "forward", counted)
-    return calls
-
-
 def test_images_and_adapters_change_the_reference_output(reference):
     """Guards the tests' power: the image, and each adapter, change the greedy tokens."""
     assert reference(None, "one_image").tokens != reference(None, "other_image").tokens
@@ -97,7 +83,7 @@ def test_images_and_adapters_change_the_reference_output(reference):
 
 def test_mixed_batch_matches_transformers_and_peft(llava_engine_factory, llava_assets, reference, encoder_calls):
     steps = []
-    engine = llava_engine_factory(steps=steps)
+    engine = llava_engine_factory(steps=steps, image_cache_bytes=0)  # test_vision_cache.py covers the cache
     results = run_all(engine, _requests(llava_assets, CASES, "mixed"))
     _assert_match(reference, CASES, results)
     # One forward pass held every request, with image prompts, the text prompt, both adapters and
@@ -112,7 +98,7 @@ def test_chunked_prefill_splits_image_tokens_and_matches(llava_engine_factory, l
     """A 7-token budget cuts every image's 16 tokens across steps: each chunk takes its slice of the
     features, which are computed once per prompt, not once per chunk."""
     steps = []
-    engine = llava_engine_factory(steps=steps, max_batch_tokens=7)
+    engine = llava_engine_factory(steps=steps, max_batch_tokens=7, image_cache_bytes=0)
     assert 7 < (TINY_CLIP.image_size // TINY_CLIP.patch_size) ** 2
     results = run_all(engine, _requests(llava_assets, CASES, "chunked"))
     _assert_match(reference, CASES, results)
@@ -125,7 +111,9 @@ def test_preemption_recomputes_images_and_matches(llava_engine_factory, llava_as
     preempted sequences are recomputed, their images encoded again where their features had been
     dropped, and the tokens still match."""
     steps = []
-    engine = llava_engine_factory(steps=steps, kv_cache_tokens=96, kv_block_size=8)
+    # Both caches off: with them, a recompute reuses the features or the KV instead of re-encoding.
+    engine = llava_engine_factory(steps=steps, kv_cache_tokens=96, kv_block_size=8, image_cache_bytes=0,
+                                  enable_prefix_caching=False)
     results = run_all(engine, _requests(llava_assets, CASES, "preempted"))
     _assert_match(reference, CASES, results)
     assert sum(step.num_preempted for step in steps) > 0
