@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -37,31 +38,32 @@ class WorkerClient:
             stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(channel)
         return stub
 
-    async def generate(self, address: str,
-                       request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[common_pb2.GenerateResponse]:
-        call = self._stub(address).Generate(request, timeout=self._timeout_s)
-        try:
-            async for response in call:
-                yield response
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, f"worker {address}") from None
-        finally:
-            # Closing this generator early (the client went away) must stop the worker's work.
-            call.cancel()
+    def generate(self, address: str,
+                 request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[common_pb2.GenerateResponse]:
+        stub = self._stub(address)
+        return _stream(lambda: stub.Generate(request, timeout=self._timeout_s), address)
 
-    async def watch_state(self, address: str, interval_ms: int) -> AsyncIterator[worker_pb2.WorkerState]:
+    def watch_state(self, address: str, interval_ms: int) -> AsyncIterator[worker_pb2.WorkerState]:
         """The worker's pushed states until the stream ends (no deadline: it lives as long as the worker)."""
-        call = self._stub(address).WatchState(worker_pb2.WatchStateRequest(interval_ms=interval_ms))
-        try:
-            async for state in call:
-                yield state
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, f"worker {address}") from None
-        finally:
-            call.cancel()
+        stub = self._stub(address)
+        return _stream(lambda: stub.WatchState(worker_pb2.WatchStateRequest(interval_ms=interval_ms)), address)
 
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()
         self._channels.clear()
         self._stubs.clear()
+
+
+async def _stream(start: Callable[[], grpc.aio.UnaryStreamCall], address: str) -> AsyncIterator[Any]:
+    """A server stream's messages, its errors as Tessera errors. The call starts on the first
+    iteration; closing this generator early (the client went away, the gateway shut down) cancels
+    it, which stops the worker's work."""
+    call = start()
+    try:
+        async for message in call:
+            yield message
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc, f"worker {address}") from None
+    finally:
+        call.cancel()
