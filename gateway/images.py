@@ -1,7 +1,8 @@
-"""Images at the gateway's edge: data URLs -> bytes, and cheap checks against the configured limits.
+"""Images at the gateway's edge: image URLs -> bytes, and cheap checks against the configured limits.
 
 Both doors carry an image as its encoded file (`ContentPart.image`); REST clients send it as an
-OpenAI `image_url` part holding a data URL (`data:image/png;base64,iVBOR...`). The checks here read
+OpenAI `image_url` part holding a data URL (`data:image/png;base64,iVBOR...`), or, where the operator
+enabled it, an http(s) URL the gateway downloads (gateway/remote_images.py). The checks here read
 only the image's header (format, width, height) and `verify` its structure, without decoding the
 pixels, so a bad image is a 4xx here and never takes a worker's time; the worker decodes it fully
 (and refuses what does not decode) when it builds the prompt.
@@ -16,24 +17,26 @@ import warnings
 
 from PIL import Image
 
+from services.architectures import takes_images
 from services.config import GatewayConfig
 from services.errors import InvalidArgument, PayloadTooLarge
 from tessera.v1 import common_pb2, inference_pb2
 
 from gateway.registry_cache import ResolvedModel
+from gateway.remote_images import fetch_image
 
 IMAGE_FORMATS = frozenset({"PNG", "JPEG", "WEBP"})  # what PIL's `Image.format` says
-# Base models whose workers take images, by the registry's architecture (config.json's).
-IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
 REMOTE_SCHEMES = ("http://", "https://")
 
 
 def image_from_url(url: str, config: GatewayConfig, param: str) -> bytes:
-    """An `image_url.url` -> the image file's bytes. Only inline data URLs: fetching remote URLs would
-    let any client make the gateway download anything."""
-    if url.startswith(REMOTE_SCHEMES):
-        raise InvalidArgument("remote image URLs are disabled; send the image inline as a data URL "
-                              "(data:image/png;base64,...)", param=param)
+    """An `image_url.url` -> the image file's bytes (not yet checked: check_image). A data URL, or an
+    http(s) URL where `remote_images` is on: fetching for any client is the operator's choice."""
+    if url[:8].lower().startswith(REMOTE_SCHEMES):
+        if not config.remote_images:
+            raise InvalidArgument("remote image URLs are disabled on this gateway; send the image inline as a "
+                                  "data URL (data:image/png;base64,...)", param=param)
+        return fetch_image(url, config, param)
     header, comma, payload = url.partition(",")
     if not (header.startswith("data:image/") and header.endswith(";base64") and comma):
         raise InvalidArgument("an image URL must be a base64 data URL like data:image/png;base64,...", param=param)
@@ -81,16 +84,21 @@ def _images(chat: common_pb2.ChatPrompt) -> list[tuple[str, bytes]]:
 def check_chat_images(chat: common_pb2.ChatPrompt, config: GatewayConfig) -> None:
     """Check the number of images of a chat prompt and every one of them."""
     images = _images(chat)
-    if len(images) > config.max_images_per_request:
-        raise InvalidArgument(f"the request has {len(images)} images; the limit is {config.max_images_per_request}",
-                              param="messages")
+    check_image_count(len(images), config)
     for param, data in images:
         check_image(data, config, param)
 
 
+def check_image_count(count: int, config: GatewayConfig) -> None:
+    """Also called on a REST request's image parts before any of them is decoded or downloaded."""
+    if count > config.max_images_per_request:
+        raise InvalidArgument(f"the request has {count} images; the limit is {config.max_images_per_request}",
+                              param="messages")
+
+
 def check_takes_images(request: inference_pb2.GenerateRequest, resolved: ResolvedModel) -> None:
     """Images only go to a vision-language base model; a text model's worker would refuse them anyway."""
-    if (request.WhichOneof("prompt") == "chat" and resolved.architecture not in IMAGE_ARCHITECTURES
+    if (request.WhichOneof("prompt") == "chat" and not takes_images(resolved.architecture)
             and _images(request.chat)):
         raise InvalidArgument(f"model {request.model} (base model {resolved.base_model}, {resolved.architecture}) "
                               f"does not take images; send text only, or use a vision-language model",

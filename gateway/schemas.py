@@ -26,7 +26,7 @@ from services.config import GatewayConfig
 from services.errors import InvalidArgument
 from tessera.v1 import common_pb2, inference_pb2
 
-from gateway.images import check_chat_images, check_image, image_from_url
+from gateway.images import check_chat_images, check_image, check_image_count, image_from_url
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 MAX_STOP_SEQUENCES = 4
@@ -338,10 +338,16 @@ def _message(role: str, content: Any, config: GatewayConfig, param: str) -> comm
     return common_pb2.ChatMessage(role=role, parts=parts)
 
 
+def _image_part_count(messages: list[Any]) -> int:
+    return sum(1 for message in messages if isinstance(message, Mapping) and isinstance(message.get("content"), list)
+               for part in message["content"] if isinstance(part, Mapping) and part.get("type") == "image_url")
+
+
 def _messages(body: Mapping[str, Any], config: GatewayConfig) -> common_pb2.ChatPrompt:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages must be a non-empty list of messages", param="messages")
+    check_image_count(_image_part_count(messages), config)  # before any image is decoded or downloaded
     chat = common_pb2.ChatPrompt()
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):

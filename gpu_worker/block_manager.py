@@ -35,11 +35,19 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}         # content hash -> the block holding that content
         self._hash_of: dict[int, bytes] = {}        # its inverse
         self._evictable: OrderedDict[int, None] = OrderedDict()  # hashed blocks nobody holds, oldest first
+        # Totals since start, for the worker's stats: hit rate = prefix_hit_tokens / prefix_query_tokens.
         self.prefix_hit_tokens = 0                  # prompt tokens admitted from the cache, not computed
+        self.prefix_query_tokens = 0                # tokens of the sequences admitted while prefix caching is on
+        self.evicted_blocks = 0                     # hashed blocks the allocator took back from the pool
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose content is published, reusable by hash: held by sequences, or evictable."""
+        return len(self._cached)
 
     @property
     def capacity_tokens(self) -> int:
@@ -91,6 +99,8 @@ class BlockManager:
         seq.num_published_blocks = len(prefix)
         seq.num_cached = len(prefix) * self.block_size
         self.prefix_hit_tokens += seq.num_cached
+        if self.prefix_caching:
+            self.prefix_query_tokens += seq.num_tokens
         self.grow(seq, num_new_tokens)
 
     def publish(self, seq: Sequence) -> None:
@@ -125,6 +135,7 @@ class BlockManager:
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._cached[self._hash_of.pop(block)]
+            self.evicted_blocks += 1
         assert self._refs[block] == 0, block
         self._refs[block] = 1
         return block

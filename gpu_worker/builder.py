@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoProcessor, AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gpu_worker.block_manager import BlockManager, blocks_for
 from gpu_worker.cuda_graphs import DecodeGraphs
@@ -40,9 +40,7 @@ def build_engine(checkpoint_dir: Path, worker: WorkerConfig, adapter_store: Path
     dtype = resolve_dtype(worker.dtype, device)
     served = load_served_model(checkpoint_dir, device=device, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
-    # A vision-language model's processor turns images and their placeholders into model inputs.
-    processor = AutoProcessor.from_pretrained(checkpoint_dir) if served.image_encoder is not None else None
-    return assemble_engine(served, tokenizer, worker, adapter_store, on_step, processor)
+    return assemble_engine(served, tokenizer, worker, adapter_store, on_step)
 
 
 @dataclass(frozen=True)
@@ -55,14 +53,13 @@ class EngineParts:
 
 
 def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, worker: WorkerConfig,
-                    adapter_store: Path, on_step: Callable[[StepRecord], None] | None = None,
-                    processor: ProcessorMixin | None = None) -> Engine:
-    """An engine around an already loaded model."""
+                    adapter_store: Path, on_step: Callable[[StepRecord], None] | None = None) -> Engine:
+    """An engine around an already loaded model (a vision-language model's processor included)."""
     parts = assemble_parts(served.language_model, worker, adapter_store, image_encoder=served.image_encoder,
                            adapter_layout=served.adapter_layout)
     return Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
                   adapters=parts.adapters, tokenizer=tokenizer, max_context=parts.model.max_context,
-                  max_lora_rank=worker.max_lora_rank, on_step=on_step, processor=processor)
+                  max_lora_rank=worker.max_lora_rank, on_step=on_step, processor=served.processor)
 
 
 def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store: Path,

@@ -28,9 +28,12 @@ from gpu_worker.prompts import Prompt, PromptEncoder
 from gpu_worker.sampler import TokenLogprobs, sample
 from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import FinishReason, SamplingParams, Sequence
+from gpu_worker.vision.image_cache import ImageFeatureCache
 from services.errors import AlreadyExists, Internal, InvalidArgument, TesseraError
 
 log = logging.getLogger(__name__)
+
+_NO_IMAGE_CACHE = ImageFeatureCache(0)  # a text model's image-cache stats: all zeros
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,15 @@ class EngineStats:
     pinned_adapters: int    # adapter pins held by running sequences
     generated_tokens_total: int
     prefix_cache_hit_tokens_total: int = 0  # prompt tokens whose K/V came from the prefix cache
+    prefix_cache_query_tokens_total: int = 0  # tokens of sequences admitted with prefix caching on
+    prefix_cache_blocks: int = 0            # KV blocks whose content is published (in use or evictable)
+    prefix_cache_evicted_blocks_total: int = 0
     image_cache_hits_total: int = 0         # images whose features came from the image-embedding cache
     image_cache_misses_total: int = 0       # images that went through the vision encoder
+    image_cache_evictions_total: int = 0
+    image_cache_entries: int = 0
+    image_cache_bytes: int = 0
+    image_cache_capacity_bytes: int = 0     # image_cache_bytes of the config; 0 for a text model
     running_load: tuple[SeqLoad, ...] = ()
     waiting_load: tuple[SeqLoad, ...] = ()
 
@@ -294,7 +304,8 @@ class Engine:
 
     def _snapshot(self) -> EngineStats:
         running = self._scheduler.running
-        images = self._runner.image_encoder
+        encoder = self._runner.image_encoder
+        images = encoder.cache if encoder is not None else _NO_IMAGE_CACHE
         return EngineStats(
             running_requests=len(running),
             waiting_requests=len(self._scheduler.waiting),
@@ -306,8 +317,15 @@ class Engine:
             pinned_adapters=self._adapters.num_pinned(),
             generated_tokens_total=self._generated_total,
             prefix_cache_hit_tokens_total=self._blocks.prefix_hit_tokens,
-            image_cache_hits_total=images.cache.hits if images is not None else 0,
-            image_cache_misses_total=images.cache.misses if images is not None else 0,
+            prefix_cache_query_tokens_total=self._blocks.prefix_query_tokens,
+            prefix_cache_blocks=self._blocks.num_cached_blocks,
+            prefix_cache_evicted_blocks_total=self._blocks.evicted_blocks,
+            image_cache_hits_total=images.hits,
+            image_cache_misses_total=images.misses,
+            image_cache_evictions_total=images.evictions,
+            image_cache_entries=len(images),
+            image_cache_bytes=images.bytes_used,
+            image_cache_capacity_bytes=images.max_bytes,
             running_load=tuple(map(_seq_load, running)),
             waiting_load=tuple(map(_seq_load, self._scheduler.waiting)))
 

@@ -4,7 +4,8 @@ Chat prompts go through the chat template with the assistant turn opened; text p
 tokenized as-is with the tokenizer's default special tokens (what `tokenizer(text)` gives). A
 vision-language model's chat prompts go through its processor instead (with or without images), as
 `processor.apply_chat_template` does: every message in content-part form, images decoded and
-preprocessed, each image's placeholder expanded to its image tokens.
+preprocessed, each image's placeholder expanded to its image tokens. The processor is transformers'
+own (LLaVA) or one doing the same for images (Qwen2-VL: vision/qwen2vl_processor.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase, ProcessorMixin
+from transformers import BatchFeature, PreTrainedTokenizerBase, ProcessorMixin
 
-from gpu_worker.vision.images import PromptImages, decode_image, image_token_runs
+from gpu_worker.vision.images import PromptImages, decode_image, fixed_size_images, grid_images, image_token_runs
+from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
 from services.errors import InvalidArgument
 
 
@@ -50,7 +52,7 @@ class PromptEncoder:
     """`processor`: a vision-language model's processor (image processor, tokenizer, chat template)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_context: int,
-                 processor: ProcessorMixin | None = None) -> None:
+                 processor: ProcessorMixin | Qwen2VLPromptProcessor | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.processor = processor
@@ -98,5 +100,11 @@ class PromptEncoder:
         ids = out["input_ids"][0].tolist()
         if not images:
             return EncodedPrompt(ids)
+        return EncodedPrompt(ids, self._prompt_images(ids, out, tuple(digests)))
+
+    def _prompt_images(self, ids: list[int], out: BatchFeature, digests: tuple[str, ...]) -> PromptImages:
         runs = image_token_runs(ids, self.processor.image_token_id)
-        return EncodedPrompt(ids, PromptImages(out["pixel_values"], runs, tuple(digests)))
+        if "image_grid_thw" in out:  # each image at its own resolution (Qwen2-VL), positions by M-RoPE
+            merge = self.processor.image_processor.merge_size
+            return grid_images(len(ids), out["pixel_values"], out["image_grid_thw"], runs, digests, merge)
+        return fixed_size_images(out["pixel_values"], runs, digests)

@@ -104,6 +104,12 @@ class Sequence:
         tokens = self.prompt_token_ids[start:end]
         return tokens + self.output_token_ids[:end - start - len(tokens)]
 
+    def rope_positions(self, start: int, end: int) -> list[int] | list[list[int]]:
+        """Rotary positions of tokens [start, end): [end - start], or [3][end - start] for a chunk over
+        an M-RoPE prompt's images (Qwen2-VL; its outputs continue from the prompt's largest position)."""
+        mrope = self.images.positions if self.images is not None else None
+        return list(range(start, end)) if mrope is None else mrope.positions_in(start, end)
+
     def append(self, token_id: int, eos_token_id: int | None) -> None:
         self.output_token_ids.append(token_id)
         self.detokenizer.append(token_id)

@@ -138,4 +138,11 @@ def worker_stats(engine: Engine) -> common_pb2.WorkerStats:
         running_requests=s.running_requests, waiting_requests=s.waiting_requests,
         running_ranks=list(s.running_ranks), resident_adapters=list(s.resident_adapters),
         free_kv_tokens=s.free_kv_tokens, adapter_slots=s.adapter_slots,
-        generated_tokens_total=s.generated_tokens_total)
+        generated_tokens_total=s.generated_tokens_total,
+        prefix_cache_hit_tokens_total=s.prefix_cache_hit_tokens_total,
+        prefix_cache_query_tokens_total=s.prefix_cache_query_tokens_total,
+        prefix_cache_blocks=s.prefix_cache_blocks,
+        prefix_cache_evicted_blocks_total=s.prefix_cache_evicted_blocks_total,
+        image_cache_hits_total=s.image_cache_hits_total, image_cache_misses_total=s.image_cache_misses_total,
+        image_cache_evictions_total=s.image_cache_evictions_total, image_cache_entries=s.image_cache_entries,
+        image_cache_bytes=s.image_cache_bytes, image_cache_capacity_bytes=s.image_cache_capacity_bytes)

@@ -27,7 +27,7 @@ class ImageRows:
 class StepInputs:
     items: list[ScheduledSeq]        # batch order
     input_ids: list[int]             # [num_tokens]
-    positions: list[int]             # [num_tokens]
+    positions: list[int] | list[list[int]]  # [num_tokens], or [3][num_tokens] (M-RoPE) with a chunk over images
     slot_mapping: list[int]          # [num_tokens] KV-cache slot (block * block_size + offset) of each token
     query_lens: list[int]            # [num_seqs] new tokens of each sequence
     seq_lens: list[int]              # [num_seqs] cached + new tokens of each sequence
@@ -56,6 +56,7 @@ class StepInputs:
 def build_step_inputs(items: list[ScheduledSeq], block_size: int) -> StepInputs:
     items = sorted(items, key=lambda item: item.seq.slot)
     inputs = StepInputs(items, [], [], [], [], [], [], [], [], [], [], [])
+    positions: list[list[int] | list[list[int]]] = []
     for item in items:
         seq, start, n = item.seq, item.seq.num_cached, item.num_new
         if seq.images is not None:
@@ -63,7 +64,7 @@ def build_step_inputs(items: list[ScheduledSeq], block_size: int) -> StepInputs:
             inputs.image_rows.extend(ImageRows(seq, offset + position, feature, count)
                                      for position, feature, count in seq.images.rows_in(start, start + n))
         inputs.input_ids.extend(seq.pending_token_ids(n))
-        inputs.positions.extend(range(start, start + n))
+        positions.append(seq.rope_positions(start, start + n))
         table = seq.block_table
         inputs.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         inputs.query_lens.append(n)
@@ -77,4 +78,18 @@ def build_step_inputs(items: list[ScheduledSeq], block_size: int) -> StepInputs:
         if item.samples:
             inputs.logit_rows.append(len(inputs.input_ids) - 1)
             inputs.sampling.append(seq)
+    inputs.positions.extend(_pack_positions(positions))
     return inputs
+
+
+def _pack_positions(parts: list[list[int] | list[list[int]]]) -> list[int] | list[list[int]]:
+    """Each sequence's positions in batch order: [num_tokens], or [3][num_tokens] when a part has three
+    rows (an M-RoPE chunk over images); one-row parts then repeat in all three. Decode-only steps have
+    no image tokens, so they stay one row (what CUDA graphs take)."""
+    if all(not part or isinstance(part[0], int) for part in parts):
+        return [p for part in parts for p in part]
+    rows: list[list[int]] = [[], [], []]
+    for part in parts:
+        for row, positions in zip(rows, part if part and isinstance(part[0], list) else (part, part, part)):
+            row.extend(positions)
+    return rows

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from registry.records import ModuleShape
+from services.architectures import SERVED_ARCHITECTURES
 from services.errors import InvalidArgument
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "LlavaForConditionalGeneration")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = SERVED_ARCHITECTURES
 # Vision-language checkpoints keep their language model's settings in a nested config.
-TEXT_CONFIG_KEYS: dict[str, str] = {"LlavaForConditionalGeneration": "text_config"}
+TEXT_CONFIG_KEYS: dict[str, str] = {"LlavaForConditionalGeneration": "text_config",
+                                    "Qwen2VLForConditionalGeneration": "text_config"}
 # transformers may save a nested config as its difference from the defaults (llava-hf's LLaVA-1.5
 # text_config names only vocab_size, max_position_embeddings, ...): LlamaConfig's defaults fill in.
 LLAMA_DEFAULTS: dict[str, int] = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,

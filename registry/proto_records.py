@@ -32,15 +32,9 @@ def adapter_to_proto(record: AdapterRecord) -> common_pb2.Adapter:
 
 
 def stats_to_dict(stats: common_pb2.WorkerStats) -> dict[str, Any]:
-    return {
-        "running_requests": stats.running_requests,
-        "waiting_requests": stats.waiting_requests,
-        "running_ranks": list(stats.running_ranks),
-        "resident_adapters": list(stats.resident_adapters),
-        "free_kv_tokens": stats.free_kv_tokens,
-        "adapter_slots": stats.adapter_slots,
-        "generated_tokens_total": stats.generated_tokens_total,
-    }
+    """Every field, zeros included (the admin API's /workers shows them as they are)."""
+    return {field.name: list(getattr(stats, field.name)) if field.is_repeated
+            else getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
 
 
 def stats_from_dict(stats: dict[str, Any]) -> common_pb2.WorkerStats:

@@ -5,6 +5,8 @@ may adapt only the language model. The registry validates adapters by it; the wo
     base_model.model.model.language_model.layers.3.self_attn.q_proj.lora_A.weight  LLaVA
     base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight
         LLaVA's vision tower: PEFT puts LoRA there too when target_modules are bare names like "q_proj"
+    base_model.model.model.language_model.layers.3.self_attn.q_proj.lora_A.weight  Qwen2-VL
+    base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight                  Qwen2-VL's vision tower
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class AdapterLayout:
 TEXT_LAYOUT = AdapterLayout("base_model.model.model.layers")
 LLAVA_LAYOUT = AdapterLayout("base_model.model.model.language_model.layers",
                              ("base_model.model.model.vision_tower.", "base_model.model.model.multi_modal_projector."))
+QWEN2VL_LAYOUT = AdapterLayout("base_model.model.model.language_model.layers", ("base_model.model.model.visual.",))
 
 # config.json `architectures[0]` -> its adapters' layout.
 ADAPTER_LAYOUTS: dict[str, AdapterLayout] = {
@@ -35,6 +38,7 @@ ADAPTER_LAYOUTS: dict[str, AdapterLayout] = {
     "MistralForCausalLM": TEXT_LAYOUT,
     "Qwen2ForCausalLM": TEXT_LAYOUT,
     "LlavaForConditionalGeneration": LLAVA_LAYOUT,
+    "Qwen2VLForConditionalGeneration": QWEN2VL_LAYOUT,
 }
 
 
@@ -45,5 +49,6 @@ def refuse_vision_tensors(layout: AdapterLayout, tensor_names: Iterable[str], ad
         raise InvalidArgument(
             f"{adapter} adapts the vision tower or projector ({len(vision)} tensors, e.g. {vision[0]!r}); "
             "Tessera serves LoRA on the language model only. With PEFT, bare target_modules names such as "
-            "'q_proj' also match the vision tower: name the language model's modules instead, e.g. "
+            "'q_proj' (LLaVA) or 'qkv' (Qwen2-VL) also match the vision tower: name the language model's modules "
+            "instead, e.g. "
             r"target_modules='.*language_model.*\.(q_proj|k_proj|v_proj|o_proj)'")

@@ -57,6 +57,16 @@ class GatewayConfig:
     max_image_bytes: int = 8 * 1024 * 1024  # one encoded image; larger is a 413
     max_images_per_request: int = 16  # a video's frames count one each
     max_image_pixels: int = 4096 * 4096  # width * height of one image
+    # Remote http(s) image URLs (REST only): off, they are refused; on, the gateway downloads them
+    # itself (gateway/remote_images.py), within max_image_bytes, and checks them like inline images.
+    remote_images: bool = False
+    # Hosts it may download from: "cdn.example.com", "*.example.com" (its subdomains); empty: any host.
+    remote_image_hosts: list[str] = dataclasses.field(default_factory=list)
+    # Hosts resolving to loopback, private, link-local or other non-public addresses are refused
+    # (server-side request forgery) unless this is on.
+    remote_image_allow_private: bool = False
+    remote_image_timeout_s: float = 10.0  # one download: name lookup, connect, redirects and body
+    remote_image_max_redirects: int = 3  # each target re-checked (scheme, hosts, addresses)
     request_timeout_s: float = 600.0
     http_threads: int = 32
     # Client API keys for the REST API (Authorization: Bearer <key>); empty: open.

@@ -1,10 +1,12 @@
 """Builds the demo assets locally: a byte-level BPE tokenizer, a random-weight Llama, a random-weight
-LLaVA-1.5 (CLIP vision tower + projector + that Llama's architecture) and LoRA adapters for both.
+LLaVA-1.5 (CLIP vision tower + projector + that Llama's architecture), a random-weight Qwen2-VL (ViT +
+patch merger + a Qwen2 language model with M-RoPE) and LoRA adapters for all three.
 
 Nothing is downloaded. The tokenizer is trained on Python source text found on this machine
 (the stdlib, in sorted file order, so two builds give the same vocabulary); the models have the real
 architectures with random weights; the LLaVA model has a working processor (image processor,
-tokenizer with <image>, chat template); the adapters are real PEFT checkpoints. Every builder
+tokenizer with <image>, chat template), the Qwen2-VL model its processor's parts (image processor,
+tokenizer with the vision tokens and chat template); the adapters are real PEFT checkpoints. Every builder
 writes into a temporary sibling directory and renames it at the end, so an interrupted build
 never leaves a directory that `build_demo_assets` would mistake for a complete one.
 """
@@ -21,6 +23,7 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 DEMO_BASE_MODEL = "tessera-demo-llama"          # what the embedded default serves
 DEMO_VISION_BASE_MODEL = "tessera-demo-llava"   # for a worker configured with this base_model
+DEMO_QWEN2VL_BASE_MODEL = "tessera-demo-qwen2vl"  # likewise
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 TOKENIZER_VOCAB_SIZE = 4096
@@ -50,6 +53,11 @@ VISION_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<s>assistant\\n' }}{% endif %}"
 )
 
+# Qwen2-VL's placeholder: the processor expands <|image_pad|> to one token per merged patch.
+#   <s>user\nWhat is this? <|vision_start|><|image_pad|><|vision_end|></s>\n<s>assistant\n
+QWEN2VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN2VL_CHAT_TEMPLATE = VISION_CHAT_TEMPLATE.replace("{{ '<image>' }}", "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}")
+
 # Random weights give near-flat logits with the usual 0.02; a wider init makes greedy tokens
 # vary along a sequence and keeps top-2 logit gaps far above float noise (ties would make
 # token-exact comparisons with transformers meaningless).
@@ -62,6 +70,7 @@ BASE_WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROCESSOR_FILES = ("processor_config.json",)
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json",)
 
 
 @dataclass(frozen=True)
@@ -79,11 +88,16 @@ DEMO_ADAPTERS = (
     DemoAdapterSpec("demo-r64", 64, 64.0,
                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 3),
 )
-# On the LLaVA model's language model (never its vision tower).
+# On the LLaVA and Qwen2-VL models' language models (never their vision towers).
 DEMO_VISION_ADAPTERS = (
     DemoAdapterSpec("demo-llava-r8", 8, 16.0, ("q_proj", "k_proj", "v_proj", "o_proj"), 4),
     DemoAdapterSpec("demo-llava-r16", 16, 32.0,
                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 5),
+)
+DEMO_QWEN2VL_ADAPTERS = (
+    DemoAdapterSpec("demo-qwen2vl-r8", 8, 16.0,
+                    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 6),
+    DemoAdapterSpec("demo-qwen2vl-r16", 16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj"), 7),
 )
 
 
@@ -255,16 +269,73 @@ def build_llava(out_dir: Path, *, tokenizer_dir: Path | None, seed: int = 0, tex
     return _publish(staging, out_dir)
 
 
+@dataclass(frozen=True)
+class Qwen2VLVisionShape:
+    """Qwen2-VL's ViT: patch_size px patches, merge x merge of them one image token; images resized to
+    multiples of patch_size * merge with min_pixels..max_pixels pixels (48 x 48 px: 9 tokens)."""
+    embed_dim: int = 32
+    depth: int = 2
+    num_heads: int = 4
+    patch_size: int = 8
+    merge: int = 2
+    min_pixels: int = 16 * 16
+    max_pixels: int = 48 * 48
+
+
+def build_qwen2vl(out_dir: Path, *, tokenizer_dir: Path | None, seed: int = 0, text: LlamaShape = LlamaShape(),
+                  vision: Qwen2VLVisionShape = Qwen2VLVisionShape()) -> Path:
+    """Save a random-weight Qwen2-VL (its ViT and patch merger, a Qwen2 language model with M-RoPE; float32)
+    with its processor's parts: the tokenizer of `tokenizer_dir` plus the vision tokens and the chat
+    template, a small image processor (preprocessor_config.json). The M-RoPE sections split the head's
+    frequencies as Qwen2-VL's (16, 24, 24) of 64 do."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    staging = _staging_dir(out_dir)
+    tokenizer = _tokenizer(tokenizer_dir, staging)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN2VL_TOKENS)})
+    tokenizer.chat_template = QWEN2VL_CHAT_TEMPLATE
+    ids = dict(zip(QWEN2VL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN2VL_TOKENS))))
+    half = text.hidden_size // text.num_heads // 2
+    section = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]  # (temporal, height, width) frequencies
+    text_config = dict(
+        vocab_size=len(tokenizer), hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
+        num_hidden_layers=text.num_layers, num_attention_heads=text.num_heads,
+        num_key_value_heads=text.num_kv_heads, max_position_embeddings=text.max_position_embeddings,
+        initializer_range=INITIALIZER_RANGE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "mrope_section": section},
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    vision_config = dict(depth=vision.depth, embed_dim=vision.embed_dim, hidden_size=text.hidden_size,
+                         num_heads=vision.num_heads, patch_size=vision.patch_size,
+                         spatial_merge_size=vision.merge, initializer_range=INITIALIZER_RANGE)
+    config = Qwen2VLConfig(text_config=text_config, vision_config=vision_config,
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                           tie_word_embeddings=False, dtype="float32")
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(staging, safe_serialization=True)
+    # Qwen2VLProcessor cannot be built without torchvision (its video processor): its two image parts
+    # are saved instead, which the worker reads (gpu_worker/vision/qwen2vl_processor.py).
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=vision.min_pixels, max_pixels=vision.max_pixels,
+                                               patch_size=vision.patch_size, merge_size=vision.merge)
+    image_processor.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    return _publish(staging, out_dir)
+
+
 def build_lora_adapter(base_dir: Path, out_dir: Path, spec: DemoAdapterSpec) -> Path:
     """Save a real PEFT LoRA adapter for `base_dir` with random A and B (seeded by spec.seed). On a
-    LLaVA model it adapts the language model only."""
+    vision-language model it adapts the language model only."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     staging = _staging_dir(out_dir)
     targets: list[str] | str = list(spec.target_modules)
-    if AutoConfig.from_pretrained(base_dir).model_type == "llava":
+    if AutoConfig.from_pretrained(base_dir).model_type in ("llava", "qwen2_vl"):  # vision-language models
         base = AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32)
         # A regex over module paths: bare names ("q_proj") would match the vision tower's projections too.
         targets = rf".*language_model.*\.({'|'.join(spec.target_modules)})"
@@ -313,13 +384,19 @@ def _adapters_or_build(base_dir: Path, adapters_dir: Path, specs: tuple[DemoAdap
 
 def build_demo_assets(models_dir: Path, progress: Callable[[str], None] = print) -> list[DemoAssets]:
     """Build (or reuse) under `models_dir` the demo text model with DEMO_ADAPTERS (what the embedded
-    default serves), then the demo LLaVA model, sharing its tokenizer, with DEMO_VISION_ADAPTERS."""
+    default serves), then the demo LLaVA model with DEMO_VISION_ADAPTERS and the demo Qwen2-VL model
+    with DEMO_QWEN2VL_ADAPTERS, both sharing its tokenizer."""
     base_files = ("config.json", BASE_WEIGHTS_FILE, *TOKENIZER_FILES)
     text_dir, vision_dir = models_dir / DEMO_BASE_MODEL, models_dir / DEMO_VISION_BASE_MODEL
+    qwen2vl_dir = models_dir / DEMO_QWEN2VL_BASE_MODEL
     _base_or_build(DEMO_BASE_MODEL, text_dir, base_files, lambda: build_llama(text_dir), progress)
     _base_or_build(DEMO_VISION_BASE_MODEL, vision_dir, base_files + PROCESSOR_FILES,
                    lambda: build_llava(vision_dir, tokenizer_dir=text_dir), progress)
+    _base_or_build(DEMO_QWEN2VL_BASE_MODEL, qwen2vl_dir, base_files + IMAGE_PROCESSOR_FILES,
+                   lambda: build_qwen2vl(qwen2vl_dir, tokenizer_dir=text_dir), progress)
     adapters_dir = models_dir / "adapters"
     return [DemoAssets(text_dir, _adapters_or_build(text_dir, adapters_dir, DEMO_ADAPTERS, progress)),
             DemoAssets(vision_dir, _adapters_or_build(vision_dir, adapters_dir, DEMO_VISION_ADAPTERS, progress),
-                       DEMO_VISION_BASE_MODEL)]
+                       DEMO_VISION_BASE_MODEL),
+            DemoAssets(qwen2vl_dir, _adapters_or_build(qwen2vl_dir, adapters_dir, DEMO_QWEN2VL_ADAPTERS, progress),
+                       DEMO_QWEN2VL_BASE_MODEL)]

@@ -79,14 +79,15 @@ class ReferenceModels:
 
 
 class VisionReferenceModels(ReferenceModels):
-    """A vision-language checkpoint (LlavaForConditionalGeneration, ...) and its processor."""
+    """A vision-language checkpoint (LlavaForConditionalGeneration, ...) and its processor: AutoProcessor's,
+    or `processor` where that cannot be built (Qwen2-VL without torchvision)."""
 
     auto_model = AutoModelForImageTextToText
 
     def __init__(self, base_name: str, base_dir: Path, adapter_dirs: dict[str, Path],
-                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, processor: Any = None) -> None:
         super().__init__(base_name, base_dir, adapter_dirs, device, dtype)
-        self.processor = AutoProcessor.from_pretrained(self.base_dir)
+        self.processor = processor or AutoProcessor.from_pretrained(self.base_dir)
 
     def greedy_messages(self, name: str, messages: list[dict[str, Any]], max_new_tokens: int) -> Greedy:
         """`messages` in the processor's form: content parts {"type": "text", "text": ...} and

@@ -30,3 +30,16 @@ def iter_checkpoint(checkpoint_dir: Path,
                 wanted = select(name)
                 if wanted is not None:
                     yield wanted, f.get_tensor(name)
+
+
+def part_selector(prefixes: tuple[tuple[str, str, str], ...], part: str,
+                  source: str) -> Callable[[str], str | None]:
+    """For a checkpoint of several parts (a language model, a vision tower): checkpoint name -> its name
+    inside `part`, or None for another part's tensor. prefixes: (checkpoint name prefix, the part it
+    belongs to, its prefix there), the first match wins; a name no prefix matches is an error."""
+    def select(name: str) -> str | None:
+        for prefix, owner, ours in prefixes:
+            if name.startswith(prefix):
+                return ours + name[len(prefix):] if owner == part else None
+        raise ValueError(f"{source}: tensor {name!r} belongs to no part of the model")
+    return select

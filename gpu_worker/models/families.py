@@ -7,13 +7,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoProcessor, PretrainedConfig, ProcessorMixin
 
 from gpu_worker.models.checkpoint import iter_checkpoint
 from gpu_worker.models.llama import LlamaForCausalLM, build_model
 from gpu_worker.models.llava import load_llava
+from gpu_worker.models.qwen2vl import load_qwen2vl
 from gpu_worker.vision.images import ImageEncoder
-from services.adapter_layout import LLAVA_LAYOUT, TEXT_LAYOUT, AdapterLayout
+from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
+from services.adapter_layout import LLAVA_LAYOUT, QWEN2VL_LAYOUT, TEXT_LAYOUT, AdapterLayout
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,8 @@ class ServedModel:
     language_model: LlamaForCausalLM
     image_encoder: ImageEncoder | None  # vision-language models: a prompt's images -> its image tokens' features
     adapter_layout: AdapterLayout       # where PEFT saves this family's LoRA tensors
+    # Vision-language models: chat messages with images -> token ids and pixel values (prompts.py).
+    processor: ProcessorMixin | Qwen2VLPromptProcessor | None = None
 
 
 def _load_text(checkpoint_dir: Path, config: PretrainedConfig, device: torch.device,
@@ -32,7 +36,14 @@ def _load_text(checkpoint_dir: Path, config: PretrainedConfig, device: torch.dev
 def _load_llava(checkpoint_dir: Path, config: PretrainedConfig, device: torch.device,
                 dtype: torch.dtype) -> ServedModel:
     language, encoder = load_llava(checkpoint_dir, config, device=device, dtype=dtype)
-    return ServedModel(language, encoder, LLAVA_LAYOUT)
+    return ServedModel(language, encoder, LLAVA_LAYOUT, AutoProcessor.from_pretrained(checkpoint_dir))
+
+
+def _load_qwen2vl(checkpoint_dir: Path, config: PretrainedConfig, device: torch.device,
+                  dtype: torch.dtype) -> ServedModel:
+    language, encoder = load_qwen2vl(checkpoint_dir, config, device=device, dtype=dtype)
+    # Not AutoProcessor: Qwen2VLProcessor needs torchvision for its video processor.
+    return ServedModel(language, encoder, QWEN2VL_LAYOUT, Qwen2VLPromptProcessor.from_pretrained(checkpoint_dir))
 
 
 _LOADERS: dict[str, Callable[[Path, PretrainedConfig, torch.device, torch.dtype], ServedModel]] = {
@@ -40,6 +51,7 @@ _LOADERS: dict[str, Callable[[Path, PretrainedConfig, torch.device, torch.dtype]
     "mistral": _load_text,
     "qwen2": _load_text,
     "llava": _load_llava,
+    "qwen2_vl": _load_qwen2vl,
 }
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from gpu_worker.forward_context import get_forward_context
+from gpu_worker.layers.mrope import MRotaryEmbedding
 from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.lora.layer import LoRALinear
@@ -59,7 +60,7 @@ class ArchSpec:
 
 
 def arch_spec(config: PretrainedConfig) -> ArchSpec:
-    if config.model_type == "qwen2":
+    if config.model_type in ("qwen2", "qwen2_vl_text"):  # qwen2_vl_text: Qwen2-VL's language model
         return ArchSpec(qkv_bias=True, o_bias=False)
     if config.model_type in ("llama", "mistral"):
         bias = bool(getattr(config, "attention_bias", False))
@@ -137,10 +138,13 @@ class DecoderStack(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(config, i, spec) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, _head_dim(config))
+        # Qwen2-VL's language model rotates by 3-D positions (layers/mrope.py); every other family by 1-D.
+        rotary = MRotaryEmbedding if "mrope_section" in config.rope_parameters else RotaryEmbedding
+        self.rotary = rotary(config, _head_dim(config))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: the token embeddings [num_tokens, hidden]."""
+        """x: the token embeddings [num_tokens, hidden]; positions: [num_tokens], or [3, num_tokens]
+        under M-RoPE."""
         cos, sin = self.rotary(positions, x.dtype)  # [num_tokens, head_dim] each, shared by every layer
         residual = None
         for layer in self.layers:
@@ -172,8 +176,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]. inputs_embeds
-        [num_tokens, hidden], when given, replaces embed(input_ids) (image features merged in)."""
+        """input_ids: [num_tokens], positions: [num_tokens] (or [3, num_tokens] under M-RoPE) -> hidden
+        states [num_tokens, hidden]. inputs_embeds [num_tokens, hidden], when given, replaces
+        embed(input_ids) (image features merged in)."""
         return self.model(self.embed(input_ids) if inputs_embeds is None else inputs_embeds, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@ projector, one feature per image token, as LlavaModel.get_image_features compute
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,8 +17,9 @@ from transformers import AutoModel, LlavaConfig
 from transformers.initialization import no_init_weights
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from gpu_worker.models.checkpoint import iter_checkpoint
+from gpu_worker.models.checkpoint import iter_checkpoint, part_selector
 from gpu_worker.models.llama import LlamaForCausalLM, build_model
+from gpu_worker.vision.images import PromptImages
 
 LANGUAGE, VISION = "language", "vision"
 # Checkpoint name prefix -> (the part it belongs to, its prefix there); the first match wins.
@@ -40,16 +40,6 @@ CHECKPOINT_PREFIXES: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _names_of(part: str, source: str) -> Callable[[str], str | None]:
-    """Checkpoint name -> its name inside `part` (None: another part's tensor)."""
-    def select(name: str) -> str | None:
-        for prefix, owner, ours in CHECKPOINT_PREFIXES:
-            if name.startswith(prefix):
-                return ours + name[len(prefix):] if owner == part else None
-        raise ValueError(f"{source}: tensor {name!r} belongs to no part of a LLaVA checkpoint")
-    return select
-
-
 class LlavaImageEncoder(nn.Module):
     def __init__(self, config: LlavaConfig) -> None:
         super().__init__()
@@ -68,14 +58,19 @@ class LlavaImageEncoder(nn.Module):
         selected = [hidden_states[i][:, 1:] if self.drop_cls else hidden_states[i] for i in self.feature_layers]
         return self.multi_modal_projector(torch.cat(selected, dim=-1))
 
+    def encode(self, images: PromptImages, indices: list[int]) -> list[torch.Tensor]:
+        """ImageEncoder: the images of one size go through the tower as one batch."""
+        return list(self(torch.stack([images.pixel_values[i] for i in indices])).unbind(0))
+
 
 def load_llava(checkpoint_dir: Path, config: LlavaConfig, *, device: torch.device,
                dtype: torch.dtype) -> tuple[LlamaForCausalLM, LlavaImageEncoder]:
     """The language model and the image encoder, each reading only its own tensors."""
     source = str(checkpoint_dir)
-    language = build_model(config.text_config, iter_checkpoint(checkpoint_dir, _names_of(LANGUAGE, source)),
-                           source, device=device, dtype=dtype)
+    language_tensors = iter_checkpoint(checkpoint_dir, part_selector(CHECKPOINT_PREFIXES, LANGUAGE, source))
+    language = build_model(config.text_config, language_tensors, source, device=device, dtype=dtype)
     with no_init_weights():  # every weight is overwritten below
         encoder = LlavaImageEncoder(config)
-    encoder.load_state_dict(dict(iter_checkpoint(checkpoint_dir, _names_of(VISION, source))), strict=True)
+    vision_tensors = iter_checkpoint(checkpoint_dir, part_selector(CHECKPOINT_PREFIXES, VISION, source))
+    encoder.load_state_dict(dict(vision_tensors), strict=True)
     return language, encoder.to(device=device, dtype=dtype).eval()

@@ -2,7 +2,7 @@
 
 An image is known by the sha256 of its encoded bytes (PromptImages.digests); the worker serves one
 model, so the digest alone decides the features. Entries are the projected features of one image,
-[tokens_per_image, hidden] on the model's device, kept in LRU order within a byte budget.
+[its image tokens, hidden] on the model's device, kept in LRU order within a byte budget.
 """
 
 from __future__ import annotations
@@ -20,13 +20,18 @@ class ImageFeatureCache:
     def __init__(self, max_bytes: int) -> None:
         assert max_bytes >= 0, max_bytes
         self.max_bytes = max_bytes
-        self.hits = 0
+        self.hits = 0       # lookups that found the features (totals since start, for the worker's stats)
         self.misses = 0
+        self.evictions = 0  # entries dropped to make room
         self._bytes = 0
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
 
     def get(self, digest: str) -> torch.Tensor | None:
         features = self._entries.get(digest)
@@ -44,6 +49,7 @@ class ImageFeatureCache:
         while self._bytes + size > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.numel() * evicted.element_size()
+            self.evictions += 1
         self._entries[digest] = features.clone()  # own memory: not a view keeping a whole batch alive
         self._bytes += size
 
@@ -60,7 +66,7 @@ class CachedImageEncoder:
         found = [self.cache.get(digest) for digest in images.digests]
         missing = [i for i, features in enumerate(found) if features is None]
         if missing:
-            encoded = self.encoder(images.pixel_values[missing])  # [len(missing), tokens_per_image, hidden]
+            encoded = self.encoder.encode(images, missing)  # [len(missing)] of [its image tokens, hidden]
             for i, features in zip(missing, encoded):
                 found[i] = features
                 self.cache.put(images.digests[i], features)

@@ -1,20 +1,23 @@
 """A prompt's images on their way into the language model.
 
 The model's processor turns each image into pixel values, and the image's placeholder in the prompt
-into as many image tokens as the vision encoder makes features for it (LLaVA-1.5 at 336 px: 576).
-The encoder's features replace those tokens' embeddings in order: feature k goes to the prompt's
-k-th image token. A prompt with two 4-token images:
+into as many image tokens as the vision encoder makes features for it (LLaVA-1.5 at 336 px: 576 for
+every image; Qwen2-VL: one per 2 x 2 merged patches, so as many as the image's size gives). The
+encoder's features replace those tokens' embeddings in order: feature k goes to the prompt's k-th
+image token. A prompt with two 4-token images:
 
     positions   0 1 2 3 4 5 6 7 8 9 10 11 12
     image tokens    2 3 4 5     8 9 10 11          token_runs ((2, 4), (8, 4))
-    features        0 1 2 3     4 5 6  7
+    features        0 1 2 3     4 5 6  7           image_tokens (4, 4)
 
 A prefill chunk over positions [5, 10) takes feature 3 at position 5 and features 4, 5 at 8, 9.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,23 +25,27 @@ from typing import Protocol
 import torch
 from PIL import Image
 
+from gpu_worker.layers.mrope import MRopePositions, rope_index
 from services.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
 class PromptImages:
-    pixel_values: torch.Tensor                 # [num_images, channels, height, width] from the image processor
+    # [num_images] each image's pixel values as the image processor made them (LLaVA: [channels, height,
+    # width]; Qwen2-VL: [patches, channels * temporal_patch * patch * patch], patches = t * h * w of its grid)
+    pixel_values: tuple[torch.Tensor, ...]
     token_runs: tuple[tuple[int, int], ...]    # (first position, length) of each run of consecutive image tokens
     digests: tuple[str, ...]                   # [num_images] sha256 of each image's encoded bytes
+    image_tokens: tuple[int, ...]              # [num_images] each image's tokens (= its features)
+    grids: tuple[tuple[int, int, int], ...] | None = None  # Qwen2-VL: each image's (t, h, w) patch grid
+    positions: MRopePositions | None = None    # Qwen2-VL: the prompt's M-RoPE positions, which the grids decide
 
     def __post_init__(self) -> None:
         assert self.token_runs, "a prompt with images has image tokens"
-        assert len(self.digests) == self.pixel_values.shape[0], (self.digests, self.pixel_values.shape)
-        assert self.num_tokens % len(self.digests) == 0, "every image has as many tokens (LLaVA-1.5)"
-
-    @property
-    def tokens_per_image(self) -> int:
-        return self.num_tokens // len(self.digests)
+        assert len(self.digests) == len(self.pixel_values) == len(self.image_tokens), (
+            len(self.digests), len(self.pixel_values), self.image_tokens)
+        assert sum(self.image_tokens) == self.num_tokens, (self.image_tokens, self.token_runs)
+        assert self.grids is None or len(self.grids) == len(self.digests), (self.grids, self.digests)
 
     @property
     def num_tokens(self) -> int:
@@ -64,9 +71,35 @@ class PromptImages:
     def content_in(self, start: int, end: int) -> tuple[tuple[int, str, int], ...]:
         """(position, image digest, feature index within that image) of each image token among
         positions [start, end): what, beyond the token ids, decides those positions' K/V."""
-        per_image = self.tokens_per_image
-        return tuple((position + i, self.digests[(feature + i) // per_image], (feature + i) % per_image)
-                     for position, feature, count in self.rows_in(start, end) for i in range(count))
+        firsts = [0, *itertools.accumulate(self.image_tokens)][:-1]  # each image's first feature
+        content = []
+        for position, feature, count in self.rows_in(start, end):
+            for f in range(feature, feature + count):
+                image = bisect.bisect_right(firsts, f) - 1
+                content.append((position + f - feature, self.digests[image], f - firsts[image]))
+        return tuple(content)
+
+
+def fixed_size_images(pixel_values: torch.Tensor, token_runs: tuple[tuple[int, int], ...],
+                      digests: tuple[str, ...]) -> PromptImages:
+    """Images of one size (LLaVA-1.5): pixel_values [num_images, channels, height, width], as many tokens each."""
+    tokens, rest = divmod(sum(length for _, length in token_runs), len(digests))
+    assert rest == 0, f"{len(digests)} images share {token_runs} image tokens unevenly"
+    return PromptImages(tuple(pixel_values.unbind(0)), token_runs, digests, (tokens,) * len(digests))
+
+
+def grid_images(num_prompt_tokens: int, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+                token_runs: tuple[tuple[int, int], ...], digests: tuple[str, ...], merge: int) -> PromptImages:
+    """Images at their own resolution (Qwen2-VL): every image's patches in one tensor pixel_values
+    [sum of t * h * w, patch dim] with grid_thw [num_images, 3]; an image has t * h * w / merge^2 tokens
+    and the prompt M-RoPE positions. Image runs are one per image (vision start/end tokens part them)."""
+    grids = tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
+    assert len(grids) == len(token_runs) == len(digests), (grids, token_runs, digests)
+    pixels = tuple(pixel_values.split([t * h * w for t, h, w in grids]))
+    image_tokens = tuple(t * h * w // merge ** 2 for t, h, w in grids)
+    rows, delta = rope_index(num_prompt_tokens, token_runs, list(grids), merge)
+    positions = MRopePositions(tuple(map(tuple, rows)), delta, (token_runs[0][0], sum(token_runs[-1])))
+    return PromptImages(pixels, token_runs, digests, image_tokens, grids, positions)
 
 
 def image_token_runs(token_ids: list[int], image_token_id: int) -> tuple[tuple[int, int], ...]:
@@ -83,9 +116,9 @@ def image_token_runs(token_ids: list[int], image_token_id: int) -> tuple[tuple[i
 
 
 class ImageEncoder(Protocol):
-    def __call__(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixel_values: [num_images, channels, height, width] -> [num_images, tokens_per_image, hidden]:
-        the features that replace each image's tokens, in order."""
+    def encode(self, images: PromptImages, indices: list[int]) -> list[torch.Tensor]:
+        """The prompt's images `indices` through the vision tower, together -> each one's features
+        [its image tokens, hidden], in order: what replaces its tokens' embeddings."""
 
 
 def decode_image(data: bytes, index: int) -> Image.Image:

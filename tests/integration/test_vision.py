@@ -1,13 +1,16 @@
-"""Images through the real gateway: a second worker serves tessera-demo-llava beside the system's text
-worker; an image+text chat under demo-llava-r8, over REST (the openai client) and over gRPC, gives
-exactly the greedy text of transformers' LlavaForConditionalGeneration + PEFT on the same image, prompt
-and adapter. A bad image, or an image for the text model, is a 400."""
+"""Images through the real gateway: a second worker serves a vision demo model (tessera-demo-llava, then
+tessera-demo-qwen2vl) beside the system's text worker; an image+text chat under one of its adapters, over
+REST (the openai client) and over gRPC, gives exactly the greedy text of transformers'
+LlavaForConditionalGeneration / Qwen2VLForConditionalGeneration + PEFT on the same image, prompt and
+adapter. A bad image, or an image for the text model, is a 400."""
 
 from __future__ import annotations
 
 import io
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import openai
@@ -15,7 +18,8 @@ import pytest
 import requests
 from PIL import Image
 
-from services.demo_assets import DEMO_VISION_BASE_MODEL
+from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
+from services.demo_assets import DEMO_QWEN2VL_BASE_MODEL, DEMO_VISION_BASE_MODEL
 from tessera.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.images import data_url, gradient_image
 from tests.integration.conftest import RunningSystem, free_port, spawn_role, stop_role
@@ -23,34 +27,43 @@ from tests.reference import VisionReferenceModels, assert_same_greedy
 
 pytestmark = pytest.mark.integration
 
-ADAPTER = "demo-llava-r8"
 MAX_TOKENS = 10
 IMAGE = gradient_image(1, (48, 40), "PNG")
 QUESTION, AFTER = "What is in this picture? ", " Answer briefly."
 
 
-@pytest.fixture(scope="module")
-def vision_worker(system: RunningSystem) -> Iterator[str]:
-    """A worker serving the LLaVA demo model, registered and routable through the system's gateway."""
+@dataclass(frozen=True)
+class VisionModel:
+    base_model: str
+    adapter: str
+
+
+MODELS = (VisionModel(DEMO_VISION_BASE_MODEL, "demo-llava-r8"), VisionModel(DEMO_QWEN2VL_BASE_MODEL, "demo-qwen2vl-r8"))
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=lambda model: model.base_model)
+def vision_worker(system: RunningSystem, request: pytest.FixtureRequest) -> Iterator[VisionModel]:
+    """A worker serving a vision demo model, registered and routable through the system's gateway."""
+    model: VisionModel = request.param
     ports = {name: free_port() for name in ("WORKER__GRPC_PORT", "WORKER__METRICS_PORT")}
     env = {**system.env, **{f"TESSERA_{k}": str(v) for k, v in ports.items()},
-           "TESSERA_WORKER__BASE_MODEL": DEMO_VISION_BASE_MODEL}
-    with open(system.home / "vision-worker.log", "w") as log:
+           "TESSERA_WORKER__BASE_MODEL": model.base_model}
+    with open(system.home / f"vision-worker-{model.base_model}.log", "w") as log:
         process = spawn_role("worker", env, log)
         try:
             address = f"127.0.0.1:{ports['WORKER__GRPC_PORT']}"
             system.wait_healthy(address, timeout_s=180)
-            _wait_routable(system)
-            yield address
+            _wait_routable(system, model.base_model)
+            yield model
         finally:
             stop_role(process)
 
 
-def _wait_routable(system: RunningSystem, timeout_s: float = 60.0) -> None:
+def _wait_routable(system: RunningSystem, base_model: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         last = requests.post(f"{system.http_base}/chat/completions", timeout=60, json={
-            "model": DEMO_VISION_BASE_MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
+            "model": base_model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
         if last.status_code == 200:
             return
         assert time.monotonic() < deadline, f"gateway cannot route to the vision worker: {last.text}"
@@ -58,21 +71,26 @@ def _wait_routable(system: RunningSystem, timeout_s: float = 60.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def expected_text(system: RunningSystem) -> tuple[VisionReferenceModels, list[int]]:
+def expected_text(system: RunningSystem, vision_worker: VisionModel) -> tuple[VisionReferenceModels, list[int]]:
     """transformers + PEFT greedy tokens for the demo files (the registry stores byte-identical copies)."""
     models_dir = system.home / "models"
-    reference = VisionReferenceModels(DEMO_VISION_BASE_MODEL, models_dir / DEMO_VISION_BASE_MODEL,
-                                      {ADAPTER: models_dir / "adapters" / ADAPTER})
+    base_dir: Path = models_dir / vision_worker.base_model
+    # Qwen2VLProcessor cannot be built without torchvision: the worker's stand-in makes the same inputs.
+    processor = Qwen2VLPromptProcessor.from_pretrained(base_dir) \
+        if vision_worker.base_model == DEMO_QWEN2VL_BASE_MODEL else None
+    reference = VisionReferenceModels(vision_worker.base_model, base_dir,
+                                      {vision_worker.adapter: models_dir / "adapters" / vision_worker.adapter},
+                                      processor=processor)
     messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION},
                                              {"type": "image", "image": Image.open(io.BytesIO(IMAGE))},
                                              {"type": "text", "text": AFTER}]}]
-    return reference, reference.greedy_messages(ADAPTER, messages, MAX_TOKENS)
+    return reference, reference.greedy_messages(vision_worker.adapter, messages, MAX_TOKENS)
 
 
 def test_rest_image_chat_equals_transformers_and_peft(system, vision_worker, expected_text) -> None:
     reference, expected = expected_text
     client = openai.OpenAI(base_url=system.http_base, api_key="unused", max_retries=0, timeout=120)
-    reply = client.chat.completions.create(model=ADAPTER, max_tokens=MAX_TOKENS, temperature=0, messages=[
+    reply = client.chat.completions.create(model=vision_worker.adapter, max_tokens=MAX_TOKENS, temperature=0, messages=[
         {"role": "user", "content": [{"type": "text", "text": QUESTION},
                                      {"type": "image_url", "image_url": {"url": data_url(IMAGE)}},
                                      {"type": "text", "text": AFTER}]}])
@@ -85,16 +103,16 @@ def test_grpc_image_chat_equals_transformers_and_peft(system, vision_worker, exp
     parts = [common_pb2.ContentPart(text=QUESTION), common_pb2.ContentPart(image=IMAGE),
              common_pb2.ContentPart(text=AFTER)]
     request = inference_pb2.GenerateRequest(
-        model=ADAPTER, chat=common_pb2.ChatPrompt(messages=[common_pb2.ChatMessage(role="user", parts=parts)]),
+        model=vision_worker.adapter, chat=common_pb2.ChatPrompt(messages=[common_pb2.ChatMessage(role="user", parts=parts)]),
         sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS))
     with grpc.insecure_channel(system.gateway_grpc) as channel:
         replies = list(inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=120))
     tokens = [t for r in replies if r.HasField("delta") for t in r.delta.token_ids]
-    assert_same_greedy(ADAPTER, expected, tokens)
+    assert_same_greedy(vision_worker.adapter, expected, tokens)
 
 
 def test_bad_image_is_400_and_the_vision_worker_keeps_serving(system, vision_worker) -> None:
-    body = {"model": ADAPTER, "max_tokens": 2, "messages": [{"role": "user", "content": [
+    body = {"model": vision_worker.adapter, "max_tokens": 2, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(IMAGE[:50])}}]}]}
     response = requests.post(f"{system.http_base}/chat/completions", json=body, timeout=60)
     assert response.status_code == 400 and "could not be decoded" in response.json()["error"]["message"]

@@ -16,6 +16,7 @@ from PIL import Image
 
 from tests.images import data_url, gradient_image
 from tests.unit.gateway.gateway_fakes import BASE, FakeWorker, GatewayEnv
+from tests.unit.gateway.image_server import ImageServer
 from tessera.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 VISION_BASE = "tiny-llava"
@@ -115,6 +116,26 @@ def test_bad_image_is_a_clear_4xx(env: GatewayEnv, url: str, status: int, phrase
     assert error["param"] == "messages[0].content[1]" and error["type"] == "invalid_request_error"
     assert len(_sent(env)) == before, "a bad image never reaches a worker"
     assert _post(env, _chat(_text("still there? "), _image(data_url(PNG)))).status_code == 200
+
+
+def test_remote_image_url_when_enabled(env: GatewayEnv) -> None:
+    """Off (above: "remote-url"), then on for a loopback server: the downloaded bytes reach the worker;
+    a failed download is a 400 naming the part."""
+    gw = env.config.gateway
+    with ImageServer({"/cat.png": PNG}) as server:
+        assert _post(env, _chat(_image(server.url("/cat.png")))).status_code == 400
+        assert server.paths == []
+        gw.remote_images = gw.remote_image_allow_private = True
+        try:
+            response = _post(env, _chat(_text("What is this? "), _image(server.url("/cat.png"))))
+            assert response.status_code == 200, response.text
+            assert env.workers[-1].requests[-1].chat.messages[0].parts[1].image == PNG
+            before = len(_sent(env))
+            response = _post(env, _chat(_text("And this? "), _image(server.url("/missing"))))
+            assert response.status_code == 400 and response.json()["error"]["param"] == "messages[0].content[1]"
+            assert "answered HTTP 404" in response.json()["error"]["message"] and len(_sent(env)) == before
+        finally:
+            gw.remote_images = gw.remote_image_allow_private = False
 
 
 @pytest.mark.parametrize(("body", "param", "phrase"), [

@@ -1,5 +1,5 @@
 """Shared tiny assets, built once per session: one small Llama and the three demo adapters; one small
-LLaVA-1.5 on the same tokenizer and its two demo adapters."""
+LLaVA-1.5 and one small Qwen2-VL on the same tokenizer, each with its two demo adapters."""
 
 from __future__ import annotations
 
@@ -17,15 +17,18 @@ from gpu_worker.engine import Engine, EngineStats, GenerationRequest, RequestOut
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.llava import LlavaImageEncoder
 from services.config import WorkerConfig
-from services.demo_assets import (DEMO_ADAPTERS, DEMO_BASE_MODEL, DEMO_VISION_ADAPTERS, DEMO_VISION_BASE_MODEL,
-                                  ClipShape, DemoAdapterSpec, LlamaShape, build_llama, build_llava,
-                                  build_lora_adapter)
+from services.demo_assets import (DEMO_ADAPTERS, DEMO_BASE_MODEL, DEMO_QWEN2VL_ADAPTERS, DEMO_QWEN2VL_BASE_MODEL,
+                                  DEMO_VISION_ADAPTERS, DEMO_VISION_BASE_MODEL, ClipShape, DemoAdapterSpec, LlamaShape,
+                                  Qwen2VLVisionShape, build_llama, build_llava, build_lora_adapter, build_qwen2vl)
 
 # Small enough for fast CPU tests, with GQA (4 heads, 2 KV heads) like real checkpoints.
 TINY_LLAMA = LlamaShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                         max_position_embeddings=256)
 # 32 px images in 8 px patches: 16 image tokens per image.
 TINY_CLIP = ClipShape(image_size=32, patch_size=8, hidden_size=32, num_layers=2, num_heads=4)
+# 8 px patches merged 2 x 2: 16 px per image token side, images resized to 256..2304 pixels (1 to 9 tokens).
+TINY_QWEN2VL = Qwen2VLVisionShape(embed_dim=32, depth=2, num_heads=4, patch_size=8, merge=2,
+                                  min_pixels=16 * 16, max_pixels=48 * 48)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,15 @@ def llava_assets(tiny_assets, tmp_path_factory) -> TinyAssets:
                       DEMO_VISION_BASE_MODEL)
 
 
+@pytest.fixture(scope="session")
+def qwen2vl_assets(tiny_assets, tmp_path_factory) -> TinyAssets:
+    root = tmp_path_factory.mktemp("qwen2vl")
+    base = build_qwen2vl(root / "base", tokenizer_dir=tiny_assets.base_dir, text=TINY_LLAMA, vision=TINY_QWEN2VL)
+    store = root / "store"
+    return TinyAssets(base, store, _adapters(base, store, DEMO_QWEN2VL_ADAPTERS, DEMO_QWEN2VL_BASE_MODEL),
+                      DEMO_QWEN2VL_BASE_MODEL)
+
+
 def make_engine(assets: TinyAssets, steps: list[StepRecord] | None = None, **worker_fields) -> Engine:
     worker = WorkerConfig(base_model=assets.name, **worker_fields)
     engine = build_engine(assets.base_dir, worker, assets.store,
@@ -91,6 +103,11 @@ def engine_factory(tiny_assets):
 @pytest.fixture
 def llava_engine_factory(llava_assets):
     yield from _engines(llava_assets)
+
+
+@pytest.fixture
+def qwen2vl_engine_factory(qwen2vl_assets):
+    yield from _engines(qwen2vl_assets)
 
 
 @pytest.fixture

@@ -125,6 +125,8 @@ def test_block_manager_shares_evicts_and_keeps_merged_kv_private():
     assert blocks.match_prefix(other) == []
     blocks.admit(other, [], 16)
     assert blocks.match_prefix(_sequence(list(range(10)))) == []
+    assert (blocks.evicted_blocks, blocks.num_cached_blocks) == (2, 0)
+    assert (blocks.prefix_hit_tokens, blocks.prefix_query_tokens) == (8, 10 + 10 + 16)
     blocks.free(other)
     merged = _sequence(list(range(10)))
     blocks.admit(merged, [], 10)

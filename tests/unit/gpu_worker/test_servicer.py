@@ -6,8 +6,10 @@ import asyncio
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
+from gpu_worker.metrics import CacheMetrics
 from gpu_worker.prompts import ChatMessage, ImagePart
 from gpu_worker.servicer import WorkerServicer, generation_request
 from gpu_worker.state_push import StateSource
@@ -207,3 +209,31 @@ def test_content_parts_become_text_and_images_in_order():
     request.chat.messages[1].content = "and text"
     with pytest.raises(InvalidArgument, match=r"messages\[1\] has both content and parts"):
         generation_request(request, vocab_size=100)
+
+
+def test_get_stats_counts_prefix_cache_hits_and_queries(engine_factory, tiny_assets):
+    """The same prompt twice: the second takes all its whole blocks but the last token's from the cache."""
+    engine = engine_factory(kv_block_size=16)
+    prompt = "You are a careful reviewer of Python code. Read the function below, then answer in one sentence. " * 2
+
+    async def body(stub):
+        finals = []
+        for request_id in ("first", "again"):
+            request = _request(tiny_assets, text=prompt, sampling=common_pb2.SamplingParams(max_tokens=2))
+            request.request_id = request_id
+            finals.append([r async for r in stub.Generate(request)][-1].final)
+        return finals, await stub.GetStats(worker_pb2.GetStatsRequest())
+
+    (first, again), stats = asyncio.run(_with_server(engine, body))
+    prompt_tokens = first.usage.prompt_tokens
+    assert prompt_tokens == again.usage.prompt_tokens >= 3 * 16
+    assert stats.prefix_cache_hit_tokens_total == (prompt_tokens - 1) // 16 * 16
+    assert stats.prefix_cache_query_tokens_total == 2 * prompt_tokens
+    assert stats.prefix_cache_blocks >= prompt_tokens // 16 and stats.prefix_cache_evicted_blocks_total == 0
+    assert (stats.image_cache_capacity_bytes, stats.image_cache_hits_total) == (0, 0), "a text model has none"
+    metrics = CollectorRegistry()  # what the worker's /metrics shows (bind_engine_stats registers the same)
+    metrics.register(CacheMetrics(engine))
+    assert metrics.get_sample_value("tessera_worker_prefix_cache_hit_tokens_total") == \
+        stats.prefix_cache_hit_tokens_total
+    assert metrics.get_sample_value("tessera_worker_prefix_cache_query_tokens_total") == 2 * prompt_tokens
+    assert metrics.get_sample_value("tessera_worker_prefix_cache_blocks") == stats.prefix_cache_blocks

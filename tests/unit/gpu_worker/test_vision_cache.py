@@ -4,17 +4,23 @@ greedy tokens equal a run without caches and transformers + PEFT's."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
 import pytest
+from prometheus_client import CollectorRegistry
 from transformers import AutoProcessor, AutoTokenizer
 
 from gpu_worker.engine import Engine, GenerationRequest
+from gpu_worker.metrics import CacheMetrics
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt, PromptEncoder
 from gpu_worker.sequence import SamplingParams
+from services.config import WorkerConfig
+from tessera.v1 import common_pb2, worker_pb2
 from tests.reference import VisionReferenceModels, assert_same_greedy
 
 from .conftest import idle_stats, run_all, tokens_of
+from .test_servicer import _with_server
 from .test_vision_llava import JPEG, PNG, _processor_messages
 
 MAX_NEW = 8
@@ -68,12 +74,53 @@ def test_repeated_image_is_not_encoded_again(llava_engine_factory, llava_assets,
     assert encoder_calls == [1, 1]  # PNG once, JPEG once
     stats = idle_stats(engine)
     assert (stats.image_cache_hits_total, stats.image_cache_misses_total) == (2, 2)
+    assert (stats.image_cache_entries, stats.image_cache_evictions_total) == (2, 0)
+    assert stats.image_cache_capacity_bytes == WorkerConfig().image_cache_bytes
+    assert 0 < stats.image_cache_bytes <= stats.image_cache_capacity_bytes
+    metrics = CollectorRegistry()  # what the worker's /metrics shows (bind_engine_stats registers the same)
+    metrics.register(CacheMetrics(engine))
+    assert metrics.get_sample_value("tessera_worker_image_cache_hits_total") == 2
+    assert metrics.get_sample_value("tessera_worker_image_cache_misses_total") == 2
+    assert metrics.get_sample_value("tessera_worker_image_cache_bytes") == stats.image_cache_bytes
     uncached, _ = _run_one_by_one(llava_engine_factory(enable_prefix_caching=False, image_cache_bytes=0),
                                   llava_assets, keys)
     assert len(encoder_calls) == 2 + len(keys)
     assert cached == uncached
     for key, tokens in zip(keys, cached):
         assert_same_greedy(key, reference(key), tokens)
+
+
+def test_a_full_image_cache_evicts_the_least_recently_used(llava_engine_factory, llava_assets):
+    """A budget of one image's features: each new image evicts the one before."""
+    engine = llava_engine_factory(enable_prefix_caching=False)
+    _run_one_by_one(engine, llava_assets, ["describe_png"])
+    one_image = idle_stats(engine).image_cache_bytes
+    engine = llava_engine_factory(enable_prefix_caching=False, image_cache_bytes=one_image)
+    _run_one_by_one(engine, llava_assets, ["describe_png", "count_png", "describe_jpeg", "describe_png"])
+    stats = idle_stats(engine)
+    assert (stats.image_cache_hits_total, stats.image_cache_misses_total) == (1, 3)
+    assert (stats.image_cache_evictions_total, stats.image_cache_entries) == (2, 1)
+    assert stats.image_cache_bytes == stats.image_cache_capacity_bytes == one_image
+
+
+def test_get_stats_reports_image_cache_counters(llava_engine_factory, llava_assets):
+    """Through the worker's GetStats RPC: the same image twice is one miss, then one hit."""
+    engine = llava_engine_factory(enable_prefix_caching=False)
+
+    async def body(stub):
+        for request_id, text in (("first", " Describe it."), ("again", " How many colours?")):
+            message = common_pb2.ChatMessage(role="user", parts=[common_pb2.ContentPart(image=PNG),
+                                                                 common_pb2.ContentPart(text=text)])
+            request = worker_pb2.WorkerGenerateRequest(request_id=request_id, base_model=engine.base_model,
+                                                       chat=common_pb2.ChatPrompt(messages=[message]),
+                                                       sampling=common_pb2.SamplingParams(max_tokens=2))
+            assert [r async for r in stub.Generate(request)][-1].WhichOneof("payload") == "final"
+        return await stub.GetStats(worker_pb2.GetStatsRequest())
+
+    stats = asyncio.run(_with_server(engine, body))
+    assert (stats.image_cache_hits_total, stats.image_cache_misses_total, stats.image_cache_entries) == (1, 1, 1)
+    assert 0 < stats.image_cache_bytes <= stats.image_cache_capacity_bytes == WorkerConfig().image_cache_bytes
+    assert stats.prefix_cache_query_tokens_total == 0, "prefix caching is off"
 
 
 def test_prefix_with_an_image_is_shared_only_for_the_same_image(llava_engine_factory, llava_assets, reference,
