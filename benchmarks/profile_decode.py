@@ -18,10 +18,11 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench import (DECODE_CONTEXT, LLAMA2_7B, RANK, TARGETS, cuda_time_s, decode_step_seconds,  # noqa: E402
-                          new_sequences, prefill, random_adapter, random_llama)
+                          new_sequences, prefill, random_adapter)
 from transformers import LlamaConfig  # noqa: E402
 
 from gpu_worker.builder import assemble_parts  # noqa: E402
+from gpu_worker.models.random_weights import random_llama  # noqa: E402
 from gpu_worker.cuda_graphs import lora_mode  # noqa: E402
 from gpu_worker.step_inputs import build_step_inputs  # noqa: E402
 from gpu_worker.scheduler import ScheduledSeq  # noqa: E402
@@ -37,7 +38,7 @@ def main() -> None:
     parser.add_argument("--case", choices=sorted(CASES), nargs="+", default=sorted(CASES))
     args = parser.parse_args()
     config = LlamaConfig(**LLAMA2_7B)
-    model = random_llama(config)
+    model = random_llama(config, device="cuda", dtype=torch.bfloat16)
     worker = WorkerConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch), max_batch_tokens=8192,
                           adapter_slots=max(args.batch), max_lora_rank=RANK, lora_targets=TARGETS,
                           kv_cache_tokens=max(args.batch) * 256 + 64)

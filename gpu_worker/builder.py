@@ -92,6 +92,11 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     adapters = AdapterPool(model.lora_layers(worker.lora_targets), worker.adapter_slots, load_checked)
     scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
                           BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters)
+    if device.type == "cuda" and worker.warm_up_kernels and worker.adapter_slots > 0:
+        from kernels.lora_warmup import warm_up_lora  # CUDA only: CPU installs may lack a GPU triton
+        stacks = [m.lora for m, _ in model.lora_layers(worker.lora_targets).values() if m.lora is not None]
+        variants, seconds = warm_up_lora(stacks, worker.max_batch_tokens, worker.adapter_slots)
+        log.info("LoRA kernels warmed up: %d shrink/expand variants compiled or found in Triton's cache in %.1f s", variants, seconds)
     graphs = None
     if device.type == "cuda" and worker.cuda_graphs:
         graphs = DecodeGraphs(model, kv_cache, max_batch=worker.max_num_seqs,

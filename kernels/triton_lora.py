@@ -62,7 +62,7 @@ def _m_tile_bound(batch: LoRABatch, block_m: int) -> int:
     return triton.cdiv(batch.num_tokens, block_m) + min(batch.capacity, batch.num_tokens)
 
 
-def _group_block(capacity: int) -> int:
+def group_block(capacity: int) -> int:
     """Groups each program scans to find its tile (metadata read, no weights); at least 64 so
     that batches of up to 64 adapters share one compiled kernel."""
     return max(64, triton.next_power_of_2(capacity))
@@ -111,7 +111,7 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
         *y.stride(),
         stack.ranks.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=rank_block,
-        GROUP_BLOCK=_group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
+        GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -150,7 +150,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         out.stride(0), out.stride(1),
         stack.ranks.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_block_r(stack, batch), SPLIT=y.shape[0],
-        GROUP_BLOCK=_group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
+        GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(stack.b.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -206,7 +206,14 @@ def _matmul(a, b, acc, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
     return acc
 
 
-@triton.jit
+# Values that change from step to step are not specialized on (ints == 1 or multiples of 16; the
+# batch metadata's 16-byte alignment, which follows its capacity): each new combination would
+# compile another variant while serving (kernels/lora_warmup.py).
+_PER_STEP = dict(do_not_specialize=["num_groups", "stride_y_split"],
+                 do_not_specialize_on_alignment=["starts_ptr", "lens_ptr", "slots_ptr", "rows_ptr"])
+
+
+@triton.jit(**_PER_STEP)
 def _shrink_kernel(
     x_ptr, a_ptr, y_ptr, ranks_ptr, scalings_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
     num_groups, in_features, num_slices, split_k, k_per_split,
@@ -253,7 +260,7 @@ def _shrink_kernel(
     tl.store(y_ptrs, acc * scaling, mask=m_mask[:, None] & r_mask[None, :])
 
 
-@triton.jit
+@triton.jit(**_PER_STEP)
 def _expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
     num_groups, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank,

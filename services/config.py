@@ -107,6 +107,9 @@ class WorkerConfig:
     kv_cache_tokens: int = 0
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True  # replay captured decode steps on CUDA
+    # On CUDA, compile every LoRA kernel variant the limits above allow before serving (seconds at
+    # the first start, Triton's disk cache after), so no request waits on a compile.
+    warm_up_kernels: bool = True
     # Merged mode: after this many steps in a row on one adapter, fold it into the base weights
     # (steps then cost what base steps cost; a saved copy of the weights it touches restores
     # them exactly). 0: never merge.

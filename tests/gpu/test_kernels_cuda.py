@@ -177,3 +177,34 @@ def test_every_tuned_config_computes_the_reference():
         y = triton_lora.lora_shrink(x16.cuda(), cuda_stack, batch, shrink_cfg)
         triton_lora.lora_expand(actual, y, cuda_stack, batch, config if op == "expand" else None)
         assert _rel_err(actual.cpu(), expected) < BF16_REL, (op, config)
+
+
+def test_no_lora_kernel_compiles_after_warm_up():
+    """After kernels.lora_warmup, engine-like batches of any shape within the limits run without a
+    single Triton compile (each would stall a serving step for ~0.3-1 s)."""
+    import random
+
+    from triton import knobs
+
+    from kernels.lora_warmup import warm_up_lora
+    from tests.unit.kernels.test_lora_warmup import random_batch
+
+    max_tokens, slots, max_rank = 1024, 8, 64
+    stacks = [LoRAStack.empty(slots, 512, sizes, max_rank, torch.bfloat16, "cuda") for sizes in ((512, 128, 128), (512,))]
+    warm_up_lora(stacks, max_tokens, slots)
+    compiled: list[str] = []
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs["fn"].name)
+    try:
+        rng = random.Random(0)
+        for _ in range(200):
+            batch = random_batch(rng, max_tokens, slots, max_rank)
+            batch = LoRABatch.build(batch.seg_lens, batch.seg_slots, "cuda", max_rank=batch.max_rank)
+            for stack in stacks:
+                x = torch.randn(batch.num_tokens, stack.in_features, device="cuda", dtype=torch.bfloat16)
+                out = torch.zeros(batch.num_tokens, stack.out_features, device="cuda", dtype=torch.bfloat16)
+                kernels.lora_expand(out, kernels.lora_shrink(x, stack, batch), stack, batch)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+    assert compiled == []

@@ -1,0 +1,97 @@
+"""Compile every LoRA kernel variant a worker can meet before it serves its first request.
+
+A Triton kernel compiles on its first call with a new set of compile-time values: the tile
+configuration the table gives a shape bucket, the rank tile, whether the batch gathers rows and
+whether each group fits one tile. Each compile takes ~0.3-1 s and stalls the whole step, so a
+worker that met its variants while serving stalled its first requests of every new batch shape
+(an H200 serving a LLaVA-7B: ~40 compiles in the first bursts, docs/benchmarks/vision.md).
+
+The variants follow from host ints alone (kernels/tuning.py's bucket key and triton_lora's
+constexprs), so they can be listed from the worker's limits: for every token point up to the
+step budget, every group point up to it (its smallest and largest group, which decide ONE_TILE
+for row tiles in between), every rank tile up to the slots' rank, contiguous and gathered rows.
+They are compiled on a thread pool in Triton's async-compile mode, without launching anything.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.runtime._async_compile import AsyncCompileMode
+
+from kernels import triton_lora, tuning
+from kernels.batch import NO_SLOT, LoRABatch
+from kernels.lora_stack import LoRAStack
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What of a batch picks a LoRA kernel variant."""
+    tokens: int
+    max_group_len: int
+    max_rank: int
+    gather: bool
+
+    def segments(self) -> tuple[list[int], list[int]]:
+        """(segment lengths, slots) of a batch of this shape: one group of max_group_len tokens,
+        split around a base-only segment when it must gather; base-only tokens fill the rest."""
+        group, rest = self.max_group_len, self.tokens - self.max_group_len
+        if self.gather:  # slot 0's tokens on both sides of a base-only token
+            return [group - group // 2, 1, group // 2, rest - 1], [0, NO_SLOT, 0, NO_SLOT]
+        return [group, rest], [0, NO_SLOT]
+
+
+def batch_shapes(max_tokens: int, max_rank: int) -> Iterator[BatchShape]:
+    """Every variant-deciding batch shape of steps of up to `max_tokens` tokens with adapters of
+    rank up to `max_rank`."""
+    points = tuning.TOKEN_POINTS
+    rank_tiles = [r for r in (16, 32, 64, 128, 256) if r <= max(16, triton.next_power_of_2(max_rank))]
+    for token_point in (t for t in points if t <= tuning.round_up(max_tokens, points)):
+        tokens = min(token_point, max_tokens)
+        previous = 0
+        for group_point in (g for g in points if g <= token_point):
+            for group_len in sorted({min(previous + 1, tokens), min(group_point, tokens)}):
+                for rank in rank_tiles:
+                    for gather in (False, True):
+                        # Gathering needs a base-only token between two of the group's.
+                        if not gather or (group_len >= 2 and tokens > group_len):
+                            yield BatchShape(tokens, group_len, rank, gather)
+            previous = group_point
+
+
+def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int,
+                 jobs: int | None = None) -> tuple[int, float]:
+    """Compile shrink and expand for every batch shape of every stack (one per distinct projection
+    shape). `capacity`: the most groups a step's batch may hold (the adapter slots). Returns
+    (variants requested, seconds)."""
+    started = time.perf_counter()
+    by_shape = {(s.in_features, s.out_offsets, s.max_rank, s.a.dtype): s for s in stacks}
+    shapes = list(batch_shapes(max_tokens, max(s.max_rank for s in by_shape.values()) if by_shape else 16))
+    # Kernels scan up to max(64, capacity rounded up to a power of 2) groups: one capacity per scan size.
+    capacities = sorted({min(triton_lora.group_block(c), capacity) for c in range(1, capacity + 1)})
+    requested = 0
+    with ThreadPoolExecutor(jobs or min(16, os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
+        for stack in by_shape.values():
+            x = torch.empty(max_tokens, stack.in_features, dtype=stack.a.dtype, device=stack.a.device)
+            out = torch.empty(max_tokens, stack.out_features, dtype=stack.a.dtype, device=stack.a.device)
+            for shape in shapes:
+                if shape.max_rank > triton.next_power_of_2(stack.max_rank):
+                    continue
+                for groups in capacities:
+                    batch = _batch(shape, groups, stack.a.device)
+                    y = triton_lora.lora_shrink(x[:shape.tokens], stack, batch, compile_only=True)
+                    triton_lora.lora_expand(out[:shape.tokens], y, stack, batch, compile_only=True)
+                    requested += 2
+    return requested, time.perf_counter() - started
+
+
+def _batch(shape: BatchShape, capacity: int, device: torch.device) -> LoRABatch:
+    lens, slots = shape.segments()
+    return LoRABatch.build(lens, slots, device, capacity=max(1, capacity), max_group_len=shape.max_group_len,
+                           max_rank=shape.max_rank)

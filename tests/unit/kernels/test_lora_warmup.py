@@ -1,0 +1,66 @@
+"""The warm-up's batch shapes cover every kernel variant a serving engine's batches can select.
+
+A variant is what makes Triton compile anew: the table's configuration for the batch's bucket and
+the constexprs derived from the batch (rank tile, one tile per group, gathered rows, group scan
+size). Random engine-like batches (any lengths, slots, ranks up to the worker's limits) must each
+select a variant that the warm-up's shapes select too. The compile itself runs on the GPU
+(tests/gpu/test_kernels_cuda.py checks that no compile follows a warm-up).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import NO_SLOT, LoRABatch, LoRAStack, triton_lora, tuning
+from kernels.lora_warmup import BatchShape, _batch, batch_shapes
+
+TABLE = tuning.load_table("NVIDIA H200")  # the committed table: real configurations per bucket
+PROJECTIONS = {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)), "down": (11008, (4096,))}
+
+
+def variant(op: str, stack: LoRAStack, batch: LoRABatch) -> tuple:
+    bucket = tuning.bucket_of(op, stack, batch)
+    config = tuning.lookup(bucket, TABLE)
+    return (bucket.key, config, triton_lora._block_r(stack, batch), triton_lora._one_tile_per_group(batch, config.block_m),
+            batch.rows is not None, triton_lora.group_block(batch.capacity))
+
+
+def warmed_variants(stack: LoRAStack, max_tokens: int, capacity: int) -> set[tuple]:
+    capacities = {min(triton_lora.group_block(c), capacity) for c in range(1, capacity + 1)}
+    return {variant(op, stack, _batch(shape, groups, "cpu"))
+            for shape in batch_shapes(max_tokens, stack.max_rank) for groups in capacities for op in ("shrink", "expand")}
+
+
+def random_batch(rng: random.Random, max_tokens: int, slots: int, max_rank: int) -> LoRABatch:
+    lens, owners = [], []
+    budget = rng.choice([1, rng.randint(1, 64), rng.randint(1, max_tokens)])
+    while sum(lens) < budget:
+        lens.append(min(budget - sum(lens), rng.choice([1, 1, rng.randint(1, 40), rng.randint(1, max_tokens)])))
+        owners.append(rng.choice([NO_SLOT, *range(slots)]))
+    if all(o == NO_SLOT for o in owners):
+        owners[0] = 0
+    return LoRABatch.build(lens, owners, "cpu", max_rank=rng.choice([8, 16, 24, 32, 48, 64, max_rank]))
+
+
+@pytest.mark.parametrize(("max_tokens", "slots", "max_rank"), [(4096, 8, 64), (8192, 96, 128), (512, 4, 16)])
+def test_random_engine_batches_select_only_warmed_variants(max_tokens: int, slots: int, max_rank: int) -> None:
+    rng = random.Random(f"{max_tokens}-{slots}-{max_rank}")
+    for name, (in_features, out_sizes) in PROJECTIONS.items():
+        stack = LoRAStack.empty(1, in_features, out_sizes, max_rank, torch.bfloat16, "meta")
+        warmed = warmed_variants(stack, max_tokens, slots)
+        for _ in range(150):
+            batch = random_batch(rng, max_tokens, slots, max_rank)
+            for op in ("shrink", "expand"):
+                assert variant(op, stack, batch) in warmed, (name, op, batch.num_tokens, batch.max_group_len,
+                                                             batch.seg_lens, batch.seg_slots)
+
+
+def test_gathered_shape_interleaves_its_group_with_base_tokens() -> None:
+    batch = _batch(BatchShape(tokens=32, max_group_len=8, max_rank=64, gather=True), 4, "cpu")
+    assert batch.rows is not None and batch.max_group_len == 8 and batch.num_tokens == 32
+    assert batch.rows.tolist() == [0, 1, 2, 3, 5, 6, 7, 8]  # slot 0's tokens skip base-only token 4
+    contiguous = _batch(BatchShape(tokens=32, max_group_len=8, max_rank=64, gather=False), 4, "cpu")
+    assert contiguous.rows is None and contiguous.capacity == 4
