@@ -11,6 +11,8 @@ bound once a worker merges a hot adapter).
 
     python -m gpu_worker.profile --model ~/.tessera/models/tessera-demo-llama --quick
       -> gateway/perf_models/cpu-tessera-demo-llama.json
+    python -m gpu_worker.profile --model DIR_WITH_CONFIG_JSON --random-weights --base-model llama-2-7b --device cuda
+      -> gateway/perf_models/<gpu>-llama-2-7b.json
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from gateway.scheduling.batch import BatchEntry
 from gateway.scheduling.perf_model import PerfModel, Phase, ProfileSample
@@ -33,6 +35,7 @@ from gpu_worker.device_kind import device_name, perf_model_kind
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights
 from gpu_worker.models.families import load_served_model
 from gpu_worker.models.llama import resolve_dtype
+from gpu_worker.models.random_weights import random_llama
 from gpu_worker.sampler import sample
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
@@ -93,10 +96,11 @@ def random_adapters(config: PretrainedConfig, targets: list[str], device: torch.
     dims = projection_dims(config)
 
     def load(ref: AdapterRef) -> LoRAWeights:
-        gen = torch.Generator().manual_seed(zlib.crc32(ref.name.encode()))
+        # Drawn on the device: a rank-64 adapter of a 7B is ~10^8 numbers, seconds on a CPU.
+        gen = torch.Generator(device=device).manual_seed(zlib.crc32(ref.name.encode()))
 
         def weight(rows: int, cols: int) -> torch.Tensor:
-            return (torch.randn(rows, cols, generator=gen) * 0.01).to(device, dtype)
+            return (torch.randn(rows, cols, generator=gen, device=device) * 0.01).to(dtype)
 
         modules = {(layer, t): (weight(ref.rank, dims[t][0]), weight(dims[t][1], ref.rank))
                    for layer in range(config.num_hidden_layers) for t in targets}
@@ -187,9 +191,12 @@ def run_grid(profiler: Profiler, grid: Grid, progress: Callable[[str], None]) ->
 
 
 def profile(model_dir: Path, device: torch.device, base_model: str, grid: Grid,
-            progress: Callable[[str], None]) -> PerfModel:
+            progress: Callable[[str], None], random_weights: bool = False) -> PerfModel:
     dtype = resolve_dtype("auto", device)
-    model = load_served_model(model_dir, device=device, dtype=dtype).language_model
+    if random_weights:
+        model = random_llama(AutoConfig.from_pretrained(model_dir), device=device, dtype=dtype)
+    else:
+        model = load_served_model(model_dir, device=device, dtype=dtype).language_model
     worker = WorkerConfig(base_model=base_model, device=str(device), max_num_seqs=grid.max_batch,
                           max_batch_tokens=grid.max_step_tokens, adapter_slots=2 * grid.max_batch,
                           max_lora_rank=max(grid.ranks), merge_after_steps=0,
@@ -200,7 +207,8 @@ def profile(model_dir: Path, device: torch.device, base_model: str, grid: Grid,
     name = device_name(device)
     started = time.perf_counter()
     samples = run_grid(Profiler(parts, device), grid, progress)
-    source = (f"python -m gpu_worker.profile on {name}: {len(samples)} steps of {base_model} (ranks "
+    weights = ", random weights" if random_weights else ""
+    source = (f"python -m gpu_worker.profile on {name}: {len(samples)} steps of {base_model}{weights} (ranks "
               f"{', '.join(map(str, grid.ranks))}, merged mode off), {time.perf_counter() - started:.0f} s")
     fitted = PerfModel.fit(perf_model_kind(name, base_model), name, samples)
     return PerfModel(fitted.kind, fitted.device, fitted.prefill, fitted.decode, source)
@@ -209,6 +217,9 @@ def profile(model_dir: Path, device: torch.device, base_model: str, grid: Grid,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True, help="checkpoint directory (e.g. the demo model's)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights of --model's config.json (timings depend on shapes only): profile a "
+                        "7B-shaped model where no checkpoint is at hand")
     p.add_argument("--base-model", help="the name workers serve it under (default: the directory's name)")
     p.add_argument("--device", default="cpu", help='"cpu", "cuda", "cuda:1"')
     p.add_argument("--out", type=Path, help=f"JSON to write (default: {PERF_MODELS_DIR}/<kind>.json)")
@@ -221,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: CUDA is not available")
     model = profile(args.model, device, args.base_model or args.model.name, GRIDS[args.grid],
-                    lambda line: print(line, file=sys.stderr, flush=True))
+                    lambda line: print(line, file=sys.stderr, flush=True), args.random_weights)
     out = args.out or PERF_MODELS_DIR / f"{model.kind}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     model.save(out)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+
+import pytest
 
 from gateway.scheduling.perf_model import FORMS, PerfModel
 from gpu_worker.device_kind import perf_model_kind
@@ -10,13 +13,20 @@ from gpu_worker.profile import TINY, adapter_cases, main
 from services.demo_assets import DEMO_BASE_MODEL
 
 
-def test_profile_writes_a_fit_with_r2_and_samples(tiny_assets, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("random_weights", [False, True])
+def test_profile_writes_a_fit_with_r2_and_samples(tiny_assets, tmp_path, capsys, random_weights: bool) -> None:
     out = tmp_path / "cpu.json"
-    assert main(["--model", str(tiny_assets.base_dir), "--base-model", DEMO_BASE_MODEL, "--out", str(out),
-                 "--grid", "tiny"]) == 0
+    model_dir = tiny_assets.base_dir
+    if random_weights:  # the config alone: no weights to load
+        model_dir = tmp_path / "config-only"
+        model_dir.mkdir()
+        shutil.copy(tiny_assets.base_dir / "config.json", model_dir)
+    assert main(["--model", str(model_dir), "--base-model", DEMO_BASE_MODEL, "--out", str(out), "--grid", "tiny"]
+                + ["--random-weights"] * random_weights) == 0
     data = json.loads(out.read_text())
     assert data["kind"] == perf_model_kind("cpu", DEMO_BASE_MODEL) == "cpu-tessera-demo-llama"
     assert data["device"] == "cpu" and "gpu_worker.profile" in data["source"]
+    assert ("random weights" in data["source"]) == random_weights
     compositions = {phase: sum(len(list(adapter_cases(b, TINY.ranks))) * len(lens) for b in batches)
                     for phase, batches, lens in (("prefill", TINY.prefill_batches, TINY.prompt_lens),
                                                  ("decode", TINY.decode_batches, TINY.context_lens))}
