@@ -30,6 +30,9 @@ pytestmark = pytest.mark.integration
 MAX_TOKENS = 10
 IMAGE = gradient_image(1, (48, 40), "PNG")
 QUESTION, AFTER = "What is in this picture? ", " Answer briefly."
+# Prompt name -> the images between QUESTION and AFTER: one image, two images, a 3-frame video.
+PROMPT_IMAGES = {"one_image": [IMAGE], "two_images": [IMAGE, gradient_image(2, (40, 56), "PNG")],
+                 "three_frames": [gradient_image(10 + i, (48, 40), "PNG") for i in range(3)]}
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def _wait_routable(system: RunningSystem, base_model: str, timeout_s: float = 60
 
 
 @pytest.fixture(scope="module")
-def expected_text(system: RunningSystem, vision_worker: VisionModel) -> tuple[VisionReferenceModels, list[int]]:
+def expected_text(system: RunningSystem, vision_worker: VisionModel) -> tuple[VisionReferenceModels, dict]:
     """transformers + PEFT greedy tokens for the demo files (the registry stores byte-identical copies)."""
     models_dir = system.home / "models"
     base_dir: Path = models_dir / vision_worker.base_model
@@ -81,25 +84,29 @@ def expected_text(system: RunningSystem, vision_worker: VisionModel) -> tuple[Vi
     reference = VisionReferenceModels(vision_worker.base_model, base_dir,
                                       {vision_worker.adapter: models_dir / "adapters" / vision_worker.adapter},
                                       processor=processor)
-    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION},
-                                             {"type": "image", "image": Image.open(io.BytesIO(IMAGE))},
-                                             {"type": "text", "text": AFTER}]}]
-    return reference, reference.greedy_messages(vision_worker.adapter, messages, MAX_TOKENS)
+    expected = {}
+    for name, images in PROMPT_IMAGES.items():
+        parts = [{"type": "image", "image": Image.open(io.BytesIO(image))} for image in images]
+        messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, *parts,
+                                                 {"type": "text", "text": AFTER}]}]
+        expected[name] = reference.greedy_messages(vision_worker.adapter, messages, MAX_TOKENS)
+    return reference, expected
 
 
-def test_rest_image_chat_equals_transformers_and_peft(system, vision_worker, expected_text) -> None:
-    reference, expected = expected_text
+@pytest.mark.parametrize("prompt", sorted(PROMPT_IMAGES))
+def test_rest_image_chat_equals_transformers_and_peft(system, vision_worker, expected_text, prompt) -> None:
+    reference, expected_by_prompt = expected_text
+    expected = expected_by_prompt[prompt]
     client = openai.OpenAI(base_url=system.http_base, api_key="unused", max_retries=0, timeout=120)
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in PROMPT_IMAGES[prompt]]
     reply = client.chat.completions.create(model=vision_worker.adapter, max_tokens=MAX_TOKENS, temperature=0, messages=[
-        {"role": "user", "content": [{"type": "text", "text": QUESTION},
-                                     {"type": "image_url", "image_url": {"url": data_url(IMAGE)}},
-                                     {"type": "text", "text": AFTER}]}])
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}, *parts, {"type": "text", "text": AFTER}]}])
     assert reply.choices[0].message.content == reference.decode(expected.tokens)
     assert reply.usage.completion_tokens == len(expected.tokens)
 
 
 def test_grpc_image_chat_equals_transformers_and_peft(system, vision_worker, expected_text) -> None:
-    _, expected = expected_text
+    expected = expected_text[1]["one_image"]
     parts = [common_pb2.ContentPart(text=QUESTION), common_pb2.ContentPart(image=IMAGE),
              common_pb2.ContentPart(text=AFTER)]
     request = inference_pb2.GenerateRequest(
