@@ -18,9 +18,11 @@ import torch
 from kernels.lora_stack import LoRAStack
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: launches are cached per set of targets
 class MergeTarget:
-    """A projection whose weight an adapter slot is folded into, and where its old value is kept."""
+    """A projection whose weight an adapter slot is folded into, and where its old value is kept.
+    Callers that merge the same projections again pass the same objects (the CUDA launch's
+    description is built once per set)."""
     weight: torch.Tensor   # [out_features, in_features], rows contiguous
     backup: torch.Tensor   # same shape and dtype
     stack: LoRAStack

@@ -1,17 +1,38 @@
 """One-launch merge and restore over many weights (see kernels/merge.py for the contract).
 
 A task is one output slice of one weight: merge writes the slice's old rows to the backup and adds
-scaling · B @ A to them (a slice the adapter does not target is a task of rank 0: saved, left
-as it is, so that a restore can copy whole weights). Every row block of every task is one program: the
-host passes, per task, the addresses of its weight rows, backup rows, A, B and scaling (int64),
-its row count, rank, in_features and the B row stride, and the cumulative row-block counts; a
-program finds its task by binary search over those. Tiles are [BLOCK_N rows, BLOCK_K columns] of W; the
-delta tile is B[BLOCK_N, r] @ A[r, BLOCK_K] accumulated in float32, r padded to BLOCK_R (>= 16) and masked.
+scaling · B @ A to them (a slice the adapter does not target is a task of rank 0: saved, left as it
+is, so that a restore can copy whole weights). Both kernels are streams over HBM, so they are
+written for bandwidth:
+
+- every program is one independent [block_n, block_k] tile of W (a 7B's q,k,v,o at 64 x 128: 262k
+  programs), so that many tiles' loads are in flight on every SM;
+- a program finds its task in one load: `program_tasks[pid]` (tasks' tiles laid end to end), then
+  the task's record (int64: slot 0's addresses and the per-slot strides; the slot's rank and
+  scaling are read on the device), so the launch description is built on the host once per set of
+  targets and serves every slot and every adapter loaded into it; tile t of a task is row block
+  t // k_tiles, column block t % k_tiles, so consecutive programs sweep whole rows;
+- the W tile's load is issued first (evict_first: streamed once) and overlaps the loads of the B
+  [block_n, r] and A [r, block_k] tiles (evict_last: L2-resident, shared by the task's tiles) and
+  the one tl.dot (float32 accumulation); then two stores. A rank-0 task only stores the backup;
+- addresses and row strides come from memory, so the compiler cannot prove 16-byte alignment and
+  would move 2 bytes per instruction: when the host finds every address and stride aligned it
+  says so (ALIGNED) and the kernel passes the hints that give 16-byte vector loads and stores.
+
+Restore copies every backup back, `block` elements a program, found the same way.
+
+Example, block 64 x 128, two tasks: q [4096 rows, 4096] (rank 64) then k [512, 4096] (rank 0):
+k_tiles = 32; q has 64 row blocks = 2048 tiles (pids 0..2047), k 8 row blocks = 256 tiles
+(pids 2048..2303); program_tasks = [0]*2048 + [1]*256; pid 2100 is k's tile 52: rows 64..127,
+columns 2560..2687, saved to the backup and left as they are.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -19,99 +40,201 @@ import triton.language as tl
 
 from kernels.merge import MergeTarget
 
-BLOCK_N, BLOCK_K = 64, 128
-COPY_BLOCK = 4096
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_VECTOR_BYTES = 16  # widest global load/store
 
 
-def merge_weights_triton(targets: Sequence[MergeTarget], slot: int) -> None:
+@dataclass(frozen=True)
+class MergeConfig:
+    """Launch shape of the merge kernel: one [block_n, block_k] tile of W per program (no loop, so
+    no pipeline stages to choose). Blocks are powers of two >= 16 (tl.dot)."""
+    block_n: int
+    block_k: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        for block in (self.block_n, self.block_k):
+            assert block >= 16 and block & (block - 1) == 0, self
+        assert self.num_warps in (1, 2, 4, 8, 16), self
+
+
+@dataclass(frozen=True)
+class RestoreConfig:
+    """Launch shape of the restore copy: `block` contiguous elements per program (a power of two)."""
+    block: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        assert self.block >= 128 and self.block & (self.block - 1) == 0, self
+        assert self.num_warps in (1, 2, 4, 8, 16), self
+
+
+# 16-bit: a 64 x 128 tile (16 KB of W) on 4 warps needs 162 registers, so 3 programs share an SM
+# with 48 KB of W loads in flight, no spills (ptxas, sm_90a). float32 takes the exact product on
+# CUDA cores (input_precision "ieee"), whose 64 x 128 tile spills: 32 x 64 on 8 warps does not.
+MERGE_CONFIGS = {2: MergeConfig(block_n=64, block_k=128, num_warps=4),  # by element size
+                 4: MergeConfig(block_n=32, block_k=64, num_warps=8)}
+RESTORE_CONFIG = RestoreConfig(block=65536, num_warps=16)  # 128 KB of bf16 a program, 16 B a load (swept on an H200)
+
+
+def merge_weights_triton(targets: Sequence[MergeTarget], slot: int, config: MergeConfig | None = None) -> None:
+    """config: None = MERGE_CONFIGS for the weights' element size."""
     if not targets:
         return
-    ptrs, sizes, tile_starts = [], [], [0]
+    config = config or MERGE_CONFIGS[targets[0].weight.element_size()]
+    launch = _merge_launch(tuple(targets), config)
+    _merge_kernel[(launch.num_programs,)](
+        launch.program_tasks, launch.records, slot,
+        DTYPE=launch.dtype, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_R=launch.block_r,
+        ALIGNED=launch.aligned, VECTOR=launch.vector, num_warps=config.num_warps)
+
+
+def restore_weights_triton(targets: Sequence[MergeTarget], config: RestoreConfig = RESTORE_CONFIG) -> None:
+    if not targets:
+        return
+    launch = _restore_launch(tuple(targets), config)
+    _restore_kernel[(launch.num_programs,)](
+        launch.program_tasks, launch.records,
+        DTYPE=launch.dtype, BLOCK=config.block, ALIGNED=launch.aligned, VECTOR=launch.vector,
+        num_warps=config.num_warps)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What a launch over a set of targets needs besides the slot, built once per set (cached)."""
+    program_tasks: torch.Tensor  # int32 [num_programs]: the task (record) of each program
+    records: torch.Tensor        # int64 [num_tasks * record size], the kernel's record layout
+    num_programs: int
+    dtype: tl.dtype
+    aligned: bool                # every address and stride a multiple of 16 bytes
+    vector: int                  # elements in 16 bytes
+    block_r: int = 0             # merge: the rank tile (the stacks' padded rank)
+
+
+def _common(targets: tuple[MergeTarget, ...]) -> tuple[torch.dtype, torch.device, int]:
+    dtype, device = targets[0].weight.dtype, targets[0].weight.device
+    for t in targets:
+        assert t.weight.dtype == t.backup.dtype == t.stack.a.dtype == t.stack.b.dtype == dtype, "one dtype per launch"
+        assert t.weight.device == t.backup.device == t.stack.a.device == device, "one device per launch"
+        assert t.weight.is_contiguous() and t.backup.is_contiguous() and t.backup.shape == t.weight.shape
+    return dtype, device, targets[0].weight.element_size()
+
+
+# Keyed by the targets' identity (MergeTarget compares by identity and holds its tensors, so a
+# cached address cannot outlive its tensor): a worker merges the same projections every time, and
+# building the records in Python costs ~0.3 ms that the idle GPU would wait for.
+@lru_cache(maxsize=8)
+def _merge_launch(targets: tuple[MergeTarget, ...], config: MergeConfig) -> _Launch:
+    """Records hold slot 0's addresses and the per-slot strides, and the rank and scaling are read
+    on the device: one launch description serves every slot and every adapter loaded into it."""
+    dtype, device, elem = _common(targets)
+    records, tiles, num_programs, block_r, address_bits = array("q"), [], 0, 16, 0
     for target in targets:
-        stack, weight, backup = target.stack, target.weight, target.backup
-        assert weight.is_contiguous() and backup.is_contiguous() and backup.shape == weight.shape
-        in_features = weight.shape[1]
-        for s, rank in enumerate(stack.host_ranks[slot]):
-            first, stop = stack.out_offsets[s], stack.out_offsets[s + 1]
-            ptrs.append([weight[first].data_ptr(), backup[first].data_ptr(), stack.a[slot, s].data_ptr(),
-                         stack.b[slot, first].data_ptr(), stack.scalings[slot:slot + 1].data_ptr()])
-            sizes.append([stop - first, rank, in_features, stack.max_rank])
-            tile_starts.append(tile_starts[-1] + triton.cdiv(stop - first, BLOCK_N))
-    dtype = targets[0].weight.dtype
-    assert all(t.weight.dtype == dtype for t in targets), "one dtype per launch"
-    device = targets[0].weight.device
-    max_rank = max(t.stack.max_rank for t in targets)
-    _merge_kernel[(tile_starts[-1],)](
-        torch.tensor(ptrs, dtype=torch.int64).to(device), torch.tensor(sizes, dtype=torch.int32).to(device),
-        torch.tensor(tile_starts, dtype=torch.int32).to(device), len(ptrs),
-        DTYPE=_TL_DTYPES[dtype], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        BLOCK_R=max(16, triton.next_power_of_2(max_rank)), num_warps=8, num_stages=3)
+        stack = target.stack
+        out_features, in_features = target.weight.shape
+        assert (out_features, in_features) == (stack.out_features, stack.in_features), (target.weight.shape,)
+        a_stride, b_stride = stack.a.stride(), stack.b.stride()
+        assert a_stride[3] == 1 and a_stride[2] == in_features and b_stride[2] == 1, (a_stride, b_stride)
+        assert stack.ranks.stride(1) == 1 and stack.scalings.stride(0) == 1
+        row_bytes, k_tiles = in_features * elem, -(-in_features // config.block_k)
+        w_rows, backup_rows = target.weight.data_ptr(), target.backup.data_ptr()
+        address_bits |= (w_rows | backup_rows | stack.a.data_ptr() | stack.b.data_ptr() | row_bytes
+                         | a_stride[0] * elem | a_stride[1] * elem | b_stride[0] * elem | b_stride[1] * elem)
+        block_r = max(block_r, 1 << (stack.max_rank - 1).bit_length())
+        for s in range(stack.num_slices):
+            first, rows = stack.out_offsets[s], stack.out_offsets[s + 1] - stack.out_offsets[s]
+            records.extend((w_rows + first * row_bytes, backup_rows + first * row_bytes,
+                            stack.a.data_ptr() + s * a_stride[1] * elem, stack.b.data_ptr() + first * b_stride[1] * elem,
+                            stack.scalings.data_ptr(), stack.ranks.data_ptr() + s * stack.ranks.element_size(),
+                            a_stride[0], b_stride[0], stack.ranks.stride(0),
+                            rows, in_features, b_stride[1], num_programs))
+            tiles.append(-(-rows // config.block_n) * k_tiles)
+            num_programs += tiles[-1]
+    return _Launch(_program_tasks(tuple(tiles), device), torch.frombuffer(records, dtype=torch.int64).to(device),
+                   num_programs, _TL_DTYPES[dtype], address_bits % _VECTOR_BYTES == 0, _VECTOR_BYTES // elem, block_r)
 
 
-def restore_weights_triton(targets: Sequence[MergeTarget]) -> None:
-    if not targets:
-        return
-    assert all(t.weight.is_contiguous() and t.backup.is_contiguous() and t.weight.shape == t.backup.shape
-               for t in targets)
-    device = targets[0].weight.device
-    ptrs = torch.tensor([[t.weight.data_ptr(), t.backup.data_ptr()] for t in targets], dtype=torch.int64).to(device)
-    numels = [t.weight.numel() for t in targets]
-    _restore_kernel[(len(targets), triton.cdiv(max(numels), COPY_BLOCK))](
-        ptrs, torch.tensor(numels, dtype=torch.int64).to(device),
-        DTYPE=_TL_DTYPES[targets[0].weight.dtype], BLOCK=COPY_BLOCK, num_warps=4)
+@lru_cache(maxsize=8)
+def _restore_launch(targets: tuple[MergeTarget, ...], config: RestoreConfig) -> _Launch:
+    dtype, device, elem = _common(targets)
+    records, chunks, num_programs, address_bits = array("q"), [], 0, 0
+    for t in targets:
+        weight, backup, numel = t.weight.data_ptr(), t.backup.data_ptr(), t.weight.numel()
+        records.extend((weight, backup, numel, num_programs))
+        chunks.append(-(-numel // config.block))
+        num_programs += chunks[-1]
+        address_bits |= weight | backup | numel * elem
+    return _Launch(_program_tasks(tuple(chunks), device), torch.frombuffer(records, dtype=torch.int64).to(device),
+                   num_programs, _TL_DTYPES[dtype], address_bits % _VECTOR_BYTES == 0, _VECTOR_BYTES // elem)
 
 
-@triton.jit
-def _merge_kernel(ptrs, sizes, tile_starts, num_tasks,
-                  DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+def _program_tasks(programs_per_task: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 [sum(programs_per_task)]: the task of each program (about 1 MB for a 7B's q,k,v,o)."""
+    counts = torch.tensor(programs_per_task, dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts).to(device)
+
+
+@triton.jit(do_not_specialize=["slot"])  # one compiled kernel for every slot
+def _merge_kernel(program_tasks, records, slot,
+                  DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                  ALIGNED: tl.constexpr, VECTOR: tl.constexpr):
     pid = tl.program_id(0)
-    lo: tl.int32 = 0            # the task holding tile pid: the last t with tile_starts[t] <= pid
-    hi: tl.int32 = num_tasks
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if tl.load(tile_starts + mid) <= pid:
-            lo = mid
-        else:
-            hi = mid
-    task = lo
-    tile = pid - tl.load(tile_starts + task)
-    w_rows = tl.load(ptrs + task * 5).to(tl.pointer_type(DTYPE))
-    backup_rows = tl.load(ptrs + task * 5 + 1).to(tl.pointer_type(DTYPE))
-    a_ptr = tl.load(ptrs + task * 5 + 2).to(tl.pointer_type(DTYPE))
-    b_ptr = tl.load(ptrs + task * 5 + 3).to(tl.pointer_type(DTYPE))
-    scaling = tl.load(tl.load(ptrs + task * 5 + 4).to(tl.pointer_type(tl.float32)))
-    num_rows = tl.load(sizes + task * 4)
-    rank = tl.load(sizes + task * 4 + 1)
-    in_features = tl.load(sizes + task * 4 + 2)
-    b_stride = tl.load(sizes + task * 4 + 3)
-
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)   # this program's rows of the task's slice
-    offs_r = tl.arange(0, BLOCK_R)
-    n_mask, r_mask = offs_n < num_rows, offs_r < rank
-    b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * b_stride + offs_r[None, :],
-                mask=n_mask[:, None] & r_mask[None, :], other=0.0)          # [BLOCK_N, BLOCK_R], read once
-    row_offs = offs_n[:, None].to(tl.int64) * in_features
-    for k0 in range(0, in_features, BLOCK_K):  # stream the rows across K
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < in_features
-        a = tl.load(a_ptr + offs_r[:, None] * in_features + offs_k[None, :],
-                    mask=r_mask[:, None] & k_mask[None, :], other=0.0)      # [BLOCK_R, BLOCK_K]
+    record = records + tl.load(program_tasks + pid).to(tl.int64) * 13  # the host's record layout
+    w_rows = tl.load(record + 0).to(tl.pointer_type(DTYPE))
+    backup_rows = tl.load(record + 1).to(tl.pointer_type(DTYPE))
+    slot = slot.to(tl.int64)
+    a_ptr = tl.load(record + 2).to(tl.pointer_type(DTYPE)) + slot * tl.load(record + 6)
+    b_ptr = tl.load(record + 3).to(tl.pointer_type(DTYPE)) + slot * tl.load(record + 7)
+    scaling_ptr = tl.load(record + 4).to(tl.pointer_type(tl.float32)) + slot
+    rank_ptr = tl.load(record + 5).to(tl.pointer_type(tl.int32)) + slot * tl.load(record + 8)
+    num_rows = tl.load(record + 9).to(tl.int32)
+    in_features = tl.load(record + 10).to(tl.int32)
+    b_stride = tl.load(record + 11).to(tl.int32)
+    tile = pid - tl.load(record + 12).to(tl.int32)
+    if ALIGNED:  # the host checked: every address 16-byte aligned, strides multiples of VECTOR elements
+        w_rows = tl.multiple_of(w_rows, 16)
+        backup_rows = tl.multiple_of(backup_rows, 16)
+        a_ptr = tl.multiple_of(a_ptr, 16)
+        b_ptr = tl.multiple_of(b_ptr, 16)
+        in_features = tl.multiple_of(in_features, VECTOR)
+        b_stride = tl.multiple_of(b_stride, VECTOR)
+    k_tiles = tl.cdiv(in_features, BLOCK_K)
+    offs_n = (tile // k_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)   # rows of the task's slice
+    offs_k = (tile % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)    # columns
+    n_mask, k_mask = offs_n < num_rows, offs_k < in_features
+    w_offs = offs_n[:, None].to(tl.int64) * in_features + offs_k[None, :]
+    w_mask = n_mask[:, None] & k_mask[None, :]
+    w = tl.load(w_rows + w_offs, mask=w_mask, eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K], in flight
+    rank = tl.load(rank_ptr)
+    if rank > 0:  # 0: the slot's adapter does not target this slice (saved, left as it is)
+        offs_r = tl.arange(0, BLOCK_R)
+        # B's storage past the rank is in the row stride: read it whole (vectorised), zero it here.
+        b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * b_stride + offs_r[None, :],
+                    mask=n_mask[:, None] & (offs_r < b_stride)[None, :], other=0.0, eviction_policy="evict_last")
+        b = tl.where((offs_r < rank)[None, :], b, 0.0)                              # [BLOCK_N, BLOCK_R]
+        a = tl.load(a_ptr + offs_r[:, None].to(tl.int64) * in_features + offs_k[None, :],
+                    mask=(offs_r < rank)[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_last")                                  # [BLOCK_R, BLOCK_K]
         # 16-bit products are exact in float32, so tensor cores with float32 accumulation compute
         # what a float32 matmul would; float32 weights take the exact (non-tf32) path.
-        delta = tl.dot(b, a, input_precision="ieee" if DTYPE == tl.float32 else "tf32") * scaling
-        w_offs = row_offs + offs_k[None, :]
-        mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + w_offs, mask=mask)
-        tl.store(backup_rows + w_offs, w, mask=mask)
-        tl.store(w_rows + w_offs, (w.to(tl.float32) + delta).to(DTYPE), mask=mask)
+        delta = tl.dot(b, a, input_precision="ieee" if DTYPE == tl.float32 else "tf32") * tl.load(scaling_ptr)
+        tl.store(w_rows + w_offs, (w.to(tl.float32) + delta).to(DTYPE), mask=w_mask, eviction_policy="evict_first")
+    tl.store(backup_rows + w_offs, w, mask=w_mask, eviction_policy="evict_first")
 
 
 @triton.jit
-def _restore_kernel(ptrs, sizes, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    pair = tl.program_id(0)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < tl.load(sizes + pair)
-    weight = tl.load(ptrs + pair * 2).to(tl.pointer_type(DTYPE))
-    backup = tl.load(ptrs + pair * 2 + 1).to(tl.pointer_type(DTYPE))
-    tl.store(weight + offs, tl.load(backup + offs, mask=mask), mask=mask)
+def _restore_kernel(program_tasks, records, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                    ALIGNED: tl.constexpr, VECTOR: tl.constexpr):
+    pid = tl.program_id(0)
+    record = records + tl.load(program_tasks + pid).to(tl.int64) * 4  # weight, backup, numel, first chunk
+    weight = tl.load(record + 0).to(tl.pointer_type(DTYPE))
+    backup = tl.load(record + 1).to(tl.pointer_type(DTYPE))
+    numel = tl.load(record + 2)
+    chunk = pid - tl.load(record + 3)
+    if ALIGNED:
+        weight = tl.multiple_of(weight, 16)
+        backup = tl.multiple_of(backup, 16)
+        numel = tl.multiple_of(numel, VECTOR)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < numel
+    tl.store(weight + offs, tl.load(backup + offs, mask=mask, eviction_policy="evict_first"), mask=mask)

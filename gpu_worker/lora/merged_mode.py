@@ -32,7 +32,7 @@ class MergedMode:
         assert after_steps >= 1, after_steps
         self._modules = [m for m in modules if m.lora is not None]
         self._after_steps = after_steps
-        self._backups: dict[int, torch.Tensor] = {}  # id(module) -> its base weight, saved at merge
+        self._targets: dict[int, MergeTarget] = {}  # id(module) -> its weight and the backup saved at merge
         self._merged: tuple[int, str] | None = None  # (slot, adapter name) folded into the weights
         self._merged_targets: list[MergeTarget] = []  # weights that hold it (the slot may be reused later)
         self._candidate: tuple[int, str] | None = None
@@ -66,14 +66,15 @@ class MergedMode:
         targeted = [m for m in self._modules if any(m.lora.host_ranks[slot])]
         try:
             for module in targeted:
-                if id(module) not in self._backups:
-                    self._backups[id(module)] = torch.empty_like(module.weight)
+                if id(module) not in self._targets:
+                    self._targets[id(module)] = MergeTarget(module.weight.data, torch.empty_like(module.weight),
+                                                            module.lora)
         except torch.OutOfMemoryError:
-            self._backups.clear()
+            self._targets.clear()
             self._enabled = False
             log.warning("no memory to save base weights for merged mode; steps on one adapter run unmerged")
             return False
-        targets = [MergeTarget(m.weight.data, self._backups[id(m)], m.lora) for m in targeted]
+        targets = [self._targets[id(m)] for m in targeted]  # the same objects every time: see MergeTarget
         with torch.inference_mode():
             merge_weights(targets, slot)  # one launch on CUDA for every projection of every layer
         self._merged, self._merged_targets = (slot, name), targets

@@ -147,6 +147,44 @@ def test_merge_one_launch_bf16_matches_reference_and_restores_exactly():
     assert all(torch.equal(t.weight, o) for t, o in zip(targets, originals))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("in_features,max_rank", [(3584, 64), (1003, 8), (512, 4)],
+                         ids=["aligned", "odd-columns", "b-stride-8-bytes"])
+def test_merge_gqa_compiled_equals_reference_rounded_once(dtype, in_features, max_rank):
+    """The compiled paths (16-byte hints or none, every dtype): a Qwen2-like fused qkv (q 3584, k and
+    v 512 rows, k untargeted), an o of odd rows, ranks below the stack's padding; the result is the
+    float32 reference rounded once, the backup and the restore bit-exact."""
+    from kernels.merge import MergeTarget, merge_weights, merge_weights_reference, restore_weights
+
+    torch.manual_seed(0)
+    rank = max_rank // 2
+    targets, references, originals = [], [], []
+    for sizes, targeted in (((3584, 512, 512), (0, 2)), ((1001,), (0,))):
+        stack = LoRAStack.empty(2, in_features, sizes, max_rank, dtype, "cuda")
+        stack.set_slot(1, {s: (torch.randn(rank, in_features, device="cuda", dtype=dtype) * 0.05,
+                               torch.randn(sizes[s], rank, device="cuda", dtype=dtype) * 0.05)
+                           for s in targeted}, 2.0)
+        weight = torch.randn(sum(sizes), in_features, device="cuda", dtype=dtype)
+        originals.append(weight.clone())
+        targets.append(MergeTarget(weight, torch.empty_like(weight), stack))
+        references.append(MergeTarget(weight.clone(), torch.empty_like(weight), stack))
+    merge_weights(targets, 1)
+    merge_weights_reference(references, 1)
+    for target, reference_, original in zip(targets, references, originals):
+        assert torch.equal(target.backup, original)
+        actual, expected = target.weight.double(), reference_.weight.double()
+        if dtype == torch.float32:
+            assert _rel_err(actual - original.double(), expected - original.double()) < 1e-5
+        else:  # one rounding of float32 sums: at most one unit in the last place apart
+            ulp = torch.maximum(actual.abs(), expected.abs()) * torch.finfo(dtype).eps
+            assert bool(((actual - expected).abs() <= ulp + 1e-6).all())
+        if target.stack.num_slices > 1:  # k is untargeted: left as it is
+            k_rows = slice(target.stack.out_offsets[1], target.stack.out_offsets[2])
+            assert torch.equal(target.weight[k_rows], original[k_rows])
+    restore_weights(targets)
+    assert all(torch.equal(t.weight, o) for t, o in zip(targets, originals))
+
+
 def _distinct_table_configs() -> list[tuple[str, object]]:
     from kernels import tuning
     table = tuning.load_table(torch.cuda.get_device_name()) if torch.cuda.is_available() else {"configs": {}}
