@@ -35,7 +35,8 @@ DEFAULT_MODEL = REPO / "benchmarks" / "perf_models" / "h200-llama-2-7b.json"
 
 PolicyFactory = Callable[[argparse.Namespace, PerfModel, LoadCosts], Policy]
 POLICIES: dict[str, PolicyFactory] = {
-    "tessera": lambda a, m, c: TesseraPolicy({m.kind: m}, c, headroom=a.headroom),
+    "tessera": lambda a, m, c: TesseraPolicy({m.kind: m}, c, headroom=a.headroom,
+                                             sole_holder_headroom=a.sole_holder_headroom),
     "most-idle": lambda a, m, c: MostIdle(),
     "round-robin": lambda a, m, c: RoundRobin(),
     "random": lambda a, m, c: RandomChoice(a.seed),
@@ -77,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-slo-factor", type=float, default=5.0, help="TTFT SLO = this × the prefill alone")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
     p.add_argument("--headroom", type=float, default=0.85, help="tessera: share of the SLO its prediction may use")
+    p.add_argument("--sole-holder-headroom", type=float, default=0.95,
+                   help="tessera: the same share on the only worker holding the adapter on its GPU")
     p.add_argument("--first-fit-batch", type=int, default=32, help="first-fit: batch size a worker may take")
     p.add_argument("--affinity-slack", type=int, default=2, help="least-loaded-lru: load slack for affinity")
     p.add_argument("--seed", type=int, default=0)
@@ -89,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.policies.split(",")) - set(POLICIES)
     if unknown:
         p.error(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
+    if not 0 < args.headroom <= args.sole_holder_headroom <= 1:
+        p.error("need 0 < --headroom <= --sole-holder-headroom <= 1")
     if args.plot and args.out is None:
         p.error("--plot needs --out")
     if args.sweep_values and not args.sweep:

@@ -150,7 +150,8 @@ def test_a_placement_that_would_break_the_tpot_slo_is_avoided(cluster: Cluster) 
         tpot_a, tpot_b = tpot[cluster.worker_a], tpot[cluster.worker_b]
         assert tpot_a > 1.5 * tpot_b, f"A's batch should make its predicted TPOT clearly worse: {tpot}"
         # Between the two: A's prediction breaks it (A's contexts only grow from here), B's meets it.
-        slo_ms = math.sqrt(tpot_a * tpot_b) / policy.headroom * 1e3
+        # A is demo-r16's only holder, so A's prediction may use sole_holder_headroom × the SLO.
+        slo_ms = math.sqrt(tpot_a / policy.sole_holder_headroom * tpot_b / policy.headroom) * 1e3
         tight_b0 = cluster.stats(cluster.worker_b)
         reply = cluster.complete("demo-r16", prompt, max_tokens, {"tpot_ms": slo_ms, "ttft_ms": 60_000})
         assert reply.status_code == 200, reply.text

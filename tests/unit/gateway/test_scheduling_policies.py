@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from gateway.scheduling.adapter_cache import LoadCosts
 from gateway.scheduling.batch import BatchEntry
 from gateway.scheduling.perf_model import PerfModel, PhaseModel
@@ -36,7 +38,7 @@ def request(adapter: str = "x", rank: int = 8, tpot_s: float = 7.5e-3, ttft_s: f
 
 
 def tessera(model: PerfModel = MODEL) -> TesseraPolicy:
-    return TesseraPolicy({model.kind: model}, LoadCosts(), headroom=1.0)
+    return TesseraPolicy({model.kind: model}, LoadCosts(), headroom=1.0, sole_holder_headroom=1.0)
 
 
 def picks(policy, workers: list[WorkerState], n: int, req: RoutingRequest | None = None) -> list[str]:
@@ -103,6 +105,27 @@ def test_tessera_leaves_a_holder_whose_batch_would_break_the_tpot_slo() -> None:
     assert picks(tessera(), workers, 1, relaxed) == ["w1"]
 
 
+def test_tessera_keeps_a_request_on_its_adapters_only_holder_within_a_thinner_margin() -> None:
+    # With r, w1's 6 requests predict 5 + 6 × (0.204 + 25 / 200) ≈ 6.97 ms per token: past the
+    # 0.85 × 7.5 = 6.4 ms headroom, within the only holder's 0.95 × 7.5 = 7.1 ms. w2 is idle, with a
+    # host copy of x.
+    policy = TesseraPolicy({MODEL.kind: MODEL}, LoadCosts(), headroom=0.85)
+    sole = [worker("w1", load=5, gpu=("x",)), worker("w2", host=("x",))]
+    assert picks(policy, sole, 2) == ["w1", "w1"]               # leaving it would be a miss and a replica
+    strict = TesseraPolicy({MODEL.kind: MODEL}, LoadCosts(), headroom=0.85, sole_holder_headroom=0.85)
+    assert picks(strict, sole, 1) == ["w2"]                     # the margin everywhere: it spills
+    replicated = sole + [worker("w3", load=5, gpu=("x",))]      # x on two GPUs: the margin holds on both
+    assert picks(policy, replicated, 2) == ["w2", "w2"]
+    over = [worker("w1", load=8, gpu=("x",)), worker("w2", host=("x",))]  # 8.0 ms: past the SLO itself
+    assert picks(policy, over, 1) == ["w2"]
+
+
+def test_tessera_sole_holder_headroom_lies_between_the_headroom_and_the_slo() -> None:
+    for sole_holder_headroom in (0.8, 1.1):
+        with pytest.raises(AssertionError, match="sole holder"):
+            TesseraPolicy({MODEL.kind: MODEL}, LoadCosts(), headroom=0.85, sole_holder_headroom=sole_holder_headroom)
+
+
 def test_tessera_protects_the_tightest_slo_already_on_a_worker() -> None:
     loose = request(tpot_s=50e-3)
     workers = [worker("w1", load=4, gpu=("x",), slo=5.5e-3), worker("w2", load=4, host=("x",))]
@@ -131,7 +154,7 @@ def test_tessera_skips_a_worker_without_kv_room() -> None:
 def test_tessera_prices_an_unprofiled_kind_with_the_fallback_model() -> None:
     # A new GPU or base model reports a kind with no profile yet: it is served, priced as the fallback.
     policy = TesseraPolicy({MODEL.kind: MODEL, PADDED.kind: PADDED}, LoadCosts(), headroom=1.0,
-                           fallback_kind=MODEL.kind)
+                           sole_holder_headroom=1.0, fallback_kind=MODEL.kind)
     new = worker("w2", gpu=("x",), kind="new-gpu")
     assert picks(policy, [worker("w1", load=3), new], 2) == ["w2"] * 2
     assert policy.model_for("new-gpu") is MODEL and policy.model_for(PADDED.kind) is PADDED
