@@ -124,22 +124,33 @@ def test_skinny_linear_bf16_matches_float32(rows, out_features, in_features):
     assert _rel_err(actual.float(), expected) < BF16_REL
 
 
-def test_merge_one_launch_bf16_matches_reference_and_restores_exactly():
-    from kernels.merge import MergeTarget, merge_weights, merge_weights_reference, restore_weights
+def _merge_with_reference(layouts, dtype: torch.dtype, max_rank: int, rank: int):
+    """Merge slot 1 into fresh weights, one launch, and the same with the torch reference.
+    layouts: (in_features, out slice sizes, targeted slices) per projection.
+    -> (targets, references, originals)."""
+    from kernels.merge import MergeTarget, merge_weights, merge_weights_reference
 
     torch.manual_seed(0)
     targets, references, originals = [], [], []
-    for in_features, sizes in ((4096, (4096, 1024, 1024)), (4096, (4096,)), (11008, (4096,))):
-        stack = LoRAStack.empty(2, in_features, sizes, 64, torch.bfloat16, "cuda")
-        stack.set_slot(1, {s: (torch.randn(64, in_features, device="cuda", dtype=torch.bfloat16) * 0.05,
-                               torch.randn(n, 64, device="cuda", dtype=torch.bfloat16) * 0.05)
-                           for s, n in enumerate(sizes) if s != 1}, 2.0)
-        weight = torch.randn(sum(sizes), in_features, device="cuda", dtype=torch.bfloat16)
+    for in_features, sizes, targeted in layouts:
+        stack = LoRAStack.empty(2, in_features, sizes, max_rank, dtype, "cuda")
+        stack.set_slot(1, {s: (torch.randn(rank, in_features, device="cuda", dtype=dtype) * 0.05,
+                               torch.randn(sizes[s], rank, device="cuda", dtype=dtype) * 0.05)
+                           for s in targeted}, 2.0)
+        weight = torch.randn(sum(sizes), in_features, device="cuda", dtype=dtype)
         originals.append(weight.clone())
         targets.append(MergeTarget(weight, torch.empty_like(weight), stack))
         references.append(MergeTarget(weight.clone(), torch.empty_like(weight), stack))
     merge_weights(targets, 1)
     merge_weights_reference(references, 1)
+    return targets, references, originals
+
+
+def test_merge_one_launch_bf16_matches_reference_and_restores_exactly():
+    from kernels.merge import restore_weights
+
+    layouts = ((4096, (4096, 1024, 1024), (0, 2)), (4096, (4096,), (0,)), (11008, (4096,), (0,)))
+    targets, references, originals = _merge_with_reference(layouts, torch.bfloat16, 64, 64)
     for target, reference_, original in zip(targets, references, originals):
         delta, expected = (target.weight.float() - original.float()), (reference_.weight.float() - original.float())
         assert _rel_err(delta, expected) < BF16_REL
@@ -154,22 +165,10 @@ def test_merge_gqa_compiled_equals_reference_rounded_once(dtype, in_features, ma
     """The compiled paths (16-byte hints or none, every dtype): a Qwen2-like fused qkv (q 3584, k and
     v 512 rows, k untargeted), an o of odd rows, ranks below the stack's padding; the result is the
     float32 reference rounded once, the backup and the restore bit-exact."""
-    from kernels.merge import MergeTarget, merge_weights, merge_weights_reference, restore_weights
+    from kernels.merge import restore_weights
 
-    torch.manual_seed(0)
-    rank = max_rank // 2
-    targets, references, originals = [], [], []
-    for sizes, targeted in (((3584, 512, 512), (0, 2)), ((1001,), (0,))):
-        stack = LoRAStack.empty(2, in_features, sizes, max_rank, dtype, "cuda")
-        stack.set_slot(1, {s: (torch.randn(rank, in_features, device="cuda", dtype=dtype) * 0.05,
-                               torch.randn(sizes[s], rank, device="cuda", dtype=dtype) * 0.05)
-                           for s in targeted}, 2.0)
-        weight = torch.randn(sum(sizes), in_features, device="cuda", dtype=dtype)
-        originals.append(weight.clone())
-        targets.append(MergeTarget(weight, torch.empty_like(weight), stack))
-        references.append(MergeTarget(weight.clone(), torch.empty_like(weight), stack))
-    merge_weights(targets, 1)
-    merge_weights_reference(references, 1)
+    layouts = ((in_features, (3584, 512, 512), (0, 2)), (in_features, (1001,), (0,)))
+    targets, references, originals = _merge_with_reference(layouts, dtype, max_rank, max_rank // 2)
     for target, reference_, original in zip(targets, references, originals):
         assert torch.equal(target.backup, original)
         actual, expected = target.weight.double(), reference_.weight.double()
