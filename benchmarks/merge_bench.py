@@ -21,6 +21,7 @@ import torch
 
 from kernels.lora_stack import LoRAStack
 from kernels.merge import MergeTarget, merge_weights, merge_weights_reference, restore_weights
+from kernels.timing import copy_bandwidth
 from kernels.triton_merge import (MERGE_CONFIGS, RESTORE_CONFIG, MergeConfig, RestoreConfig, merge_weights_triton,
                                   restore_weights_triton)
 
@@ -59,13 +60,6 @@ def time_ms(fn: Callable[[], None], n: int = 5) -> float:
         e.synchronize()
         ts.append(s.elapsed_time(e))
     return sorted(ts)[n // 2]
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy (read + write), 2 GiB each way."""
-    src = torch.randn(2**29, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / (time_ms(lambda: dst.copy_(src)) / 1e3)
 
 
 def host_ms(fn: Callable[[], None], n: int = 5) -> float:

@@ -111,7 +111,7 @@ class _Launch:
     block_r: int = 0             # merge: the rank tile (the stacks' padded rank)
 
 
-def _common(targets: tuple[MergeTarget, ...]) -> tuple[torch.dtype, torch.device, int]:
+def _checked_dtype_device(targets: tuple[MergeTarget, ...]) -> tuple[torch.dtype, torch.device, int]:
     dtype, device = targets[0].weight.dtype, targets[0].weight.device
     for t in targets:
         assert t.weight.dtype == t.backup.dtype == t.stack.a.dtype == t.stack.b.dtype == dtype, "one dtype per launch"
@@ -127,7 +127,7 @@ def _common(targets: tuple[MergeTarget, ...]) -> tuple[torch.dtype, torch.device
 def _merge_launch(targets: tuple[MergeTarget, ...], config: MergeConfig) -> _Launch:
     """Records hold slot 0's addresses and the per-slot strides, and the rank and scaling are read
     on the device: one launch description serves every slot and every adapter loaded into it."""
-    dtype, device, elem = _common(targets)
+    dtype, device, elem = _checked_dtype_device(targets)
     records, tiles, num_programs, block_r, address_bits = array("q"), [], 0, 16, 0
     for target in targets:
         stack = target.stack
@@ -156,7 +156,7 @@ def _merge_launch(targets: tuple[MergeTarget, ...], config: MergeConfig) -> _Lau
 
 @lru_cache(maxsize=8)
 def _restore_launch(targets: tuple[MergeTarget, ...], config: RestoreConfig) -> _Launch:
-    dtype, device, elem = _common(targets)
+    dtype, device, elem = _checked_dtype_device(targets)
     records, chunks, num_programs, address_bits = array("q"), [], 0, 0
     for t in targets:
         weight, backup, numel = t.weight.data_ptr(), t.backup.data_ptr(), t.weight.numel()
