@@ -135,9 +135,6 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
     sizes = [hi - lo for lo, hi in zip(stack.out_offsets, stack.out_offsets[1:])]
     cfg = config or tuning.expand_config(stack, batch)
     assert cfg.block_m >= 1 and cfg.block_n >= 16 and cfg.n_steps >= 1, cfg
-    block_r = _block_r(stack, batch)
-    rank_block = min(cfg.rank_block or block_r, block_r)
-    assert _is_pow2(rank_block) and rank_block >= 16, cfg  # tl.dot: K >= 16
     # N-tiles (block_n * n_steps columns, one program each) are numbered slice after slice. The
     # kernel always sees 3 slices: missing ones start at the last tile and end at out_features,
     # so no program maps to them.
@@ -152,8 +149,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         *stack.b.stride(),
         out.stride(0), out.stride(1),
         stack.ranks.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=rank_block, ONE_RANK_BLOCK=rank_block == block_r,
-        SPLIT=y.shape[0],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_block_r(stack, batch), SPLIT=y.shape[0],
         GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(stack.b.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -272,8 +268,7 @@ def _expand_kernel(
     stride_b_slot, stride_bn, stride_b_rank,
     stride_om, stride_on,
     stride_ranks_slot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_RANK_BLOCK: tl.constexpr,
-    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # grid: (M-tile, N-tile); N-tiles run through slice 0, then 1, then 2, and slice s spans
@@ -292,57 +287,39 @@ def _expand_kernel(
     span_end = tl.minimum(n_end, span_begin + BLOCK_N * n_steps)  # this program's columns
     offs_n = span_begin + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
-    # Every load that does not need the rank is issued before the rank is waited on: the first
-    # out tile and, when the adapter's ranks fit one block, y (columns past the rank are garbage
-    # until masked), which is then loaded once for every step.
+    # Every load that does not need the rank is issued before the rank is waited on: y (columns
+    # past the rank are garbage until masked) and the first out tile.
     rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
-    if ONE_RANK_BLOCK:
-        y = _load_y(y_ptrs, stride_y_split, m_mask[:, None] & (offs_r < max_rank)[None, :], BLOCK_M, SPLIT)
+    y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]
+    # The sum of the planes, as [BLOCK_M, BLOCK_R] fp32. Tiles of 16+ rows load plane after
+    # plane (independent loads, all in flight at once): one [SPLIT, BLOCK_M, BLOCK_R] load holds
+    # SPLIT times the registers. A 1-row tile loads all planes at once: loaded one by one, 32
+    # planes made a decode expand 4-7x slower on an H200.
+    if BLOCK_M == 1:
+        offs_s = tl.arange(0, SPLIT)[:, None, None] * stride_y_split
+        y = tl.sum(tl.load(y_ptrs[None, :, :] + offs_s, mask=y_mask[None, :, :], other=0.0), axis=0)
+    else:
+        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            y += tl.load(y_ptrs + s * stride_y_split, mask=y_mask, other=0.0)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
     if rank == 0:  # empty slot, or its adapter does not target this slice: out is never written
         return
-    if ONE_RANK_BLOCK:
-        y = tl.where((offs_r < rank)[None, :], y, 0.0)
+    r_mask = offs_r < rank
+    y = tl.where(r_mask[None, :], y, 0.0)
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
     for _ in range(n_steps):
         n_mask = offs_n < span_end
-        # The next out tile (from HBM) is requested before this one's B tiles (from L2) and product.
+        # The next out tile (from HBM) is requested before this one's B tile (from L2) and product.
         nxt = tl.load(out_ptrs + BLOCK_N * stride_on, mask=m_mask[:, None] & (offs_n + BLOCK_N < span_end)[None, :],
                       other=0.0)
-        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if ONE_RANK_BLOCK:
-            b = tl.load(b_ptrs, mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0)  # Bᵀ tile
-            delta = _matmul(y, b, delta, BLOCK_M, DOT_PRECISION)
-        else:
-            # Blocks of BLOCK_R ranks up to this adapter's own, y's re-read (from L1) each step: in a
-            # batch of mixed ranks a rank-8 adapter multiplies one block, not the batch's 128 ranks.
-            for r in range(0, rank, BLOCK_R):
-                r_mask = offs_r + r < rank
-                y = _load_y(y_ptrs + r * stride_y_rank, stride_y_split, m_mask[:, None] & r_mask[None, :],
-                            BLOCK_M, SPLIT)
-                b = tl.load(b_ptrs + r * stride_b_rank, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-                delta = _matmul(y, b, delta, BLOCK_M, DOT_PRECISION)
+        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N] = Bᵀ tile
+        delta = _matmul(y, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_M, DOT_PRECISION)
         tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(out_ptr.dtype.element_ty),
                  mask=m_mask[:, None] & n_mask[None, :])
         prev = nxt
         offs_n += BLOCK_N
         b_ptrs += BLOCK_N * stride_bn
         out_ptrs += BLOCK_N * stride_on
-
-
-@triton.jit
-def _load_y(y_ptrs, stride_y_split, mask, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
-    """The sum of shrink's SPLIT planes of y at y_ptrs, as [BLOCK_M, BLOCK_R] fp32. Tiles of 16+ rows
-    load plane after plane (independent loads, all in flight at once): one [SPLIT, BLOCK_M,
-    BLOCK_R] load holds SPLIT times the registers. A 1-row tile loads all planes at once: loaded
-    one by one, 32 planes made a decode expand 4-7x slower on an H200."""
-    if BLOCK_M == 1:
-        offs_s = tl.arange(0, SPLIT)[:, None, None] * stride_y_split
-        y = tl.sum(tl.load(y_ptrs[None, :, :] + offs_s, mask=mask[None, :, :], other=0.0), axis=0)
-    else:
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            y += tl.load(y_ptrs + s * stride_y_split, mask=mask, other=0.0)
-    return y

@@ -8,9 +8,9 @@ and write the table kernels/tuning.py looks up (kernels/tables/<gpu>.json).
 A bucket (tuning.Bucket) is one op on one fused projection of the model, a rank tile block_r, a
 batch of T tokens and a largest group of G. It is timed on a representative batch: T tokens in
 groups of G tokens and fewer (`spread_lens`), their rows interleaved (`segments`), each group its
-own adapter slot targeting every slice, of rank block_r or lower (`group_ranks`). The full grid
-of configurations is ~10x too large to time, so the search has two stages: tile shapes at fixed
-warps/stages, then the SHORTLIST best shapes over warps x stages (and, for expand, rank blocks). The heuristic's choice is always timed as well: an entry is never slower than no entry.
+own adapter slot of rank block_r targeting every slice. The full grid of configurations is ~10x
+too large to time, so the search has two stages: tile shapes at fixed warps/stages, then the SHORTLIST best shapes over warps x
+stages. The heuristic's choice is always timed as well: an entry is never slower than no entry.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from kernels.tuning import Bucket, Config, ExpandConfig, ShrinkConfig
 OPS = ("shrink", "expand")
 MAX_GROUPS = 256  # distinct adapters in one batch at most: buckets with more groups never occur
 SPREAD_QUARTERS = (4, 2, 3, 1)  # group sizes of a representative batch, in quarters of its largest
-RANK_SHIFTS = (0, 3, 1, 2)  # ranks of its groups: the bucket's rank tile >> these, in turn
 MEMORY_CAP = 20 * 10**9  # bytes of rotating inputs (stack slots included) one bucket may allocate
 MAX_COPIES = 1024  # rotating copies at most (a graph of as many calls). With 32, tiny ops ran with
 # their weights in L2 and the tuner ranked their configurations unlike the kernel benchmark
@@ -57,7 +56,6 @@ STAGES = {"shrink": (2, 3, 4), "expand": (1, 2)}
 SHRINK_BLOCK_M, SHRINK_BLOCK_K, SPLIT_K = (16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16, 32)
 EXPAND_BLOCK_M, BLOCK_N, N_STEPS = (1, 16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8)
 RANK_BLOCKS, RANK_BLOCKS_FMA, SHRINK_BLOCK_K_FMA = (16, 32), (2, 4, 8, 16), (128, 256, 512)
-EXPAND_RANK_BLOCKS = (16, 32, 64)
 Y_PLANES_CAP = 64 * 2**20  # bytes of shrink's partial-sum planes (split_k of them) one call may write
 PROGRAMS = (33, 4224)  # shrink's split-K keeps the programs between ~1/4 and ~32 per SM of an H100/H200
 MAX_TILE = 16384  # elements of a shrink x tile (expand: half an out tile) that still fit
@@ -216,12 +214,9 @@ def tile_shapes(bucket: Bucket) -> list[Config]:
             for steps in N_STEPS if steps == 1 or n * steps // 2 < widest]
 
 
-def variants(bucket: Bucket, best: Iterable[Config]) -> list[Config]:
-    """Stage 2: each shortlisted shape over every num_warps x num_stages; expand's also over rank
-    blocks below the bucket's rank tile (looped up to each adapter's own rank)."""
-    blocks = [0, *(r for r in EXPAND_RANK_BLOCKS if r < bucket.block_r)] if bucket.op == "expand" else [None]
-    return [replace(c, num_warps=w, num_stages=s, **({} if r is None else {"rank_block": r}))
-            for c in best for r in blocks for w in WARPS for s in STAGES[bucket.op]]
+def variants(op: str, best: Iterable[Config]) -> list[Config]:
+    """Stage 2: each shortlisted shape over every num_warps x num_stages."""
+    return [replace(c, num_warps=w, num_stages=s) for c in best for w in WARPS for s in STAGES[op]]
 
 
 def search(bucket: Bucket, measure: Callable[[Config], float], deadline: float,
@@ -251,7 +246,7 @@ def search(bucket: Bucket, measure: Callable[[Config], float], deadline: float,
     time_all([heuristic, *stage1])
     if heuristic not in seconds:
         raise CheckFailed(f"{bucket.key}: the heuristic {heuristic} could not be timed")
-    time_all(variants(bucket, sorted((c for c in stage1 if c in seconds), key=seconds.__getitem__)[:SHORTLIST]))
+    time_all(variants(bucket.op, sorted((c for c in stage1 if c in seconds), key=seconds.__getitem__)[:SHORTLIST]))
     winner = min(seconds, key=seconds.__getitem__)
     return {**tuning.config_dict(winner), "us": round(seconds[winner] * 1e6, 3),
             "heuristic_us": round(seconds[heuristic] * 1e6, 3)}
@@ -284,27 +279,17 @@ def rotation_copies(bucket: Bucket, elem_size: int, splits: int = 1,
     return max(1, min(needed(moved), MEMORY_CAP // allocated, MAX_COPIES))
 
 
-def group_ranks(bucket: Bucket) -> list[int]:
-    """Rank of each group of the representative batch: the bucket's rank tile is only the bound of
-    a batch whose adapters' ranks differ (its largest group takes the full tile), and expand's rank
-    blocks pay off only on such batches."""
-    return [max(1, bucket.block_r >> RANK_SHIFTS[i % len(RANK_SHIFTS)]) for i in range(len(group_lens(bucket)))]
-
-
-def random_stack(bucket: Bucket, copies: int, dtype: torch.dtype, device: torch.device | str,
+def random_stack(bucket: Bucket, num_slots: int, dtype: torch.dtype, device: torch.device | str,
                  generator: torch.Generator) -> LoRAStack:
-    """`copies` x the representative batch's slots, each of its group's rank (`group_ranks`) on every
-    slice; unit-variance products; storage padded to block_r."""
+    """Every slot full: rank block_r on every slice, unit-variance products."""
     slices, r, k = len(bucket.out_sizes), bucket.block_r, bucket.in_features
-    ranks = group_ranks(bucket) * copies
     new = partial(torch.randn, dtype=dtype, device=device, generator=generator)
-    live = torch.tensor(ranks, device=device)[:, None] > torch.arange(r, device=device)  # [slots, r]
-    a = new(len(ranks), slices, r, k).mul_(k ** -0.5) * live[:, None, :, None]
-    b = new(len(ranks), sum(bucket.out_sizes), r).mul_(r ** -0.5) * live[:, None, :]
-    return LoRAStack(a=a, b=b, ranks=torch.tensor(ranks, dtype=torch.int32, device=device)[:, None].repeat(1, slices),
-                     scalings=torch.ones(len(ranks), dtype=torch.float32, device=device),
+    return LoRAStack(a=new(num_slots, slices, r, k).mul_(k ** -0.5),
+                     b=new(num_slots, sum(bucket.out_sizes), r).mul_(r ** -0.5),
+                     ranks=torch.full((num_slots, slices), r, dtype=torch.int32, device=device),
+                     scalings=torch.ones(num_slots, dtype=torch.float32, device=device),
                      out_offsets=(0, *accumulate(bucket.out_sizes)),
-                     host_ranks=[[n] * slices for n in ranks])
+                     host_ranks=[[r] * slices for _ in range(num_slots)])
 
 
 @dataclass(eq=False)  # holds tensors
@@ -325,7 +310,7 @@ class Workload:
         generator = torch.Generator(device=device).manual_seed(seed)
         groups = len(group_lens(bucket))
         seg_lens, seg_groups = segments(bucket)
-        stack = random_stack(bucket, copies, dtype, device, generator)
+        stack = random_stack(bucket, copies * groups, dtype, device, generator)
         batches = [LoRABatch.build(seg_lens, [c * groups + g for g in seg_groups], device) for c in range(copies)]
         t, slices, out_features = bucket.tokens, len(bucket.out_sizes), sum(bucket.out_sizes)
         new = partial(torch.randn, device=device, generator=generator)
@@ -358,11 +343,6 @@ class Workload:
             if self.bucket.op == "shrink":
                 got = triton_lora.lora_shrink(self.inputs[0], s, batch, config).sum(0, keepdim=True)
                 want = reference.lora_shrink(self.inputs[0].float(), exact, batch)
-                written = torch.zeros_like(want, dtype=torch.bool)  # y past a slot's rank: unspecified
-                for start, n, slot in zip(batch.seg_starts, batch.seg_lens, batch.seg_slots):
-                    for i, rank in enumerate(s.host_ranks[slot]):
-                        written[0, start:start + n, i, :rank] = True
-                got = torch.where(written, got, 0.0)
             else:
                 got, want = self.outs[0].clone(), self.outs[0].float()
                 triton_lora.lora_expand(got, self.inputs[0], s, batch, config)
@@ -460,7 +440,7 @@ def print_plan(todo: Sequence[Bucket]) -> None:
     for bucket in todo:
         stage1 = tile_shapes(bucket)
         n1 = len(stage1) + (tuning.heuristic_config(bucket) not in stage1)
-        n2 = len(set(variants(bucket, stage1[:SHORTLIST])) - set(stage1))  # any shortlist's count
+        n2 = (len(WARPS) * len(STAGES[bucket.op]) - 1) * min(SHORTLIST, len(stage1))  # less stage 1's setting
         total1, total2 = total1 + n1, total2 + n2
         print(f"{bucket.key}  stage1 {n1}  stage2 <={n2}")
     per_op = ", ".join(f"{op} {sum(b.op == op for b in todo)}" for op in OPS)

@@ -49,8 +49,6 @@ class ExpandConfig:
     n_steps: int     # block_n steps per program: amortizes its prologue, pipelines B loads
     num_warps: int
     num_stages: int
-    rank_block: int = 0  # ranks per product (a power of 2 >= 16), looped up to each adapter's own
-    #                      rank; 0: the batch's whole rank bound in one product
 
 
 Config = ShrinkConfig | ExpandConfig

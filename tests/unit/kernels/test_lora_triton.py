@@ -88,23 +88,6 @@ def test_a_batch_rank_bound_tiles_only_the_ranks_it_uses(config):
     run_and_check(stack, batch, x, out, shrink_cfg, expand_cfg)
 
 
-@pytest.mark.parametrize("block_m", [1, 16])
-def test_expand_rank_blocks_stop_at_each_adapters_rank(block_m):
-    """Expand in blocks of 16 ranks over a batch of rank-8 and rank-40 adapters (stack padded to
-    64), y in two K-split planes: the rank-40 adapter takes 3 blocks, the last partial, the rank-8
-    one a single block."""
-    g = torch.Generator().manual_seed(5)
-    stack = LoRAStack.empty(3, IN_FEATURES, LAYOUTS["qkv"], 64, torch.float32, "cpu")
-    for slot, rank in ((0, 8), (2, 40)):
-        stack.set_slot(slot, {s: (torch.randn(rank, IN_FEATURES, generator=g), torch.randn(n, rank, generator=g))
-                              for s, n in enumerate(LAYOUTS["qkv"]) if s != 1}, scaling=0.5)
-    batch = LoRABatch.build([3, 2, 1, 4], [0, NO_SLOT, 2, 0], "cpu")
-    shrink_cfg = ShrinkConfig(block_m=block_m, block_k=16, split_k=2, num_warps=4, num_stages=2)
-    expand_cfg = ExpandConfig(block_m=block_m, block_n=16, n_steps=2, num_warps=4, num_stages=2, rank_block=16)
-    x, out = make_inputs(batch, stack.out_features, torch.float32)
-    run_and_check(stack, batch, x, out, shrink_cfg, expand_cfg)
-
-
 def test_expand_adds_into_a_wider_output_dtype():
     """out in float32 while the weights are float16 (the base layer may keep a wider output)."""
     stack, _ = make_stack("qkv", torch.float16)

@@ -21,7 +21,7 @@ from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CA
                           Y_PLANES_CAP,
                           BudgetSpent, CheckFailed, ModelShape,
                           Progress, Workload, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
-                          group_ranks, rotation_copies, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
+                          rotation_copies, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
                           write_table)
 from kernels.tuning import Bucket, ExpandConfig, ShrinkConfig
 
@@ -146,15 +146,11 @@ def test_expand_candidates_respect_their_constraints(bucket):
 
 def test_variants_cover_warps_and_stages_of_each_shortlisted_shape():
     best = [ShrinkConfig(16, 64, 8, 4, 3), ShrinkConfig(32, 128, 1, 4, 3)]
-    out = variants(Bucket("shrink", 4096, (4096,), 64, 8, 1), best)
+    out = variants("shrink", best)
     assert len(out) == len(set(out)) == 2 * len(WARPS) * len(STAGES["shrink"])
     assert {(c.block_m, c.block_k, c.split_k) for c in out} == {(16, 64, 8), (32, 128, 1)}
-    assert {c.rank_block for c in out} == {0}  # shrink's rank blocks are stage-1 shapes
-    # Expand also over rank blocks below the bucket's rank tile (0: the whole tile at once).
-    out = variants(Bucket("expand", 4096, (4096,), 64, 8, 1), [ExpandConfig(1, 64, 4, 4, 2)])
-    assert {(c.num_warps, c.num_stages, c.rank_block) for c in out} == {
-        (w, s, r) for w in (4, 8) for s in (1, 2) for r in (0, 16, 32)}
-    assert {c.rank_block for c in variants(Bucket("expand", 4096, (4096,), 16, 8, 1), out[:1])} == {0}
+    assert {(c.num_warps, c.num_stages) for c in variants("expand", [ExpandConfig(1, 64, 4, 4, 2)])} == {
+        (w, s) for w in (4, 8) for s in (1, 2)}
 
 
 def fake_seconds(config) -> float:
@@ -179,7 +175,7 @@ def test_search_times_the_shortlist_over_warps_and_stages_and_keeps_the_fastest(
     assert measured[0] == heuristic
     stage1 = [c for c in tile_shapes(bucket) if c.block_k != 256]
     shortlist = sorted(stage1, key=fake_seconds)[:SHORTLIST]
-    assert set(measured) == {heuristic, *tile_shapes(bucket), *variants(bucket, shortlist)}
+    assert set(measured) == {heuristic, *tile_shapes(bucket), *variants("shrink", shortlist)}
     assert {c for c, _ in failures} == {c for c in measured if c.block_k == 256}
     winner = min((c for c in measured if c.block_k != 256), key=fake_seconds)
     assert winner.num_warps == 8 and winner.num_stages == 4  # found by stage 2
@@ -214,13 +210,7 @@ def test_workload_batches_hit_their_bucket_on_disjoint_slots(op):
     slots = [set(b.seg_slots) for b in work.batches]
     assert all(len(s) == groups for s in slots) and len(set().union(*slots)) == 3 * groups
     assert all(tuning.bucket_of(op, work.stack, b) == bucket for b in work.batches)
-    ranks = [16, 2, 8, 4, 16, 2]  # the rank tile >> 0, 3, 1, 2 in turn
-    assert group_ranks(bucket) == ranks
-    assert work.stack.host_ranks == [[r, r] for r in ranks * 3]
-    assert work.stack.ranks.tolist() == work.stack.host_ranks
-    for slot, r in enumerate(ranks * 3):  # storage past each slot's rank is zero
-        assert not work.stack.a[slot, :, r:].any() and not work.stack.b[slot, :, r:].any()
-        assert work.stack.a[slot, :, :r].all() and work.stack.b[slot, :, :r].all()
+    assert work.stack.host_ranks == [[16, 16]] * (3 * groups)
 
 
 @pytest.mark.parametrize("op", ["shrink", "expand"])
