@@ -6,9 +6,10 @@ and write the table kernels/tuning.py looks up (kernels/tables/<gpu>.json).
     python -m kernels.tune --model llama-7b --skip-tuned         # goes on where a budgeted run stopped
 
 A bucket (tuning.Bucket) is one op on one fused projection of the model, a rank tile block_r, a
-batch of T tokens and a largest group of G. It is timed on a representative batch: T tokens in
-groups of G tokens and fewer (`spread_lens`), their rows interleaved (`segments`), each group its
-own adapter slot of rank block_r targeting every slice. The full grid of configurations is ~10x
+batch of T tokens and a largest group of G. It is timed on representative batches: T tokens in
+groups of G tokens and fewer, of spread sizes (`spread_lens`) and of random sizes (`random_lens`),
+their rows interleaved (`segments`), each group its own adapter slot of rank block_r targeting
+every slice. The full grid of configurations is ~10x
 too large to time, so the search has two stages: tile shapes at fixed warps/stages, then the SHORTLIST best shapes over warps x
 stages. The heuristic's choice is always timed as well: an entry is never slower than no entry.
 """
@@ -19,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import random
 import shlex
 import statistics
 import sys
@@ -142,14 +144,43 @@ def spread_lens(tokens: int, group: int) -> list[int]:
     return lens
 
 
-def segments(bucket: Bucket) -> tuple[list[int], list[int]]:
-    """(tokens of each segment, its group) of the representative batch: with several groups, each
-    group of 2+ tokens comes as two halves, every first half before every second half, so no such
-    group is contiguous and the kernels gather its rows, as for a batch whose requests alternate
-    adapters. Example, groups (4, 2, 1): segments (2, 1, 1, 2, 1) of groups (0, 1, 2, 0, 1)."""
-    lens = group_lens(bucket)
+def random_lens(tokens: int, group: int, count: int) -> list[int]:
+    """`count` groups summing to `tokens`: the first holds `group` tokens, the others random sizes
+    in [1, group] (weights uniform in [1/4, 1], so about the spread batch's mean), the same in
+    every run and process."""
+    rng = random.Random(tokens * 65537 + group)
+    rest = tokens - group
+    weights = [rng.uniform(0.25, 1.0) for _ in range(count - 1)]
+    lens = [min(group, max(1, int(w / sum(weights) * rest))) for w in weights]
+    i = 0
+    while (left := rest - sum(lens)) != 0:  # what rounding and clamping left, one token at a time
+        step = 1 if left > 0 else -1
+        if 1 <= lens[i] + step <= group:
+            lens[i] += step
+        i = (i + 1) % len(lens)
+    return [group, *lens]
+
+
+def batch_shapes(bucket: Bucket) -> list[list[int]]:
+    """Group lengths of the bucket's representative batches: the spread batch (`group_lens`) and,
+    where groups may differ in size, as many groups of random sizes (`random_lens`). Timing both
+    keeps the tuner off configurations that only fit the spread batch: its 8192 tokens in 64-row
+    tiles make 128 programs, one wave on 132 SMs, and the configuration chosen for it ran the
+    kernel benchmark's random-length prefills (144 tiles) in two waves, 1.7x slower, on an H200."""
+    spread = group_lens(bucket)
+    if len(spread) == 1 or bucket.group == 1:
+        return [spread]
+    return [spread, random_lens(bucket.tokens, bucket.group, len(spread))]
+
+
+def segments(lens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(tokens of each segment, its group) of a batch of groups of `lens` tokens: with several
+    groups, each group of 2+ tokens comes as two halves, every first half before every second
+    half, so no such group is contiguous and the kernels gather its rows, as for a batch whose
+    requests alternate adapters. Example, groups (4, 2, 1): segments (2, 1, 1, 2, 1) of groups
+    (0, 1, 2, 0, 1)."""
     if len(lens) == 1:
-        return lens, [0]
+        return list(lens), [0]
     halves = [(n - n // 2, g) for g, n in enumerate(lens)] + [(n // 2, g) for g, n in enumerate(lens) if n >= 2]
     return [n for n, _ in halves], [g for _, g in halves]
 
@@ -264,7 +295,7 @@ def shrink_splits(bucket: Bucket, old: dict | None, new: dict[str, dict]) -> int
 def copy_bytes(bucket: Bucket, elem_size: int, splits: int = 1) -> tuple[int, int]:
     """(bytes one call moves, bytes one input copy allocates: its activations and its stack slots)."""
     t, k, r, n = bucket.tokens, bucket.in_features, bucket.block_r, sum(bucket.out_sizes)
-    slices, groups = len(bucket.out_sizes), len(group_lens(bucket))
+    slices, groups = len(bucket.out_sizes), max(map(len, batch_shapes(bucket)))
     y = splits * t * slices * r * 4  # float32 planes
     a, b = groups * slices * r * k * elem_size, groups * n * r * elem_size
     if bucket.op == "shrink":  # reads x and A, writes y
@@ -274,9 +305,12 @@ def copy_bytes(bucket: Bucket, elem_size: int, splits: int = 1) -> tuple[int, in
 
 def rotation_copies(bucket: Bucket, elem_size: int, splits: int = 1,
                     needed: Callable[[int], int] = timing.copies_needed) -> int:
-    """Input copies to cycle through: enough to span 3x L2, few enough to stay under MEMORY_CAP."""
+    """Input copies to cycle through: enough to span 3x L2 and to take each batch shape equally
+    often, few enough to stay under MEMORY_CAP."""
     moved, allocated = copy_bytes(bucket, elem_size, splits)
-    return max(1, min(needed(moved), MEMORY_CAP // allocated, MAX_COPIES))
+    shapes = len(batch_shapes(bucket))
+    wanted = -(-max(needed(moved), shapes) // shapes) * shapes
+    return max(1, min(wanted, MEMORY_CAP // allocated, MAX_COPIES))
 
 
 def random_stack(bucket: Bucket, num_slots: int, dtype: torch.dtype, device: torch.device | str,
@@ -294,12 +328,13 @@ def random_stack(bucket: Bucket, num_slots: int, dtype: torch.dtype, device: tor
 
 @dataclass(eq=False)  # holds tensors
 class Workload:
-    """A bucket's representative batch, `copies` times over. Copy c has its own activations and its
-    own slot range of one shared stack, so cycling the copies moves weights (most of a decode op's
-    bytes) and activations alike through more than the L2."""
+    """A bucket's representative batches (`batch_shapes`), taken in turn by `copies` copies. Copy c
+    has its own activations and its own slot range of one shared stack, so cycling the copies
+    moves weights (most of a decode op's bytes) and activations alike through more than the L2,
+    and a timing of all copies averages the shapes."""
     bucket: Bucket
-    stack: LoRAStack             # [copies * groups] slots
-    batches: list[LoRABatch]     # copy c: segments(bucket), group i on slot c * groups + i
+    stack: LoRAStack             # [copies * groups] slots, groups: the most of any shape
+    batches: list[LoRABatch]     # copy c: shape c % shapes' segments, group i on slot c * groups + i
     inputs: list[torch.Tensor]   # shrink: x [T, in_features]; expand: y float32 [splits, T, slices, block_r]
     outs: list[torch.Tensor]     # expand: out [T, out_features]; shrink: none
 
@@ -308,10 +343,14 @@ class Workload:
               splits: int = 1) -> Workload:
         """`splits`: expand's y planes, as the shrink configuration of the same shape writes them."""
         generator = torch.Generator(device=device).manual_seed(seed)
-        groups = len(group_lens(bucket))
-        seg_lens, seg_groups = segments(bucket)
+        shapes = batch_shapes(bucket)
+        groups = max(map(len, shapes))
         stack = random_stack(bucket, copies * groups, dtype, device, generator)
-        batches = [LoRABatch.build(seg_lens, [c * groups + g for g in seg_groups], device) for c in range(copies)]
+        batches = []
+        for c in range(copies):
+            seg_lens, seg_groups = segments(shapes[c % len(shapes)])
+            # One capacity for all: every copy runs the same compiled kernel over the same grid.
+            batches.append(LoRABatch.build(seg_lens, [c * groups + g for g in seg_groups], device, capacity=groups))
         t, slices, out_features = bucket.tokens, len(bucket.out_sizes), sum(bucket.out_sizes)
         new = partial(torch.randn, device=device, generator=generator)
         if bucket.op == "shrink":
@@ -334,25 +373,30 @@ class Workload:
         return timing.graph_time_s([self.call(config, c) for c in range(len(self.batches))])
 
     def check(self, config: Config) -> None:
-        """`config` on copy 0 against the float32 reference on float32 copies of its inputs."""
-        batch, groups = self.batches[0], len(group_lens(self.bucket))
+        """`config` on the first copy of each shape against the float32 reference on float32 copies
+        of its inputs."""
+        checked = min(len(self.batches), len(batch_shapes(self.bucket)))
+        slots = checked * self.stack.num_slots // len(self.batches)  # those copies' slots
         s = self.stack
-        exact = LoRAStack(s.a[:groups].float(), s.b[:groups].float(), s.ranks[:groups], s.scalings[:groups],
-                          s.out_offsets, s.host_ranks[:groups])
-        try:
-            if self.bucket.op == "shrink":
-                got = triton_lora.lora_shrink(self.inputs[0], s, batch, config).sum(0, keepdim=True)
-                want = reference.lora_shrink(self.inputs[0].float(), exact, batch)
-            else:
-                got, want = self.outs[0].clone(), self.outs[0].float()
-                triton_lora.lora_expand(got, self.inputs[0], s, batch, config)
-                reference.lora_expand(want, self.inputs[0], exact, batch)
-        except Exception as exc:
-            raise CheckFailed(f"{self.bucket.key}: {config} failed to run: {_first_line(exc)}") from exc
-        tol, scale = TOLERANCE[s.a.dtype], want.abs().max().item()
-        if not torch.allclose(got.float(), want, rtol=tol, atol=tol * scale):
-            error = (got.float() - want).abs().nan_to_num(math.inf).max().item()
-            raise CheckFailed(f"{self.bucket.key}: {config} is off the reference by {error:.3g} (scale {scale:.3g})")
+        exact = LoRAStack(s.a[:slots].float(), s.b[:slots].float(), s.ranks[:slots], s.scalings[:slots],
+                          s.out_offsets, s.host_ranks[:slots])
+        for copy in range(checked):
+            batch, x = self.batches[copy], self.inputs[copy]
+            try:
+                if self.bucket.op == "shrink":
+                    got = triton_lora.lora_shrink(x, s, batch, config).sum(0, keepdim=True)
+                    want = reference.lora_shrink(x.float(), exact, batch)
+                else:
+                    got, want = self.outs[copy].clone(), self.outs[copy].float()
+                    triton_lora.lora_expand(got, x, s, batch, config)
+                    reference.lora_expand(want, x, exact, batch)
+            except Exception as exc:
+                raise CheckFailed(f"{self.bucket.key}: {config} failed to run: {_first_line(exc)}") from exc
+            tol, scale = TOLERANCE[s.a.dtype], want.abs().max().item()
+            if not torch.allclose(got.float(), want, rtol=tol, atol=tol * scale):
+                error = (got.float() - want).abs().nan_to_num(math.inf).max().item()
+                raise CheckFailed(f"{self.bucket.key}: {config} is off the reference by {error:.3g} "
+                                  f"(scale {scale:.3g}, batch shape {copy})")
 
 
 def static_configs(configs: dict[str, dict]) -> dict[str, dict]:

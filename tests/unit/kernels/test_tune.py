@@ -20,7 +20,7 @@ from kernels.batch import LoRABatch
 from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PRESETS, STAGES, WARPS,
                           Y_PLANES_CAP,
                           BudgetSpent, CheckFailed, ModelShape,
-                          Progress, Workload, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
+                          Progress, Workload, batch_shapes, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
                           rotation_copies, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
                           write_table)
 from kernels.tuning import Bucket, ExpandConfig, ShrinkConfig
@@ -85,14 +85,30 @@ def test_representative_groups_spread_below_the_largest_and_sum_to_the_tokens():
 
 
 def test_representative_segments_interleave_each_groups_rows():
-    bucket = Bucket("expand", 64, (32,), 16, 60, 16)
-    seg_lens, seg_groups = segments(bucket)
-    lens = group_lens(bucket)
+    lens = group_lens(Bucket("expand", 64, (32,), 16, 60, 16))
+    seg_lens, seg_groups = segments(lens)
     assert [sum(n for n, g in zip(seg_lens, seg_groups) if g == i) for i in range(len(lens))] == lens
     assert all(a != b for a, b in zip(seg_groups, seg_groups[1:]))  # no group's segments touch
     batch = LoRABatch.build(seg_lens, seg_groups, "cpu")
     assert batch.rows is not None and batch.max_group_len == 16  # the kernels gather; the bucket holds
-    assert segments(Bucket("expand", 64, (32,), 16, 32, 32)) == ([32], [0])  # one group: contiguous
+    assert segments([32]) == ([32], [0])  # one group: contiguous
+
+
+def test_random_batch_shape_sums_to_the_tokens_with_the_spread_count_and_unaligned_tiles():
+    for tokens, group in token_groups(tuning.TOKEN_POINTS):
+        bucket = Bucket("shrink", 64, (32,), 16, tokens, group)
+        shapes = batch_shapes(bucket)
+        assert shapes[0] == group_lens(bucket) and batch_shapes(bucket) == shapes  # deterministic
+        if group == 1 or group == tokens:  # nothing to vary: decode groups, or one group
+            assert len(shapes) == 1
+            continue
+        spread, rand = shapes
+        assert sum(rand) == tokens and rand[0] == max(rand) == group and min(rand) >= 1
+        assert len(rand) == len(spread) and rand != spread
+    # The case that motivated it: 8192 tokens in groups of <= 2048 fill 64-row tiles exactly when
+    # spread, not when random.
+    spread, rand = batch_shapes(Bucket("shrink", 64, (32,), 16, 8192, 2048))
+    assert sum(-(-n // 64) for n in spread) == 128 < sum(-(-n // 64) for n in rand)
 
 
 @pytest.mark.parametrize("bucket", [Bucket("shrink", 4096, (4096, 1024, 1024), 16, 1, 1),
@@ -205,18 +221,33 @@ def test_search_keeps_the_heuristic_when_nothing_beats_it_and_rejects_it_when_it
 def test_workload_batches_hit_their_bucket_on_disjoint_slots(op):
     bucket = Bucket(op, 64, (32, 16), 16, 32, 8)
     work = Workload.build(bucket, copies=3, dtype=torch.float32, device="cpu")
-    groups = len(group_lens(bucket))  # 8, 4, 6, 2, 8, 4
+    shapes = batch_shapes(bucket)  # spread 8, 4, 6, 2, 8, 4; and random sizes
+    groups = len(shapes[0])
+    assert len(shapes) == 2 and len(shapes[1]) == groups
     assert work.stack.num_slots == 3 * groups and len(work.batches) == 3
     slots = [set(b.seg_slots) for b in work.batches]
     assert all(len(s) == groups for s in slots) and len(set().union(*slots)) == 3 * groups
     assert all(tuning.bucket_of(op, work.stack, b) == bucket for b in work.batches)
+    assert all(b.capacity == groups for b in work.batches)  # one compiled kernel, one grid
+    assert [sorted(b.lens.tolist(), reverse=True) for b in work.batches] == [
+        sorted(shapes[c % 2], reverse=True) for c in range(3)]  # copies take the shapes in turn
     assert work.stack.host_ranks == [[16, 16]] * (3 * groups)
 
 
 @pytest.mark.parametrize("op", ["shrink", "expand"])
 def test_check_passes_the_heuristic_in_the_interpreter(op):
     bucket = Bucket(op, 64, (32, 16), 16, 32, 8)
-    Workload.build(bucket, copies=1, dtype=torch.float32, device="cpu").check(tuning.heuristic_config(bucket))
+    Workload.build(bucket, copies=2, dtype=torch.float32, device="cpu").check(tuning.heuristic_config(bucket))
+
+
+def test_check_covers_every_batch_shape(monkeypatch):
+    bucket = Bucket("shrink", 64, (32, 16), 16, 32, 8)
+    work = Workload.build(bucket, copies=2, dtype=torch.float32, device="cpu")
+    real = triton_lora.lora_shrink
+    monkeypatch.setattr(triton_lora, "lora_shrink",  # wrong on the random-size batch only
+                        lambda x, stack, batch, *rest: real(x, stack, batch, *rest) * (1.01 if batch is work.batches[1] else 1))
+    with pytest.raises(CheckFailed, match="batch shape 1"):
+        work.check(tuning.heuristic_config(bucket))
 
 
 def test_check_catches_a_broken_kernel(monkeypatch):
@@ -241,11 +272,12 @@ def test_rotation_copies_span_l2_under_the_memory_cap():
     assert moved == 4096 * 2 + 16 * 4096 * 2 + 16 * 4  # x, A of one slot, y
     assert allocated == 4096 * 2 + 16 * 4096 * 2 + 4096 * 16 * 2  # x and the whole slot
     assert rotation_copies(decode, 2, needed=lambda n: 3 * 50 * 2**20 // n + 1) == MAX_COPIES  # capped
-    assert rotation_copies(decode, 2, needed=lambda n: 7) == 7
+    assert rotation_copies(decode, 2, needed=lambda n: 7) == 7  # one batch shape (one-token groups)
+    assert rotation_copies(Bucket("shrink", 4096, (4096,), 16, 512, 128), 2, needed=lambda n: 7) == 8  # 2 shapes
     prefill = Bucket("expand", 18944, (3584,), 128, 8192, 32)  # 256 slots of 128 x (18944 + 3584) each
     copies = rotation_copies(prefill, 2, needed=lambda n: 10**6)
     assert copies == MEMORY_CAP // copy_bytes(prefill, 2)[1] and copies * copy_bytes(prefill, 2)[1] <= MEMORY_CAP
-    assert rotation_copies(prefill, 2, needed=lambda n: 1) == 1
+    assert rotation_copies(prefill, 2, needed=lambda n: 1) == min(2, copies)  # each of its 2 shapes, if it can
 
 
 def entry(config, us):
