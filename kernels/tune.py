@@ -161,16 +161,26 @@ def random_lens(tokens: int, group: int, count: int) -> list[int]:
     return [group, *lens]
 
 
-def batch_shapes(bucket: Bucket) -> list[list[int]]:
-    """Group lengths of the bucket's representative batches: the spread batch (`group_lens`) and,
-    where groups may differ in size, as many groups of random sizes (`random_lens`). Timing both
-    keeps the tuner off configurations that only fit the spread batch: its 8192 tokens in 64-row
-    tiles make 128 programs, one wave on 132 SMs, and the configuration chosen for it ran the
-    kernel benchmark's random-length prefills (144 tiles) in two waves, 1.7x slower, on an H200."""
+@dataclass(frozen=True)
+class BatchShape:
+    lens: list[int]   # tokens of each group
+    ranks: list[int]  # rank of each group's adapter (on every slice), <= the bucket's block_r
+
+
+def batch_shapes(bucket: Bucket) -> list[BatchShape]:
+    """The bucket's representative batches: the spread batch (`group_lens`), every adapter of rank
+    block_r, and, where groups may differ in size, as many groups of random sizes (`random_lens`)
+    whose ranks run block_r, block_r/2, block_r/4, block_r/8 in turn (a batch whose largest rank
+    is r holds lower ones too). Timing both keeps the tuner off configurations that only fit the
+    spread batch: its 8192 tokens in 64-row tiles make 128 programs, one wave on 132 SMs, and the
+    configuration chosen for it ran the kernel benchmark's random-length prefills (144 tiles) in
+    two waves, 1.7x slower, on an H200; and with all ranks equal, rank blocks never paid."""
     spread = group_lens(bucket)
-    if len(spread) == 1 or bucket.group == 1:
-        return [spread]
-    return [spread, random_lens(bucket.tokens, bucket.group, len(spread))]
+    shapes = [BatchShape(spread, [bucket.block_r] * len(spread))]
+    if len(spread) > 1 and bucket.group > 1:
+        lens = random_lens(bucket.tokens, bucket.group, len(spread))
+        shapes.append(BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))]))
+    return shapes
 
 
 def segments(lens: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -295,7 +305,7 @@ def shrink_splits(bucket: Bucket, old: dict | None, new: dict[str, dict]) -> int
 def copy_bytes(bucket: Bucket, elem_size: int, splits: int = 1) -> tuple[int, int]:
     """(bytes one call moves, bytes one input copy allocates: its activations and its stack slots)."""
     t, k, r, n = bucket.tokens, bucket.in_features, bucket.block_r, sum(bucket.out_sizes)
-    slices, groups = len(bucket.out_sizes), max(map(len, batch_shapes(bucket)))
+    slices, groups = len(bucket.out_sizes), max(len(shape.lens) for shape in batch_shapes(bucket))
     y = splits * t * slices * r * 4  # float32 planes
     a, b = groups * slices * r * k * elem_size, groups * n * r * elem_size
     if bucket.op == "shrink":  # reads x and A, writes y
@@ -313,17 +323,18 @@ def rotation_copies(bucket: Bucket, elem_size: int, splits: int = 1,
     return max(1, min(wanted, MEMORY_CAP // allocated, MAX_COPIES))
 
 
-def random_stack(bucket: Bucket, num_slots: int, dtype: torch.dtype, device: torch.device | str,
+def random_stack(bucket: Bucket, ranks: Sequence[int], dtype: torch.dtype, device: torch.device | str,
                  generator: torch.Generator) -> LoRAStack:
-    """Every slot full: rank block_r on every slice, unit-variance products."""
+    """A slot for each of `ranks`, padded to block_r, that rank on every slice; unit-variance
+    products (the kernels never read past a slot's rank)."""
     slices, r, k = len(bucket.out_sizes), bucket.block_r, bucket.in_features
     new = partial(torch.randn, dtype=dtype, device=device, generator=generator)
-    return LoRAStack(a=new(num_slots, slices, r, k).mul_(k ** -0.5),
-                     b=new(num_slots, sum(bucket.out_sizes), r).mul_(r ** -0.5),
-                     ranks=torch.full((num_slots, slices), r, dtype=torch.int32, device=device),
-                     scalings=torch.ones(num_slots, dtype=torch.float32, device=device),
+    return LoRAStack(a=new(len(ranks), slices, r, k).mul_(k ** -0.5),
+                     b=new(len(ranks), sum(bucket.out_sizes), r).mul_(r ** -0.5),
+                     ranks=torch.tensor(ranks, dtype=torch.int32, device=device)[:, None].repeat(1, slices),
+                     scalings=torch.ones(len(ranks), dtype=torch.float32, device=device),
                      out_offsets=(0, *accumulate(bucket.out_sizes)),
-                     host_ranks=[[r] * slices for _ in range(num_slots)])
+                     host_ranks=[[rank] * slices for rank in ranks])
 
 
 @dataclass(eq=False)  # holds tensors
@@ -343,12 +354,15 @@ class Workload:
               splits: int = 1) -> Workload:
         """`splits`: expand's y planes, as the shrink configuration of the same shape writes them."""
         generator = torch.Generator(device=device).manual_seed(seed)
-        shapes = batch_shapes(bucket)
-        groups = max(map(len, shapes))
-        stack = random_stack(bucket, copies * groups, dtype, device, generator)
+        kinds = batch_shapes(bucket)
+        shapes = [kinds[c % len(kinds)] for c in range(copies)]
+        groups = max(len(shape.lens) for shape in shapes)
+        # Copy c's slots: its shape's ranks, then rank-0 slots no group uses (padding to `groups`).
+        ranks = [rank for shape in shapes for rank in [*shape.ranks, *[0] * (groups - len(shape.ranks))]]
+        stack = random_stack(bucket, ranks, dtype, device, generator)
         batches = []
-        for c in range(copies):
-            seg_lens, seg_groups = segments(shapes[c % len(shapes)])
+        for c, shape in enumerate(shapes):
+            seg_lens, seg_groups = segments(shape.lens)
             # One capacity for all: every copy runs the same compiled kernel over the same grid.
             batches.append(LoRABatch.build(seg_lens, [c * groups + g for g in seg_groups], device, capacity=groups))
         t, slices, out_features = bucket.tokens, len(bucket.out_sizes), sum(bucket.out_sizes)

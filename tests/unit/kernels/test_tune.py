@@ -98,17 +98,19 @@ def test_random_batch_shape_sums_to_the_tokens_with_the_spread_count_and_unalign
     for tokens, group in token_groups(tuning.TOKEN_POINTS):
         bucket = Bucket("shrink", 64, (32,), 16, tokens, group)
         shapes = batch_shapes(bucket)
-        assert shapes[0] == group_lens(bucket) and batch_shapes(bucket) == shapes  # deterministic
+        assert shapes[0].lens == group_lens(bucket) and set(shapes[0].ranks) == {16}
+        assert batch_shapes(bucket) == shapes  # deterministic
         if group == 1 or group == tokens:  # nothing to vary: decode groups, or one group
             assert len(shapes) == 1
             continue
-        spread, rand = shapes
+        spread, rand = shapes[0].lens, shapes[1].lens
         assert sum(rand) == tokens and rand[0] == max(rand) == group and min(rand) >= 1
         assert len(rand) == len(spread) and rand != spread
+        assert shapes[1].ranks[:4] == [16, 8, 4, 2][:len(rand)] and len(shapes[1].ranks) == len(rand)
     # The case that motivated it: 8192 tokens in groups of <= 2048 fill 64-row tiles exactly when
     # spread, not when random.
     spread, rand = batch_shapes(Bucket("shrink", 64, (32,), 16, 8192, 2048))
-    assert sum(-(-n // 64) for n in spread) == 128 < sum(-(-n // 64) for n in rand)
+    assert sum(-(-n // 64) for n in spread.lens) == 128 < sum(-(-n // 64) for n in rand.lens)
 
 
 @pytest.mark.parametrize("bucket", [Bucket("shrink", 4096, (4096, 1024, 1024), 16, 1, 1),
@@ -221,17 +223,18 @@ def test_search_keeps_the_heuristic_when_nothing_beats_it_and_rejects_it_when_it
 def test_workload_batches_hit_their_bucket_on_disjoint_slots(op):
     bucket = Bucket(op, 64, (32, 16), 16, 32, 8)
     work = Workload.build(bucket, copies=3, dtype=torch.float32, device="cpu")
-    shapes = batch_shapes(bucket)  # spread 8, 4, 6, 2, 8, 4; and random sizes
-    groups = len(shapes[0])
-    assert len(shapes) == 2 and len(shapes[1]) == groups
+    shapes = batch_shapes(bucket)  # spread 8, 4, 6, 2, 8, 4 of rank 16; random sizes of ranks 16, 8, 4, 2
+    groups = len(shapes[0].lens)
+    assert len(shapes) == 2 and len(shapes[1].lens) == groups
     assert work.stack.num_slots == 3 * groups and len(work.batches) == 3
     slots = [set(b.seg_slots) for b in work.batches]
     assert all(len(s) == groups for s in slots) and len(set().union(*slots)) == 3 * groups
     assert all(tuning.bucket_of(op, work.stack, b) == bucket for b in work.batches)
     assert all(b.capacity == groups for b in work.batches)  # one compiled kernel, one grid
     assert [sorted(b.lens.tolist(), reverse=True) for b in work.batches] == [
-        sorted(shapes[c % 2], reverse=True) for c in range(3)]  # copies take the shapes in turn
-    assert work.stack.host_ranks == [[16, 16]] * (3 * groups)
+        sorted(shapes[c % 2].lens, reverse=True) for c in range(3)]  # copies take the shapes in turn
+    assert work.stack.host_ranks == [[r, r] for c in range(3) for r in shapes[c % 2].ranks]
+    assert work.stack.ranks.tolist() == work.stack.host_ranks
 
 
 @pytest.mark.parametrize("op", ["shrink", "expand"])
