@@ -39,7 +39,7 @@ import torch
 import triton
 
 from kernels import reference, timing, triton_lora, tuning
-from kernels.batch import LoRABatch
+from kernels.batch import NO_SLOT, LoRABatch
 from kernels.lora_stack import LoRAStack
 from kernels.tuning import Bucket, Config, ExpandConfig, ShrinkConfig
 
@@ -169,16 +169,18 @@ class BatchShape:
 
 def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     """The bucket's representative batches: the spread batch (`group_lens`), every adapter of rank
-    block_r, and, where groups may differ in size, as many groups of random sizes (`random_lens`)
-    whose ranks run block_r, block_r/2, block_r/4, block_r/8 in turn (a batch whose largest rank
-    is r holds lower ones too). Timing both keeps the tuner off configurations that only fit the
-    spread batch: its 8192 tokens in 64-row tiles make 128 programs, one wave on 132 SMs, and the
-    configuration chosen for it ran the kernel benchmark's random-length prefills (144 tiles) in
-    two waves, 1.7x slower, on an H200; and with all ranks equal, rank blocks never paid."""
+    block_r, and, where groups may differ in size, twice as many groups of random sizes
+    (`random_lens`, at most MAX_GROUPS) whose ranks run block_r, block_r/2, block_r/4, block_r/8
+    in turn (a batch whose largest rank is r holds lower ones too). Timing both keeps the tuner
+    off configurations that only fit the spread batch: its 8192 tokens in 64-row tiles make 128
+    programs, one wave on 132 SMs, and the configuration chosen for it ran the kernel benchmark's
+    random-length prefills (144 tiles: each group adds a partial tile) in two waves, 1.7x slower,
+    on an H200; and with all ranks equal, rank blocks never paid."""
     spread = group_lens(bucket)
     shapes = [BatchShape(spread, [bucket.block_r] * len(spread))]
     if len(spread) > 1 and bucket.group > 1:
-        lens = random_lens(bucket.tokens, bucket.group, len(spread))
+        count = min(2 * len(spread), MAX_GROUPS, bucket.tokens - bucket.group + 1)
+        lens = random_lens(bucket.tokens, bucket.group, max(count, len(spread)))
         shapes.append(BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))]))
     return shapes
 
@@ -400,6 +402,7 @@ class Workload:
                 if self.bucket.op == "shrink":
                     got = triton_lora.lora_shrink(x, s, batch, config).sum(0, keepdim=True)
                     want = reference.lora_shrink(x.float(), exact, batch)
+                    got = torch.where(_specified(s, batch), got, 0.0)  # the reference's zeros
                 else:
                     got, want = self.outs[copy].clone(), self.outs[copy].float()
                     triton_lora.lora_expand(got, x, s, batch, config)
@@ -411,6 +414,16 @@ class Workload:
                 error = (got.float() - want).abs().nan_to_num(math.inf).max().item()
                 raise CheckFailed(f"{self.bucket.key}: {config} is off the reference by {error:.3g} "
                                   f"(scale {scale:.3g}, batch shape {copy})")
+
+
+def _specified(stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
+    """[1, tokens, slices, max_rank] bool: the entries of y that lora_shrink defines (columns under
+    the rank of the token's adapter on that slice)."""
+    ranks = torch.zeros(batch.num_tokens, stack.num_slices, dtype=torch.int64)
+    for start, n, slot in zip(batch.seg_starts, batch.seg_lens, batch.seg_slots):
+        if slot != NO_SLOT:
+            ranks[start:start + n] = torch.tensor(stack.host_ranks[slot])
+    return (torch.arange(stack.max_rank) < ranks[..., None])[None].to(stack.a.device)
 
 
 def static_configs(configs: dict[str, dict]) -> dict[str, dict]:
