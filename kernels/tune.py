@@ -173,9 +173,9 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     (`random_lens`, at most MAX_GROUPS) whose ranks run block_r, block_r/2, block_r/4, block_r/8
     in turn (a batch whose largest rank is r holds lower ones too). Timing both keeps the tuner
     off configurations that only fit the spread batch: its 8192 tokens in 64-row tiles make 128
-    programs, one wave on 132 SMs, and the configuration chosen for it ran the kernel benchmark's
-    random-length prefills (144 tiles: each group adds a partial tile) in two waves, 1.7x slower,
-    on an H200; and with all ranks equal, rank blocks never paid."""
+    programs, one wave on 132 SMs, and the configuration chosen for it (one CTA an SM) ran the
+    kernel benchmark's random-length prefills (144 tiles: each group adds a partial tile) 1.7x
+    slower on an H200, as a second wave would; and with all ranks equal, rank blocks never paid."""
     spread = group_lens(bucket)
     shapes = [BatchShape(spread, [bucket.block_r] * len(spread))]
     if len(spread) > 1 and bucket.group > 1:
