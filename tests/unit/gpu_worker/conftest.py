@@ -56,22 +56,27 @@ def tiny_assets(tmp_path_factory) -> TinyAssets:
     return TinyAssets(base, store, _adapters(base, store, DEMO_ADAPTERS, DEMO_BASE_MODEL))
 
 
+def _vision_assets(root: Path, build_base: Callable[[Path], Path], specs: tuple[DemoAdapterSpec, ...],
+                   base_name: str) -> TinyAssets:
+    """A vision model built by `build_base` under root/base and its demo adapters under root/store."""
+    base, store = build_base(root / "base"), root / "store"
+    return TinyAssets(base, store, _adapters(base, store, specs, base_name), base_name)
+
+
 @pytest.fixture(scope="session")
 def llava_assets(tiny_assets, tmp_path_factory) -> TinyAssets:
-    root = tmp_path_factory.mktemp("llava")
-    base = build_llava(root / "base", tokenizer_dir=tiny_assets.base_dir, text=TINY_LLAMA, vision=TINY_CLIP)
-    store = root / "store"
-    return TinyAssets(base, store, _adapters(base, store, DEMO_VISION_ADAPTERS, DEMO_VISION_BASE_MODEL),
-                      DEMO_VISION_BASE_MODEL)
+    return _vision_assets(
+        tmp_path_factory.mktemp("llava"),
+        lambda d: build_llava(d, tokenizer_dir=tiny_assets.base_dir, text=TINY_LLAMA, vision=TINY_CLIP),
+        DEMO_VISION_ADAPTERS, DEMO_VISION_BASE_MODEL)
 
 
 @pytest.fixture(scope="session")
 def qwen2vl_assets(tiny_assets, tmp_path_factory) -> TinyAssets:
-    root = tmp_path_factory.mktemp("qwen2vl")
-    base = build_qwen2vl(root / "base", tokenizer_dir=tiny_assets.base_dir, text=TINY_LLAMA, vision=TINY_QWEN2VL)
-    store = root / "store"
-    return TinyAssets(base, store, _adapters(base, store, DEMO_QWEN2VL_ADAPTERS, DEMO_QWEN2VL_BASE_MODEL),
-                      DEMO_QWEN2VL_BASE_MODEL)
+    return _vision_assets(
+        tmp_path_factory.mktemp("qwen2vl"),
+        lambda d: build_qwen2vl(d, tokenizer_dir=tiny_assets.base_dir, text=TINY_LLAMA, vision=TINY_QWEN2VL),
+        DEMO_QWEN2VL_ADAPTERS, DEMO_QWEN2VL_BASE_MODEL)
 
 
 def make_engine(assets: TinyAssets, steps: list[StepRecord] | None = None, **worker_fields) -> Engine:
