@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.attention import AttentionMetadata, check_inputs
 
 
@@ -115,11 +116,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, IS_SPLIT=split, ONE_TILE_PER_SEQ=one_tile_per_seq,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(q.device))
     if split:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, meta.query_start_loc, num_seqs, num_splits,
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            **pdl.launch_options(q.device))
     return out
 
 
@@ -175,7 +177,8 @@ def _paged_attention_kernel(
         stride_q_tok, stride_q_head, stride_cache_row, stride_cache_head, stride_bt_seq,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -238,8 +241,9 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _combine_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, num_seqs, num_splits,
-                           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
     """out[tok, head] = sum_s 2^lse_s * o_s / sum_s 2^lse_s over the splits' partial results."""
+    pdl.wait_for_inputs(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     if tok >= tl.load(query_start_loc_ptr + num_seqs):

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 # GPU-tuning knobs (untuned defaults, sized for hidden 4096-8192 / intermediate 11008-14336 / head_dim 128).
 NORM_ELEMENTS_PER_WARP = 512   # a norm row of H elements gets H / 512 warps (1..16): ~16 floats per thread
 SILU_BLOCK = 1024              # output columns per program of silu_and_mul
@@ -25,8 +27,9 @@ NUM_WARPS = 4                  # silu_and_mul and rotary_store_kv
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                          x_stride, residual_stride, out_stride, residual_out_stride, hidden, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One token row: [residual_out = x + residual;] out = weight * (x / rms(x)), rounded as HF."""
+    pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -63,13 +66,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         x.stride(0), residual.stride(0) if has_residual else 0, out.stride(0),
         residual_out.stride(0) if has_residual else 0, hidden, eps,
         HAS_RESIDUAL=has_residual, BLOCK=block,
-        num_warps=min(max(block // NORM_ELEMENTS_PER_WARP, 1), 16))
+        num_warps=min(max(block // NORM_ELEMENTS_PER_WARP, 1), 16), **pdl.launch_options(x.device))
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, gate_up_stride, out_stride, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, gate_up_stride, out_stride, inter, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
     """Columns [BLOCK * pid1, + BLOCK) of one token row: silu(gate) rounded to the dtype (F.silu),
     then times up, rounded again."""
+    pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -87,13 +92,13 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     assert gate_up.stride(1) == 1 and out.stride(1) == 1
     grid = (num_tokens, triton.cdiv(inter, SILU_BLOCK))
     _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                               BLOCK=SILU_BLOCK, num_warps=NUM_WARPS)
+                               BLOCK=SILU_BLOCK, num_warps=NUM_WARPS, **pdl.launch_options(out.device))
 
 
 @triton.jit
 def _rotary_store_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                             qkv_stride, cos_stride, sin_stride, num_heads, num_kv_heads,
-                            HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+                            HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """Token t, heads [BLOCK_H * pid1, + BLOCK_H) of the rotating heads: q heads 0..num_heads-1, then
     k heads. A q head is rotated into q; a k head is rotated into k_cache at slot_mapping[t] and its
     v head (num_kv_heads heads further along the qkv row) copied to v_cache at the same slot.
@@ -105,6 +110,7 @@ def _rotary_store_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_
     the following add (fma.rn.bf16), dropping that rounding; with it off the PTX is mul.rn.bf16 then
     add/sub.rn.bf16, bit-equal to eager torch.
     """
+    pdl.wait_for_inputs(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -151,4 +157,4 @@ def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_c
     _rotary_store_kv_kernel[grid](qkv, cos, sin, slot_mapping, q, k_cache, v_cache,
                                   qkv.stride(0), cos.stride(0), sin.stride(0), num_heads, num_kv_heads,
                                   HEAD_DIM=head_dim, BLOCK_H=block_h, num_warps=NUM_WARPS,
-                                  enable_fp_fusion=False)
+                                  enable_fp_fusion=False, **pdl.launch_options(q.device))

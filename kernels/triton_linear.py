@@ -1,8 +1,10 @@
 """out = x @ Wᵀ (+ bias) for few rows (decode): one program per BLOCK_N output columns, K streamed.
 
-The rows are padded to a 16-row tl.dot tile (tensor cores; the waste is free when memory bound),
-and no program splits K, so no second reduction kernel runs. Tile configurations come from a
-sweep over the 7B projection shapes on an H200 (docs/benchmarks/skinny_gemm_sweep-2026-11-21-h200.log).
+The rows are padded to a 16-, 32- or 64-row tl.dot tile (tensor cores; the waste is free when
+memory bound), and no program splits K, so no second reduction kernel runs (cuBLAS splits K for
+the 4096-wide outputs at 17-64 rows and reduces in a second launch). Tile configurations come from
+sweeps over the 7B projection shapes on an H200 (docs/benchmarks/skinny_gemm_sweep-2026-11-21-h200.log
+for 16 rows, benchmarks/linear_bench.py for more).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # rows of the padded tile: the most rows this kernel serves
+from kernels import pdl
+
+MAX_ROWS = 64  # the most rows this kernel serves
 
 
 @dataclass(frozen=True)
@@ -24,32 +28,42 @@ class LinearConfig:
     num_stages: int
 
 
-def linear_config(out_features: int, in_features: int) -> LinearConfig:
+def row_tile(num_rows: int) -> int:
+    """Rows of the padded tile: 16 (tl.dot's minimum), 32 or 64."""
+    assert 1 <= num_rows <= MAX_ROWS, num_rows
+    return max(16, triton.next_power_of_2(num_rows))
+
+
+def linear_config(num_rows: int, out_features: int, in_features: int) -> LinearConfig:
     """Wide outputs (gate_up, lm_head) have programs to spare: wider tiles, shorter K steps; narrow
-    outputs (o) and long K (down) want long K steps to keep enough bytes in flight per program."""
+    outputs (o) and long K (down) want long K steps to keep enough bytes in flight per program,
+    as long as the stages of a taller row tile still fit in shared memory."""
     if out_features >= 16384:
         return LinearConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
     if in_features >= 8192 or out_features <= 4096:
-        return LinearConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
-    return LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+        return LinearConfig(block_n=32, block_k=512 if row_tile(num_rows) == 16 else 256, num_warps=4, num_stages=4)
+    if row_tile(num_rows) == 16:
+        return LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
+    return LinearConfig(block_n=128, block_k=128, num_warps=4, num_stages=4)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: LinearConfig | None = None) -> torch.Tensor:
-    """x: [M <= 16, K], weight: [N, K] (rows contiguous), bias: [N] or None -> [M, N] in x's dtype."""
+    """x: [M <= 64, K], weight: [N, K] (rows contiguous), bias: [N] or None -> [M, N] in x's dtype."""
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
-    assert num_rows <= BLOCK_M and weight.shape[1] == in_features and weight.stride(1) == 1, (x.shape, weight.shape)
+    assert weight.shape[1] == in_features and weight.stride(1) == 1, (x.shape, weight.shape)
     assert x.stride(1) == 1 and weight.dtype == x.dtype, (x.stride(), weight.dtype, x.dtype)
     assert bias is None or bias.shape == (out_features,), bias.shape
-    cfg = config or linear_config(out_features, in_features)
+    block_m = row_tile(num_rows)
+    cfg = config or linear_config(num_rows, out_features, in_features)
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     _skinny_linear_kernel[(triton.cdiv(out_features, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out, num_rows, out_features, in_features,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     return out
 
 
@@ -57,7 +71,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, num_rows, out_features, in_features,
                           stride_xm, stride_wn, stride_om,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                          BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < out_features

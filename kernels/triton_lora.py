@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import tuning
+from kernels import pdl, tuning
 from kernels.batch import LoRABatch
 from kernels.lora_stack import LoRAStack
 from kernels.tuning import ExpandConfig, ShrinkConfig
@@ -113,7 +113,7 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=rank_block,
         GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )
     return y
 
@@ -152,7 +152,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=_block_r(stack, batch), SPLIT=y.shape[0],
         GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(stack.b.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(out.device),
     )
 
 
@@ -223,7 +223,9 @@ def _shrink_kernel(
     stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait_for_inputs(PDL)
     # grid: (M-tile, (rank block * slices + slice) * split_k + split); BLOCK_R ranks a program
     slot, rows, m_mask = _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
                                     BLOCK_M, GROUP_BLOCK, ONE_TILE, GATHER)
@@ -270,7 +272,9 @@ def _expand_kernel(
     stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait_for_inputs(PDL)
     # grid: (M-tile, N-tile); N-tiles run through slice 0, then 1, then 2, and slice s spans
     # columns [end_{s-1}, end_s) of out (end_{-1} = 0).
     slot, rows, m_mask = _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,

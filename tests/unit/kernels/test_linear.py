@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from kernels.linear import linear
 from kernels.triton_linear import LinearConfig, skinny_linear
 
-SHAPES = [(1, 40, 24), (5, 100, 72), (16, 33, 130)]  # (rows, in_features, out_features)
+# (rows, in_features, out_features): each row tile (16, 32, 64), partly filled
+SHAPES = [(1, 40, 24), (5, 100, 72), (16, 33, 130), (17, 64, 40), (33, 100, 72), (64, 40, 24)]
 CONFIGS = [None, LinearConfig(block_n=16, block_k=16, num_warps=4, num_stages=2)]
 
 
@@ -32,6 +33,6 @@ def test_skinny_linear_matches_float64(rows, in_features, out_features, with_bia
 
 
 def test_cpu_and_wide_batches_use_torch():
-    """The Triton path is only for CUDA, 16-bit, <= 16 rows; everything else is F.linear exactly."""
+    """The Triton path is only for CUDA, 16-bit, <= 64 rows; everything else is F.linear exactly."""
     x, weight = torch.randn(3, 8), torch.randn(5, 8)
     assert torch.equal(linear(x, weight), F.linear(x, weight))
