@@ -8,7 +8,7 @@ The Triton kernel is timed with programmatic dependent launch (kernels/pdl.py) o
 graph of back-to-back calls PDL hides each launch behind the previous call's tail, as it does
 between the kernels of an engine step.
 
-    PYTHONPATH=.:protos python3 -m benchmarks.linear_bench [--rows 1 16 32 64] [--sweep] [--json OUT]
+    PYTHONPATH=.:protos python3 -m benchmarks.linear_bench [--rows 1 16 32 64] [--shapes o down] [--sweep] [--json OUT]
 
 --sweep also times a grid of tile configurations for each shape and row count and prints the best.
 """
@@ -36,7 +36,7 @@ SHAPES = (("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("d
           ("lm_head", 32000, 4096))
 LAYERS = 32
 ROWS = (1, 8, 16, 32, 48, 64)
-SWEEP_BLOCK_N, SWEEP_BLOCK_K, SWEEP_WARPS, SWEEP_STAGES = (32, 64, 128), (128, 256, 512), (4,), (3, 4)
+SWEEP_BLOCK_N, SWEEP_BLOCK_K, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64, 128), (128, 256, 512), (2, 4), (3, 4)
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's shared memory
 
 
@@ -92,6 +92,8 @@ def sweep(rows: int, out_features: int, in_features: int) -> list[tuple[float, L
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--shapes", nargs="+", choices=[name for name, _, _ in SHAPES],
+                        default=[name for name, _, _ in SHAPES])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tile configurations")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -103,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{'cublas/triton':>13} {'triton frac':>11}  sweep best", flush=True)
     rows_out = []
     for rows in args.rows:
-        for name, n, k in SHAPES:
+        for name, n, k in (shape for shape in SHAPES if shape[0] in args.shapes):
             check(rows, n, k, None)
             floor = (n * k + rows * (n + k)) * 2 / bandwidth
             cublas = time_op(rows, n, k, F.linear)
@@ -122,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{name:<8} {rows:>4} {floor * 1e6:>9.1f} {cublas * 1e6:>8.1f} {triton_pdl * 1e6:>8.1f} "
                   f"{triton_plain * 1e6:>8.1f} {cublas / triton_pdl:>13.3f} {floor / triton_pdl:>11.3f}  {best_text}",
                   flush=True)
-    print("\nper decode step (32 layers x qkv, o, gate_up, down + lm_head), ms:")
+    print("\nper decode step (32 layers x the shapes above, lm_head once), ms:")
     for rows in args.rows:
         mine = [r for r in rows_out if r["rows"] == rows]
         totals = {key: sum(r[key] * (1 if r["shape"] == "lm_head" else LAYERS) for r in mine) / 1e3
