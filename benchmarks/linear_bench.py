@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import product
 from pathlib import Path
@@ -63,7 +63,8 @@ def check(rows: int, out_features: int, in_features: int, config: LinearConfig |
         assert err < 1e-2, f"{rows}x{in_features}->{out_features} {config}: relative error {err:.2e}"
 
 
-def time_op(rows: int, out_features: int, in_features: int, op) -> float:
+def time_op(rows: int, out_features: int, in_features: int,
+            op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
     """Seconds per call of op(x, w) over rotating weight copies."""
     weight_bytes = out_features * in_features * 2
     copies = copies_needed(weight_bytes)
@@ -75,6 +76,7 @@ def time_op(rows: int, out_features: int, in_features: int, op) -> float:
 
 
 def fits(rows: int, cfg: LinearConfig) -> bool:
+    """Whether the config's pipelined x and W tiles fit one program's shared memory."""
     return (row_tile(rows) * cfg.block_k + cfg.block_k * cfg.block_n) * 2 * cfg.num_stages <= SMEM_BYTES
 
 
