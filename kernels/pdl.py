@@ -3,15 +3,24 @@
 Without it, a kernel is launched only after the kernel before it has fully finished: in a decode
 step of ~400-500 small launches (CUDA graph replay), each boundary leaves the GPU idle while the
 next grid is set up. A kernel launched with PDL is set up while the kernel before it drains; its
-programs then wait at `wait_for_inputs`, the first statement of every kernel here, until that
-kernel has finished and its writes are visible. Nothing is read earlier, so results are exactly
-those of serialized launches: the gain is the launch latency.
+programs then wait at `wait_for_inputs` until that kernel has finished and its writes are visible.
 
-The kernels do not also signal their dependents early (griddepcontrol.launch_dependents at their
-start): on an H200 that made back-to-back skinny matmuls 10-28% slower and the batch-32 decode
-step 0.5 ms slower, while waiting alone never lost (docs/benchmarks/engine.md, PDL section).
+Most kernels here wait first thing: nothing is read earlier, and the gain is the launch latency.
+The LoRA kernels (kernels/triton_lora.py) first read what no kernel of a step writes (the batch
+metadata, copied in before the step, the adapter's rank and its first A or B tile), then wait,
+then read their activations. They also let their dependents launch early (`start_dependents`,
+once a program has done its loads): the expand a shrink feeds, or the next expand, runs its own
+prologue while the kernel before it finishes. That is safe because a kernel starts its
+dependents only after its own wait: whatever ran two kernels back has completed, and only the
+immediate predecessor's writes are unseen before the wait, which the prologue never reads. On an
+H200 it made the expand 1.00-1.10x faster per case at the median of 1-512 tokens and the shrink
+1.02-1.08x (docs/benchmarks/kernels.md, seventh round).
 
-Every program executes the wait before anything else, early exits included: a kernel must not
+The other kernels do not start their dependents early. Starting them at every kernel's start made
+back-to-back skinny matmuls 10-28% slower and the batch-32 decode step 0.5 ms slower; starting them
+after the matmul's K loop cost the batch-32 base step 5% in one run (engine.md, PDL sections).
+
+Every program executes the wait before it exits, early exits included: a kernel must not
 finish before its predecessor, or the kernel after it could run ahead of that predecessor's writes.
 
 `TESSERA_PDL=0` turns it off (for A/B timing); off the GPU and before sm_90 it is always off.
@@ -25,7 +34,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENV_VAR = "TESSERA_PDL"
 
@@ -42,8 +51,8 @@ def enabled(device: torch.device) -> bool:
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:
-    """Keyword arguments for launching (or warming up) a kernel that begins with `wait_for_inputs`:
-    its PDL constexpr and Triton's launch_pdl flag, on or off together."""
+    """Keyword arguments for launching (or warming up) a kernel that calls `wait_for_inputs`: its
+    PDL constexpr and Triton's launch_pdl flag, on or off together."""
     on = enabled(device)
     return {"PDL": on, "launch_pdl": on}
 
@@ -53,3 +62,10 @@ def wait_for_inputs(PDL: tl.constexpr):
     """Wait until the previous kernel has finished and its writes are visible. A no-op when PDL is off."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def start_dependents(PDL: tl.constexpr):
+    """Let the next kernel launch (and run up to its wait) once every program got here."""
+    if PDL:
+        gdc_launch_dependents()

@@ -21,6 +21,10 @@ Grids come from host ints only (num_tokens, the batch's capacity, the stack's sh
 max_group_len only picks the configuration), and every per-step value is read from device
 tensors, so both ops can be captured in a CUDA graph and replayed with new batch and slot
 contents. Tile shapes come from the offline-tuned table (kernels/tuning.py), by shape bucket.
+
+Under PDL (kernels/pdl.py) both kernels read the batch metadata, the ranks and their first weight
+tile before waiting on the kernel launched just before them: that kernel must not write the stack
+or the batch's device tensors. The engine loads adapters and copies batches in between steps.
 """
 
 from __future__ import annotations
@@ -112,7 +116,7 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
         stack.ranks.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=rank_block,
         GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
-        GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(x.dtype),
+        GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(x.dtype), ONE_STEP=k_per_split == cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )
     return y
@@ -223,39 +227,46 @@ def _shrink_kernel(
     stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    ONE_STEP: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.wait_for_inputs(PDL)
+    # Before the wait: what no kernel of the step writes (batch metadata, ranks, A), so that it is
+    # in flight while the previous kernel drains. x comes after it.
     # grid: (M-tile, (rank block * slices + slice) * split_k + split); BLOCK_R ranks a program
     slot, rows, m_mask = _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
                                     BLOCK_M, GROUP_BLOCK, ONE_TILE, GATHER)
-    if slot < 0:  # the grid's slack past the last tile
-        return
     pid = tl.program_id(1)
     split = pid % split_k
     slice_idx = (pid // split_k) % num_slices
     r_begin = (pid // (split_k * num_slices)) * BLOCK_R
-    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx)
-    if r_begin >= rank:  # empty slot, untargeted slice, or ranks past this adapter's own
-        return
-    scaling = tl.load(scalings_ptr + slot)
+    # 0 for the grid's slack past the last tile, an empty slot or an untargeted slice
+    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx, mask=slot >= 0, other=0)
     k_begin = split * k_per_split
-
     offs_r = r_begin + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank  # the slice's true rank: padded rows of A are never read
     offs_k = k_begin + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
     a_ptrs = (a_ptr + slot.to(tl.int64) * stride_a_slot + slice_idx * stride_a_slice
               + offs_r[None, :] * stride_a_rank + offs_k[:, None] * stride_ak)  # [BLOCK_K, BLOCK_R] = Aᵀ tile
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     # k_per_split is a multiple of BLOCK_K: only in_features masks K.
-    for k in range(0, k_per_split, BLOCK_K):
-        k_mask = offs_k + k < in_features
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        a = tl.load(a_ptrs, mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+    if ONE_STEP:  # a split's K range is one step: its whole A tile is read before the wait
+        a = tl.load(a_ptrs, mask=r_mask[None, :] & (offs_k < in_features)[:, None], other=0.0)
+    pdl.wait_for_inputs(PDL)
+    if r_begin >= rank:  # no tile, or ranks past this adapter's own
+        return
+    scaling = tl.load(scalings_ptr + slot)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if ONE_STEP:
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k < in_features)[None, :], other=0.0)
         acc = _matmul(x, a, acc, BLOCK_M, DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K * stride_ak
+    else:
+        for k in range(0, k_per_split, BLOCK_K):
+            k_mask = offs_k + k < in_features
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = _matmul(x, a, acc, BLOCK_M, DOT_PRECISION)
+            x_ptrs += BLOCK_K * stride_xk
+            a_ptrs += BLOCK_K * stride_ak
+    pdl.start_dependents(PDL)
     # Every split stores its plane, an empty K range too (zeros): expand sums all planes.
     y_ptrs = (y_ptr + split * stride_y_split + rows[:, None] * stride_ym + slice_idx * stride_y_slice
               + offs_r[None, :] * stride_y_rank)
@@ -274,13 +285,12 @@ def _expand_kernel(
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl.wait_for_inputs(PDL)
+    # Before the wait: what no kernel of the step writes (batch metadata, ranks, the first B tile),
+    # so that it is in flight while the previous kernel drains. y and out come after it.
     # grid: (M-tile, N-tile); N-tiles run through slice 0, then 1, then 2, and slice s spans
     # columns [end_{s-1}, end_s) of out (end_{-1} = 0).
     slot, rows, m_mask = _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
                                     BLOCK_M, GROUP_BLOCK, ONE_TILE, GATHER)
-    if slot < 0:  # the grid's slack past the last tile
-        return
     pid_n = tl.program_id(1)
     in1 = pid_n >= tile_start1
     in2 = pid_n >= tile_start2
@@ -291,10 +301,16 @@ def _expand_kernel(
     span_end = tl.minimum(n_end, span_begin + BLOCK_N * n_steps)  # this program's columns
     offs_n = span_begin + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
-    # Every load that does not need the rank is issued before the rank is waited on: y (columns
-    # past the rank are garbage until masked) and the first out tile.
-    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx)
+    # 0 for the grid's slack past the last tile, an empty slot, or an untargeted slice
+    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx, mask=slot >= 0, other=0)
+    r_mask = offs_r < rank
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
+    b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)  # [BLOCK_R, BLOCK_N] = Bᵀ tile
+    pdl.wait_for_inputs(PDL)
+    if rank == 0:  # out is never written
+        return
     y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
+    # Masked by the stack's padded rank (a host int: loads stay vectorized), then by the adapter's.
     y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]
     # The sum of the planes, as [BLOCK_M, BLOCK_R] fp32. Tiles of 16+ rows load plane after
     # plane (independent loads, all in flight at once): one [SPLIT, BLOCK_M, BLOCK_R] load holds
@@ -307,23 +323,29 @@ def _expand_kernel(
         y = tl.load(y_ptrs, mask=y_mask, other=0.0)
         for s in tl.static_range(1, SPLIT):
             y += tl.load(y_ptrs + s * stride_y_split, mask=y_mask, other=0.0)
+    y = tl.where(r_mask[None, :], y, 0.0)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
-    if rank == 0:  # empty slot, or its adapter does not target this slice: out is never written
-        return
-    r_mask = offs_r < rank
-    y = tl.where(r_mask[None, :], y, 0.0)
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
-    for _ in range(n_steps):
-        n_mask = offs_n < span_end
-        # The next out tile (from HBM) is requested before this one's B tile (from L2) and product.
-        nxt = tl.load(out_ptrs + BLOCK_N * stride_on, mask=m_mask[:, None] & (offs_n + BLOCK_N < span_end)[None, :],
-                      other=0.0)
-        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N] = Bᵀ tile
-        delta = _matmul(y, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_M, DOT_PRECISION)
-        tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(out_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+    pdl.start_dependents(PDL)
+    # Step 0 with the B tile read before the wait, then the rest, each next out tile (HBM)
+    # requested before this one's B tile (L2) and product.
+    nxt = tl.load(out_ptrs + BLOCK_N * stride_on, mask=m_mask[:, None] & (offs_n + BLOCK_N < span_end)[None, :],
+                  other=0.0)
+    _add_product(out_ptrs, prev, y, b, m_mask[:, None] & (offs_n < span_end)[None, :], BLOCK_M, DOT_PRECISION)
+    for _ in range(1, n_steps):
         prev = nxt
         offs_n += BLOCK_N
         b_ptrs += BLOCK_N * stride_bn
         out_ptrs += BLOCK_N * stride_on
+        n_mask = offs_n < span_end
+        nxt = tl.load(out_ptrs + BLOCK_N * stride_on, mask=m_mask[:, None] & (offs_n + BLOCK_N < span_end)[None, :],
+                      other=0.0)
+        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        _add_product(out_ptrs, prev, y, b, m_mask[:, None] & n_mask[None, :], BLOCK_M, DOT_PRECISION)
+
+
+@triton.jit
+def _add_product(out_ptrs, prev, y, b, mask, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out tile = prev + y @ b, rounded to out's dtype."""
+    delta = _matmul(y, b, tl.zeros((y.shape[0], b.shape[1]), dtype=tl.float32), BLOCK_M, DOT_PRECISION)
+    tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(out_ptrs.dtype.element_ty), mask=mask)
