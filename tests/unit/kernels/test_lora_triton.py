@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import NO_SLOT, LoRABatch, LoRAStack, reference, tuning
+from kernels import NO_SLOT, LoRABatch, LoRAStack, reference, triton_lora, tuning
 from kernels.triton_lora import lora_expand, lora_shrink
 from kernels.tuning import ExpandConfig, ShrinkConfig
 from tests.unit.kernels.test_lora_reference import (CASES, IN_FEATURES, LAYOUTS, lora_masks, make_batch,
@@ -67,6 +67,19 @@ def test_triton_matches_reference(config, dtype, case, layout):
     stack, _ = make_stack(layout, dtype)
     batch = make_batch(case, loose_bound=loose_bound)
     x, out = make_inputs(batch, stack.out_features, dtype)
+    run_and_check(stack, batch, x, out, shrink_cfg, expand_cfg)
+
+
+@pytest.mark.parametrize("config", ["split_k_loose", "fma", "wide"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_expand_without_the_early_b_tile_matches_reference(config, layout, monkeypatch: pytest.MonkeyPatch):
+    """Tiles past PREFETCH_B_MAX_TILE read every B tile in the column loop; the test shapes are
+    below it, so the bound is lowered to run that path."""
+    monkeypatch.setattr(triton_lora, "PREFETCH_B_MAX_TILE", 0)
+    shrink_cfg, expand_cfg, loose_bound, dtypes = CONFIGS[config]
+    stack, _ = make_stack(layout, dtypes[0])
+    batch = make_batch("mixed", loose_bound=loose_bound)
+    x, out = make_inputs(batch, stack.out_features, dtypes[0])
     run_and_check(stack, batch, x, out, shrink_cfg, expand_cfg)
 
 
