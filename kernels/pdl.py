@@ -8,9 +8,9 @@ programs then wait at `wait_for_inputs` until that kernel has finished and its w
 Most kernels here wait first thing: nothing is read earlier, and the gain is the launch latency.
 The LoRA kernels (kernels/triton_lora.py) first read what no kernel of a step writes (the batch
 metadata, copied in before the step, the adapter's rank and, for small tiles, its first A or B
-tile), then wait, then read their activations. They also let their dependents launch early (`start_dependents`,
-once a program has done its loads): the expand a shrink feeds, or the next expand, runs its own
-prologue while the kernel before it finishes. That is safe because a kernel starts its
+tile), then wait, then read their activations. They also let their dependents launch early
+(`start_dependents`, once a program has done its loads): the expand a shrink feeds, or the next
+expand, runs its own prologue while the kernel before it finishes. That is safe because a kernel starts its
 dependents only after its own wait: whatever ran two kernels back has completed, and only the
 immediate predecessor's writes are unseen before the wait, which the prologue never reads. On an
 H200 it made the expand 1.03-1.17x faster (per-case median by token count, 1-8192 tokens) and the
