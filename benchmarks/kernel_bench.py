@@ -174,7 +174,7 @@ def random_stack(case: Case, copies: int, dtype: torch.dtype, device: torch.devi
     rank_t = torch.tensor(ranks, device=device)                               # [slots]
     keep = torch.arange(case.max_rank, device=device) < rank_t[:, None]       # [slots, max_rank]
     stack.a[:, 0].normal_(generator=generator).mul_(keep[:, :, None] / case.hidden ** 0.5)
-    stack.b.normal_(generator=generator).mul_(keep[:, None, :] / rank_t[:, None, None] ** 0.5)
+    stack.b.normal_(generator=generator).mul_(keep[:, :, None] / rank_t[:, None, None] ** 0.5)
     stack.ranks[:, 0] = rank_t
     stack.scalings.copy_(torch.tensor([case.adapter_scalings[j] for j in adapters]))
     stack.host_ranks = [[r] for r in ranks]
@@ -264,11 +264,11 @@ class TorchLoop:
 
     def expand(self, out: torch.Tensor, y: torch.Tensor) -> None:
         for rows, slot, rank, _ in self.groups:
-            b = self.stack.b[slot, :, :rank]  # [hidden, rank]
+            b_t = self.stack.b[slot, :rank]  # [rank, hidden]
             if isinstance(rows, slice):
-                out[rows].addmm_(y[rows, :rank], b.t())
+                out[rows].addmm_(y[rows, :rank], b_t)
             else:
-                out.index_add_(0, rows, y[rows, :rank] @ b.t())
+                out.index_add_(0, rows, y[rows, :rank] @ b_t)
 
     def dense(self, y: torch.Tensor) -> torch.Tensor:
         return y.float()
@@ -303,8 +303,8 @@ class GatherBmm:
         return y
 
     def expand(self, out: torch.Tensor, y: torch.Tensor) -> None:
-        b_pad = self.stack.b[self.slots, :, :self.rank]                    # [G, hidden, R]
-        delta = torch.bmm(y[self.idx_pad, :self.rank], b_pad.transpose(1, 2))  # [G, L, hidden]
+        b_pad = self.stack.b[self.slots, :self.rank]                       # [G, R, hidden]
+        delta = torch.bmm(y[self.idx_pad, :self.rank], b_pad)              # [G, L, hidden]
         out.index_add_(0, self.rows, delta.flatten(0, 1)[self.valid])
 
     def dense(self, y: torch.Tensor) -> torch.Tensor:

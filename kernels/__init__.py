@@ -31,7 +31,7 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Te
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> None:
-    """out [num_tokens, out_features] += y.sum(0)[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
+    """out [num_tokens, out_features] += y.sum(0)[t, s, :r] @ stack.b[slot, :r, slice s columns], in place.
 
     Accumulated in float32, for tokens of segments with a slot and slices of rank r > 0; other
     rows and columns of out are untouched.

@@ -6,10 +6,13 @@ An adapter targets some of them, all with one rank r. Example, a fused qkv of ou
 
     out_offsets = (0, 4096, 5120, 6144)
     a[2, 0, :16] = A_q   a[2, 2, :16] = A_v       ranks[2] = [16, 0, 16]
-    b[2, 0:4096, :16] = B_q   b[2, 5120:6144, :16] = B_v
+    b[2, :16, 0:4096] = B_qᵀ   b[2, :16, 5120:6144] = B_vᵀ
 
 Storage is padded to max_rank so that slots share one tensor (a CUDA graph reads them by slot
-index); the ops read only each slice's true rank, from `ranks`.
+index); the ops read only each slice's true rank, from `ranks`. Both A and B are stored rank-major,
+so that an adapter's rank-r rows are dense whatever the padding: with B stored [out, max_rank], a
+rank-8 adapter in a rank-128 stack put 16 useful bytes in every 256, and expand touched 8x the
+cache lines it needed (1.6x slower on an H200, and 1.9x for 32 one-token rank-64 groups).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from kernels.batch import LoRABatch
 @dataclass(eq=False)  # holds tensors: identity, not value, equality
 class LoRAStack:
     a: torch.Tensor              # [num_slots, num_slices, max_rank, in_features] model dtype
-    b: torch.Tensor              # [num_slots, out_features, max_rank]; rows of slice s: out_offsets[s]:[s+1]
+    b: torch.Tensor              # [num_slots, max_rank, out_features] Bᵀ; columns of slice s: out_offsets[s]:[s+1]
     ranks: torch.Tensor          # int32 [num_slots, num_slices]; 0: empty slot or slice not targeted
     scalings: torch.Tensor       # float32 [num_slots] alpha / rank of the slot's adapter
     out_offsets: tuple[int, ...]  # [num_slices + 1] host; last == out_features
@@ -34,7 +37,7 @@ class LoRAStack:
 
     def __post_init__(self) -> None:
         num_slots, num_slices, max_rank, _ = self.a.shape
-        assert self.b.shape == (num_slots, self.out_features, max_rank), (self.b.shape, self.a.shape)
+        assert self.b.shape == (num_slots, max_rank, self.out_features), (self.b.shape, self.a.shape)
         assert self.ranks.shape == (num_slots, num_slices) and self.ranks.dtype == torch.int32
         assert self.scalings.shape == (num_slots,) and self.scalings.dtype == torch.float32
         assert len(self.out_offsets) == num_slices + 1 and self.out_offsets[0] == 0
@@ -70,7 +73,7 @@ class LoRAStack:
         num_slices = len(out_sizes)
         return LoRAStack(
             a=torch.zeros(num_slots, num_slices, max_rank, in_features, dtype=dtype, device=device),
-            b=torch.zeros(num_slots, out_offsets[-1], max_rank, dtype=dtype, device=device),
+            b=torch.zeros(num_slots, max_rank, out_offsets[-1], dtype=dtype, device=device),
             ranks=torch.zeros(num_slots, num_slices, dtype=torch.int32, device=device),
             scalings=torch.zeros(num_slots, dtype=torch.float32, device=device),
             out_offsets=out_offsets,
@@ -87,7 +90,7 @@ class LoRAStack:
         self.reset_slot(slot)
         for s, (a, b) in slices.items():
             self.a[slot, s, :rank].copy_(a)
-            self.b[slot, self.out_offsets[s]:self.out_offsets[s + 1], :rank].copy_(b)
+            self.b[slot, :rank, self.out_offsets[s]:self.out_offsets[s + 1]].copy_(b.t())
             self.host_ranks[slot][s] = rank
         self.ranks[slot].copy_(torch.tensor(self.host_ranks[slot], dtype=torch.int32))
         self.scalings[slot].fill_(scaling)

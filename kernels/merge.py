@@ -1,7 +1,7 @@
 """All-layer merge: fold one adapter slot's scaling · B·A into every base weight it targets, in one
 launch on CUDA, saving what it overwrites; and the exact reverse.
 
-A task is one output slice of one projection's weight: W[rows] += scaling * B[slot, rows, :r] @
+A task is one output slice of one projection's weight: W[rows] += scaling * b[slot, :r, rows]ᵀ @
 A[slot, slice, :r]. The Triton kernel walks every tile of every task in a single grid (a table of
 tensor addresses per task), writes each weight tile's old value to its backup before adding the
 delta, and `restore_weights` copies backups back, so the base weights come back bit-identical
@@ -55,5 +55,5 @@ def merge_weights_reference(targets: Sequence[MergeTarget], slot: int) -> None:
             if rank == 0:
                 continue
             rows = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
-            delta = (stack.b[slot, rows, :rank].float() @ stack.a[slot, s, :rank].float()) * stack.scalings[slot].float()
+            delta = (stack.b[slot, :rank, rows].float().t() @ stack.a[slot, s, :rank].float()) * stack.scalings[slot].float()
             target.weight[rows] = (target.weight[rows].float() + delta).to(target.weight.dtype)

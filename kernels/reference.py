@@ -38,7 +38,7 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Te
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> None:
-    """out[t, slice s columns] += y.sum(0)[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
+    """out[t, slice s columns] += y.sum(0)[t, s, :r] @ stack.b[slot, :r, slice s columns], in place.
 
     out: [num_tokens, out_features] the base projection's output (any float dtype)
     y:   float32 [splits, num_tokens, num_slices, max_rank] from lora_shrink: partial sums over K
@@ -55,7 +55,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
             if rank == 0:
                 continue
             cols = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
-            b = stack.b[slot, cols, :rank].float()  # [out_size, rank]
-            delta = y[start:start + length, s, :rank] @ b.t()  # [length, out_size] float32
+            b_t = stack.b[slot, :rank, cols].float()  # [rank, out_size]
+            delta = y[start:start + length, s, :rank] @ b_t  # [length, out_size] float32
             target = out[start:start + length, cols]
             target.copy_(target.float() + delta)

@@ -128,7 +128,7 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
                 config: ExpandConfig | None = None, compile_only: bool = False) -> None:
-    """out[t, slice s columns] += y.sum(0)[t, s, :r] @ B[slot, slice s rows, :r]ᵀ, in place.
+    """out[t, slice s columns] += y.sum(0)[t, s, :r] @ stack.b[slot, :r, slice s columns], in place.
 
     out: [num_tokens, out_features] the base projection's output (any float dtype)
     y:   float32 [splits, num_tokens, num_slices, max_rank] from lora_shrink (splits a power of 2)
@@ -284,7 +284,7 @@ def _expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
     num_groups, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank,
     stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
-    stride_b_slot, stride_bn, stride_b_rank,
+    stride_b_slot, stride_b_rank, stride_bn,
     stride_om, stride_on,
     stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
@@ -311,7 +311,7 @@ def _expand_kernel(
     rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx, mask=slot >= 0, other=0)
     r_mask = offs_r < rank
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
-    if PREFETCH_B:  # [BLOCK_R, BLOCK_N] = Bᵀ tile of the first step
+    if PREFETCH_B:  # [BLOCK_R, BLOCK_N] tile of stack.b (Bᵀ) of the first step
         b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
     pdl.wait_for_inputs(PDL)
     # y and the first out tile do not need the rank: they are requested before branching on it

@@ -134,7 +134,7 @@ def _merge_launch(targets: tuple[MergeTarget, ...], config: MergeConfig) -> _Lau
         out_features, in_features = target.weight.shape
         assert (out_features, in_features) == (stack.out_features, stack.in_features), (target.weight.shape,)
         a_stride, b_stride = stack.a.stride(), stack.b.stride()
-        assert a_stride[3] == 1 and a_stride[2] == in_features and b_stride[2] == 1, (a_stride, b_stride)
+        assert a_stride[3] == 1 and a_stride[2] == in_features and b_stride[2] == 1, (a_stride, b_stride)  # rank-major
         assert stack.ranks.stride(1) == 1 and stack.scalings.stride(0) == 1
         row_bytes, k_tiles = in_features * elem, -(-in_features // config.block_k)
         w_rows, backup_rows = target.weight.data_ptr(), target.backup.data_ptr()
@@ -143,8 +143,9 @@ def _merge_launch(targets: tuple[MergeTarget, ...], config: MergeConfig) -> _Lau
         block_r = max(block_r, 1 << (stack.max_rank - 1).bit_length())
         for s in range(stack.num_slices):
             first, rows = stack.out_offsets[s], stack.out_offsets[s + 1] - stack.out_offsets[s]
+            address_bits |= first * elem  # the slice's first column of b
             records.extend((w_rows + first * row_bytes, backup_rows + first * row_bytes,
-                            stack.a.data_ptr() + s * a_stride[1] * elem, stack.b.data_ptr() + first * b_stride[1] * elem,
+                            stack.a.data_ptr() + s * a_stride[1] * elem, stack.b.data_ptr() + first * elem,
                             stack.scalings.data_ptr(), stack.ranks.data_ptr() + s * stack.ranks.element_size(),
                             a_stride[0], b_stride[0], stack.ranks.stride(0),
                             rows, in_features, b_stride[1], num_programs))
@@ -189,7 +190,7 @@ def _merge_kernel(program_tasks, records, slot,
     rank_ptr = tl.load(record + 5).to(tl.pointer_type(tl.int32)) + slot * tl.load(record + 8)
     num_rows = tl.load(record + 9).to(tl.int32)
     in_features = tl.load(record + 10).to(tl.int32)
-    b_stride = tl.load(record + 11).to(tl.int32)
+    b_rank_stride = tl.load(record + 11).to(tl.int32)
     tile = pid - tl.load(record + 12).to(tl.int32)
     if ALIGNED:  # the host checked: every address 16-byte aligned, strides multiples of VECTOR elements
         w_rows = tl.multiple_of(w_rows, 16)
@@ -197,7 +198,7 @@ def _merge_kernel(program_tasks, records, slot,
         a_ptr = tl.multiple_of(a_ptr, 16)
         b_ptr = tl.multiple_of(b_ptr, 16)
         in_features = tl.multiple_of(in_features, VECTOR)
-        b_stride = tl.multiple_of(b_stride, VECTOR)
+        b_rank_stride = tl.multiple_of(b_rank_stride, VECTOR)
     k_tiles = tl.cdiv(in_features, BLOCK_K)
     offs_n = (tile // k_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)   # rows of the task's slice
     offs_k = (tile % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)    # columns
@@ -208,10 +209,9 @@ def _merge_kernel(program_tasks, records, slot,
     rank = tl.load(rank_ptr)
     if rank > 0:  # 0: the slot's adapter does not target this slice (saved, left as it is)
         offs_r = tl.arange(0, BLOCK_R)
-        # B's storage past the rank is in the row stride: read it whole (vectorised), zero it here.
-        b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * b_stride + offs_r[None, :],
-                    mask=n_mask[:, None] & (offs_r < b_stride)[None, :], other=0.0, eviction_policy="evict_last")
-        b = tl.where((offs_r < rank)[None, :], b, 0.0)                              # [BLOCK_N, BLOCK_R]
+        b = tl.load(b_ptr + offs_r[None, :].to(tl.int64) * b_rank_stride + offs_n[:, None],
+                    mask=n_mask[:, None] & (offs_r < rank)[None, :], other=0.0,
+                    eviction_policy="evict_last")                                  # [BLOCK_N, BLOCK_R] of Bᵀ's rows
         a = tl.load(a_ptr + offs_r[:, None].to(tl.int64) * in_features + offs_k[None, :],
                     mask=(offs_r < rank)[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_last")                                  # [BLOCK_R, BLOCK_K]

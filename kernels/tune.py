@@ -332,7 +332,7 @@ def random_stack(bucket: Bucket, ranks: Sequence[int], dtype: torch.dtype, devic
     slices, r, k = len(bucket.out_sizes), bucket.block_r, bucket.in_features
     new = partial(torch.randn, dtype=dtype, device=device, generator=generator)
     return LoRAStack(a=new(len(ranks), slices, r, k).mul_(k ** -0.5),
-                     b=new(len(ranks), sum(bucket.out_sizes), r).mul_(r ** -0.5),
+                     b=new(len(ranks), r, sum(bucket.out_sizes)).mul_(r ** -0.5),
                      ranks=torch.tensor(ranks, dtype=torch.int32, device=device)[:, None].repeat(1, slices),
                      scalings=torch.ones(len(ranks), dtype=torch.float32, device=device),
                      out_offsets=(0, *accumulate(bucket.out_sizes)),

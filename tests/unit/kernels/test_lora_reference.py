@@ -70,7 +70,7 @@ def poison_unused_storage(stack: LoRAStack) -> None:
         for s, rank in enumerate(stack.host_ranks[slot]):
             lo, hi = stack.out_offsets[s], stack.out_offsets[s + 1]
             stack.a[slot, s, rank:] = float("nan")
-            stack.b[slot, lo:hi, rank:] = float("nan")
+            stack.b[slot, rank:, lo:hi] = float("nan")
 
 
 def make_batch(case: str, device: str = "cpu", loose_bound: bool = False) -> LoRABatch:
@@ -211,9 +211,9 @@ def test_set_slot_places_slices_and_ranks():
     assert stack.ranks.tolist() == [[0, 0, 0], [3, 0, 3]]
     assert stack.scalings.tolist() == [0.0, 0.25]
     assert torch.equal(stack.a[1, 0, :3], a_q) and torch.equal(stack.a[1, 2, :3], a_v)
-    assert torch.equal(stack.b[1, 0:6, :3], b_q) and torch.equal(stack.b[1, 8:10, :3], b_v)
-    assert not stack.a[1, 1].any() and not stack.b[1, 6:8].any()  # k: not targeted
-    assert not stack.a[1, :, 3:].any() and not stack.b[1, :, 3:].any()  # rank padding
+    assert torch.equal(stack.b[1, :3, 0:6], b_q.t()) and torch.equal(stack.b[1, :3, 8:10], b_v.t())
+    assert not stack.a[1, 1].any() and not stack.b[1, :, 6:8].any()  # k: not targeted
+    assert not stack.a[1, :, 3:].any() and not stack.b[1, 3:].any()  # rank padding
     assert not stack.a[0].any() and not stack.b[0].any()  # the other slot
 
 
@@ -223,9 +223,9 @@ def test_set_slot_zeroes_what_the_previous_adapter_left():
     a, b = torch.randn(2, 8), torch.randn(4, 2)
     stack.set_slot(0, {1: (a, b)}, 0.5)
     assert stack.host_ranks == [[0, 2]] and stack.ranks.tolist() == [[0, 2]]
-    assert not stack.a[0, 0].any() and not stack.b[0, 0:4].any()
-    assert not stack.a[0, 1, 2:].any() and not stack.b[0, 4:8, 2:].any()
-    assert torch.equal(stack.a[0, 1, :2], a) and torch.equal(stack.b[0, 4:8, :2], b)
+    assert not stack.a[0, 0].any() and not stack.b[0, :, 0:4].any()
+    assert not stack.a[0, 1, 2:].any() and not stack.b[0, 2:, 4:8].any()
+    assert torch.equal(stack.a[0, 1, :2], a) and torch.equal(stack.b[0, :2, 4:8], b.t())
 
     stack.reset_slot(0)
     assert stack.host_ranks == [[0, 0]] and stack.ranks.tolist() == [[0, 0]]

@@ -33,7 +33,7 @@ def _expected(target: MergeTarget, original: torch.Tensor, slot: int = SLOT) -> 
     for s, rank in enumerate(stack.host_ranks[slot]):
         rows = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
         if rank:
-            expected[rows] += stack.scalings[slot].double() * (stack.b[slot, rows, :rank].double()
+            expected[rows] += stack.scalings[slot].double() * (stack.b[slot, :rank, rows].double().t()
                                                              @ stack.a[slot, s, :rank].double())
     return expected
 
