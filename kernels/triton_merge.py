@@ -143,7 +143,7 @@ def _merge_launch(targets: tuple[MergeTarget, ...], config: MergeConfig) -> _Lau
         block_r = max(block_r, 1 << (stack.max_rank - 1).bit_length())
         for s in range(stack.num_slices):
             first, rows = stack.out_offsets[s], stack.out_offsets[s + 1] - stack.out_offsets[s]
-            address_bits |= first * elem  # the slice's first column of b
+            address_bits |= (first | rows) * elem  # the slice's columns of b
             records.extend((w_rows + first * row_bytes, backup_rows + first * row_bytes,
                             stack.a.data_ptr() + s * a_stride[1] * elem, stack.b.data_ptr() + first * elem,
                             stack.scalings.data_ptr(), stack.ranks.data_ptr() + s * stack.ranks.element_size(),
@@ -199,6 +199,7 @@ def _merge_kernel(program_tasks, records, slot,
         b_ptr = tl.multiple_of(b_ptr, 16)
         in_features = tl.multiple_of(in_features, VECTOR)
         b_rank_stride = tl.multiple_of(b_rank_stride, VECTOR)
+        num_rows = tl.multiple_of(num_rows, VECTOR)  # masks B's contiguous axis: keeps its loads 16 B
     k_tiles = tl.cdiv(in_features, BLOCK_K)
     offs_n = (tile // k_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)   # rows of the task's slice
     offs_k = (tile % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)    # columns
