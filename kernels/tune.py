@@ -459,6 +459,14 @@ def untuned(todo: Iterable[Bucket], table: dict | None) -> list[Bucket]:
     return [b for b in todo if b.key not in (table or {}).get("configs", {})]
 
 
+def expands_on_heuristic_splits(todo: Sequence[Bucket], table: dict | None) -> list[Bucket]:
+    """Expand buckets whose shrink neither the table nor this run tunes: they are timed on the
+    heuristic shrink's y planes. Right for this table as a whole; wrong for entries copied into
+    another table, whose shrinks may split differently (an H200 ran such an expand 1.4x slower)."""
+    tuned = {b.key for b in todo if b.op == "shrink"} | set((table or {}).get("configs", {}))
+    return [b for b in todo if b.op == "expand" and replace(b, op="shrink").key not in tuned]
+
+
 def read_table(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -528,6 +536,9 @@ def tune(args: argparse.Namespace, todo: list[Bucket], command: str) -> int:
               file=sys.stderr)
     if args.skip_tuned:
         todo = untuned(todo, old)
+    if heuristic_splits := expands_on_heuristic_splits(todo, old):
+        print(f"note: {len(heuristic_splits)} expand buckets have no shrink entry in {path}: they are timed on the "
+              "heuristic shrink's K split; merge this table whole, not entry by entry", file=sys.stderr)
     header = {"gpu": gpu, "triton": triton.__version__, "torch": torch.__version__,
               "date": date.today().isoformat(), "command": command}
     dtype = getattr(torch, args.dtype)

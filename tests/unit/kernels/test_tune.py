@@ -21,7 +21,7 @@ from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CA
                           Y_PLANES_CAP,
                           BudgetSpent, CheckFailed, ModelShape,
                           Progress, Workload, batch_shapes, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
-                          rotation_copies, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
+                          expands_on_heuristic_splits, rotation_copies, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
                           write_table)
 from kernels.tuning import Bucket, ExpandConfig, ShrinkConfig
 
@@ -411,3 +411,12 @@ def test_expand_is_tuned_on_the_planes_its_shrink_writes():
     assert shrink_splits(expand, {"configs": tuned}, {shrink_key: {**tuned[shrink_key], "split_k": 4}}) == 4
     ordered = buckets([PRESETS["llama-7b"]], ["shrink", "expand"], [16], [8])
     assert [b.op for b in ordered] == sorted(b.op for b in ordered)[::-1]  # every shrink before any expand
+
+
+def test_expands_without_a_tuned_shrink_are_reported():
+    shrink, expand = (Bucket(op, 4096, (4096,), 64, 512, 512) for op in ("shrink", "expand"))
+    other = Bucket("expand", 4096, (4096,), 16, 512, 512)
+    assert expands_on_heuristic_splits([expand, other], None) == [expand, other]
+    assert expands_on_heuristic_splits([shrink, expand, other], None) == [other]  # this run tunes it
+    table = {"configs": {shrink.key: tuning.config_dict(ShrinkConfig(64, 256, 2, 4, 3))}}
+    assert expands_on_heuristic_splits([expand, other], table) == [other]
