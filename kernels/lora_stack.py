@@ -11,8 +11,8 @@ An adapter targets some of them, all with one rank r. Example, a fused qkv of ou
 Storage is padded to max_rank so that slots share one tensor (a CUDA graph reads them by slot
 index); the ops read only each slice's true rank, from `ranks`. Both A and B are stored rank-major,
 so that an adapter's rank-r rows are dense whatever the padding: with B stored [out, max_rank], a
-rank-8 adapter in a rank-128 stack put 16 useful bytes in every 256, and expand touched 8x the
-cache lines it needed (1.6x slower on an H200, and 1.9x for 32 one-token rank-64 groups).
+rank-8 adapter in a rank-128 stack put 16 useful bytes in every 256, and expand touched up to 8x
+the cache lines it needed (docs/benchmarks/kernels.md, eighth round).
 """
 
 from __future__ import annotations
