@@ -6,12 +6,13 @@ and write the table kernels/tuning.py looks up (kernels/tables/<gpu>.json).
     python -m kernels.tune --model llama-7b --skip-tuned         # goes on where a budgeted run stopped
 
 A bucket (tuning.Bucket) is one op on one fused projection of the model, a rank tile block_r, a
-batch of T tokens and a largest group of G. It is timed on representative batches: T tokens in
-groups of G tokens and fewer, of spread sizes (`spread_lens`) and of random sizes (`random_lens`),
-their rows interleaved (`segments`), each group its own adapter slot of rank block_r targeting
-every slice. The full grid of configurations is ~10x
-too large to time, so the search has two stages: tile shapes at fixed warps/stages, then the SHORTLIST best shapes over warps x
-stages. The heuristic's choice is always timed as well: an entry is never slower than no entry.
+batch of T tokens and a largest group of G. It is timed on representative batches (`batch_shapes`):
+T tokens in groups of spread sizes (`spread_lens`) and of random sizes (`random_lens`), their rows
+interleaved (`segments`), each group its own adapter slot targeting every slice. The configuration
+kept is the one whose worst time over those batches, relative to the best on each, is least
+(`regrets`). The full grid of configurations is ~10x too large to time, so the search has two
+stages: tile shapes at fixed warps/stages, then the SHORTLIST best shapes over warps x stages. The
+heuristic's choice is always timed as well: an entry is never worse than no entry.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def random_lens(tokens: int, group: int, count: int) -> list[int]:
     """`count` groups summing to `tokens`: the first holds `group` tokens, the others random sizes
     in [1, group] (weights uniform in [1/4, 1], so about the spread batch's mean), the same in
     every run and process."""
+    assert 1 <= count and group * count >= tokens, (tokens, group, count)
     rng = random.Random(tokens * 65537 + group)
     rest = tokens - group
     weights = [rng.uniform(0.25, 1.0) for _ in range(count - 1)]
@@ -169,20 +171,29 @@ class BatchShape:
 
 def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     """The bucket's representative batches: the spread batch (`group_lens`), every adapter of rank
-    block_r, and, where groups may differ in size, twice as many groups of random sizes
-    (`random_lens`, at most MAX_GROUPS) whose ranks run block_r, block_r/2, block_r/4, block_r/8
-    in turn (a batch whose largest rank is r holds lower ones too). Timing both keeps the tuner
-    off configurations that only fit the spread batch: its 8192 tokens in 64-row tiles make 128
-    programs, one wave on 132 SMs, and the configuration chosen for it (one CTA an SM) ran the
-    kernel benchmark's random-length prefills (144 tiles: each group adds a partial tile) 1.7x
-    slower on an H200, as a second wave would; and with all ranks equal, rank blocks never paid."""
+    block_r, and, where groups may differ in size, a batch of random group sizes (`random_lens`,
+    at most MAX_GROUPS groups) whose ranks run block_r, block_r/2, block_r/4, block_r/8 in turn (a
+    batch whose largest rank is r holds lower ones too).
+
+    Timing both keeps the tuner off configurations that only fit the spread batch: its 8192 tokens
+    in 64-row tiles make 128 programs, one wave on 132 SMs, and the configuration chosen for it (one
+    CTA an SM) ran the kernel benchmark's random-length prefills (137-144 tiles: each group adds a
+    partial tile) 1.7x slower on an H200, as a second wave would; and with all ranks equal, rank
+    blocks never paid. Where the largest group is the whole batch (G = T) the spread batch is one
+    group, so the random batch's largest group is the smallest that still rounds up to G: a
+    2048-token prefill of four adapters lands in the same bucket as one of a single adapter, and an
+    H200 ran it 1.5x slower on the single adapter's configuration."""
     spread = group_lens(bucket)
     shapes = [BatchShape(spread, [bucket.block_r] * len(spread))]
-    if len(spread) > 1 and bucket.group > 1:
-        count = min(2 * len(spread), MAX_GROUPS, bucket.tokens - bucket.group + 1)
-        lens = random_lens(bucket.tokens, bucket.group, max(count, len(spread)))
-        shapes.append(BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))]))
-    return shapes
+    if bucket.group == 1:  # one-token groups: nothing to vary
+        return shapes
+    if bucket.group < bucket.tokens:
+        largest, count = bucket.group, 2 * len(spread)
+    else:
+        largest = max(p for p in tuning.TOKEN_POINTS if p < bucket.group) + 1
+        count = len(spread_lens(bucket.tokens, largest))
+    lens = random_lens(bucket.tokens, largest, min(count, MAX_GROUPS, bucket.tokens - largest + 1))
+    return [*shapes, BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))])]
 
 
 def segments(lens: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -262,15 +273,19 @@ def variants(op: str, best: Iterable[Config]) -> list[Config]:
     return [replace(c, num_warps=w, num_stages=s) for c in best for w in WARPS for s in STAGES[op]]
 
 
-def search(bucket: Bucket, measure: Callable[[Config], float], deadline: float,
+def search(bucket: Bucket, measure: Callable[[Config], Sequence[float]], deadline: float,
            on_failure: Callable[[Config, Exception], None]) -> dict:
-    """The bucket's table entry: the fastest configuration's fields, "us" and "heuristic_us".
+    """The bucket's table entry: the chosen configuration's fields, its mean time over the batch
+    shapes ("us", likewise "heuristic_us") and its "regret".
 
-    measure(config) -> seconds per call. A configuration it fails on (out of shared memory, ...)
-    is reported and skipped. Raises BudgetSpent once time.monotonic() passes `deadline`.
+    measure(config) -> seconds per call on each of the bucket's batch shapes. The choice is the
+    configuration whose worst time over the shapes, relative to the best any configuration took on
+    that shape, is least (`regrets`): one configuration serves every batch of the bucket. A
+    configuration `measure` fails on (out of shared memory, ...) is reported and skipped. Raises
+    BudgetSpent once time.monotonic() passes `deadline`.
     """
     heuristic = tuning.heuristic_config(bucket)
-    seconds: dict[Config, float] = {}
+    seconds: dict[Config, tuple[float, ...]] = {}
     failed: set[Config] = set()
 
     def time_all(configs: Iterable[Config]) -> None:
@@ -280,19 +295,31 @@ def search(bucket: Bucket, measure: Callable[[Config], float], deadline: float,
             if time.monotonic() > deadline:
                 raise BudgetSpent
             try:
-                seconds[config] = measure(config)
+                seconds[config] = tuple(measure(config))
             except Exception as exc:  # a config that cannot compile or run is a loser, not an error
                 failed.add(config)
                 on_failure(config, exc)
+
+    def ranked(configs: Iterable[Config]) -> list[Config]:
+        regret = regrets(seconds)
+        return sorted((c for c in configs if c in seconds), key=lambda c: (regret[c], statistics.fmean(seconds[c])))
 
     stage1 = tile_shapes(bucket)
     time_all([heuristic, *stage1])
     if heuristic not in seconds:
         raise CheckFailed(f"{bucket.key}: the heuristic {heuristic} could not be timed")
-    time_all(variants(bucket.op, sorted((c for c in stage1 if c in seconds), key=seconds.__getitem__)[:SHORTLIST]))
-    winner = min(seconds, key=seconds.__getitem__)
-    return {**tuning.config_dict(winner), "us": round(seconds[winner] * 1e6, 3),
-            "heuristic_us": round(seconds[heuristic] * 1e6, 3)}
+    time_all(variants(bucket.op, ranked(stage1)[:SHORTLIST]))
+    winner = ranked(seconds)[0]
+    return {**tuning.config_dict(winner), "us": round(statistics.fmean(seconds[winner]) * 1e6, 3),
+            "heuristic_us": round(statistics.fmean(seconds[heuristic]) * 1e6, 3),
+            "regret": round(regrets(seconds)[winner], 3)}
+
+
+def regrets(seconds: dict[Config, tuple[float, ...]]) -> dict[Config, float]:
+    """Each configuration's worst ratio, over the batch shapes, of its time to the least time any
+    configuration took on that shape. Example: times (10, 30) and (12, 24) -> regrets 1.25, 1.2."""
+    best = [min(times) for times in zip(*seconds.values())]
+    return {config: max(t / b for t, b in zip(times, best)) for config, times in seconds.items()}
 
 
 def shrink_splits(bucket: Bucket, old: dict | None, new: dict[str, dict]) -> int:
@@ -317,11 +344,10 @@ def copy_bytes(bucket: Bucket, elem_size: int, splits: int = 1) -> tuple[int, in
 
 def rotation_copies(bucket: Bucket, elem_size: int, splits: int = 1,
                     needed: Callable[[int], int] = timing.copies_needed) -> int:
-    """Input copies to cycle through: enough to span 3x L2 and to take each batch shape equally
-    often, few enough to stay under MEMORY_CAP."""
+    """Input copies to cycle through: for each batch shape, enough to span 3x L2 on their own (each
+    shape is timed apart), few enough to stay under MEMORY_CAP."""
     moved, allocated = copy_bytes(bucket, elem_size, splits)
-    shapes = len(batch_shapes(bucket))
-    wanted = -(-max(needed(moved), shapes) // shapes) * shapes
+    wanted = needed(moved) * len(batch_shapes(bucket))
     return max(1, min(wanted, MEMORY_CAP // allocated, MAX_COPIES))
 
 
@@ -343,8 +369,7 @@ def random_stack(bucket: Bucket, ranks: Sequence[int], dtype: torch.dtype, devic
 class Workload:
     """A bucket's representative batches (`batch_shapes`), taken in turn by `copies` copies. Copy c
     has its own activations and its own slot range of one shared stack, so cycling the copies
-    moves weights (most of a decode op's bytes) and activations alike through more than the L2,
-    and a timing of all copies averages the shapes."""
+    moves weights (most of a decode op's bytes) and activations alike through more than the L2."""
     bucket: Bucket
     stack: LoRAStack             # [copies * groups] slots, groups: the most of any shape
     batches: list[LoRABatch]     # copy c: shape c % shapes' segments, group i on slot c * groups + i
@@ -385,8 +410,11 @@ class Workload:
         return partial(triton_lora.lora_expand, self.outs[copy], self.inputs[copy], self.stack, self.batches[copy],
                        config, compile_only)
 
-    def seconds(self, config: Config) -> float:
-        return timing.graph_time_s([self.call(config, c) for c in range(len(self.batches))])
+    def seconds(self, config: Config) -> tuple[float, ...]:
+        """Seconds per call on each batch shape: one graph over the copies of each."""
+        shapes = min(len(self.batches), len(batch_shapes(self.bucket)))
+        return tuple(timing.graph_time_s([self.call(config, c) for c in range(shape, len(self.batches), shapes)])
+                     for shape in range(shapes))
 
     def check(self, config: Config) -> None:
         """`config` on the first copy of each shape against the float32 reference on float32 copies

@@ -21,7 +21,7 @@ from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CA
                           Y_PLANES_CAP,
                           BudgetSpent, CheckFailed, ModelShape,
                           Progress, Workload, batch_shapes, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
-                          expands_on_heuristic_splits, rotation_copies, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
+                          expands_on_heuristic_splits, rotation_copies, regrets, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
                           write_table)
 from kernels.tuning import Bucket, ExpandConfig, ShrinkConfig
 
@@ -100,12 +100,18 @@ def test_random_batch_shape_sums_to_the_tokens_with_the_spread_count_and_unalign
         shapes = batch_shapes(bucket)
         assert shapes[0].lens == group_lens(bucket) and set(shapes[0].ranks) == {16}
         assert batch_shapes(bucket) == shapes  # deterministic
-        if group == 1 or group == tokens:  # nothing to vary: decode groups, or one group
+        if group == 1:  # nothing to vary: one-token groups
             assert len(shapes) == 1
             continue
         spread, rand = shapes[0].lens, shapes[1].lens
-        assert sum(rand) == tokens and rand[0] == max(rand) == group and min(rand) >= 1
-        assert len(spread) <= len(rand) <= min(2 * len(spread), MAX_GROUPS)  # more partial tiles
+        assert sum(rand) == tokens and min(rand) >= 1 and len(rand) <= MAX_GROUPS
+        assert tuning.round_up(max(rand), tuning.TOKEN_POINTS) == group  # the same bucket
+        if group < tokens:
+            assert rand[0] == max(rand) == group
+            assert len(spread) <= len(rand) <= 2 * len(spread)  # more partial tiles
+        else:  # the spread batch is one group; the random one has several, the largest just in the bucket
+            previous = tuning.TOKEN_POINTS[tuning.TOKEN_POINTS.index(group) - 1]
+            assert len(spread) == 1 and rand[0] == max(rand) == previous + 1 and len(rand) >= tokens / (previous + 1)
         assert shapes[1].ranks[:4] == [16, 8, 4, 2][:len(rand)] and len(shapes[1].ranks) == len(rand)
     # The case that motivated it: 8192 tokens in groups of <= 2048 fill 64-row tiles exactly when
     # spread, not when random.
@@ -176,7 +182,7 @@ def fake_seconds(config) -> float:
     if getattr(config, "block_k", 0) == 256:
         raise RuntimeError("out of resource: shared memory\nmore")
     warps_stages = 0.1 * (config.num_warps == 8) + 0.01 * config.num_stages
-    return 1.0 - 0.01 * config.split_k - 0.001 * config.block_k - warps_stages
+    return 10.0 - 0.01 * config.split_k - 0.001 * config.block_k - warps_stages  # > 0: regrets are ratios
 
 
 def test_search_times_the_shortlist_over_warps_and_stages_and_keeps_the_fastest():
@@ -185,7 +191,7 @@ def test_search_times_the_shortlist_over_warps_and_stages_and_keeps_the_fastest(
 
     def measure(config):
         measured.append(config)
-        return fake_seconds(config)
+        return (fake_seconds(config),)  # one batch shape
 
     entry = search(bucket, measure, math.inf, lambda c, e: failures.append((c, str(e))))
     assert len(measured) == len(set(measured))  # nothing timed twice
@@ -200,23 +206,40 @@ def test_search_times_the_shortlist_over_warps_and_stages_and_keeps_the_fastest(
     assert tuning.config_from("shrink", entry) == winner
     assert entry["us"] == round(fake_seconds(winner) * 1e6, 3) <= entry["heuristic_us"]
     assert entry["heuristic_us"] == round(fake_seconds(heuristic) * 1e6, 3)
+    assert entry["regret"] == 1.0
 
 
 def test_search_keeps_the_heuristic_when_nothing_beats_it_and_rejects_it_when_it_fails():
     bucket = Bucket("expand", 4096, (4096,), 16, 32, 1)
     heuristic = tuning.heuristic_config(bucket)
-    entry = search(bucket, lambda c: 1.0 if c == heuristic else 2.0, math.inf, lambda c, e: None)
+    entry = search(bucket, lambda c: (1.0 if c == heuristic else 2.0,), math.inf, lambda c, e: None)
     assert tuning.config_from("expand", entry) == heuristic and entry["us"] == entry["heuristic_us"] == 1e6
 
     def broken(config):
         if config == heuristic:
             raise RuntimeError("boom")
-        return 1.0
+        return (1.0,)
 
     with pytest.raises(CheckFailed, match="heuristic"):
         search(bucket, broken, math.inf, lambda c, e: None)
     with pytest.raises(BudgetSpent):
-        search(bucket, lambda c: 1.0, -math.inf, lambda c, e: None)
+        search(bucket, lambda c: (1.0,), -math.inf, lambda c, e: None)
+
+
+def test_regrets_are_worst_ratios_to_each_shapes_best():
+    a, b, c = (ExpandConfig(16, 64, n, 4, 2) for n in (1, 2, 4))
+    assert regrets({a: (10.0, 30.0), b: (12.0, 24.0), c: (20.0, 24.0)}) == pytest.approx({a: 1.25, b: 1.2, c: 2.0})
+
+
+def test_search_keeps_the_configuration_with_the_least_worst_case_regret_not_the_least_mean():
+    # The first shape's times are larger, so a mean follows it; the regret weighs both shapes alike.
+    bucket = Bucket("shrink", 4096, (4096,), 64, 8192, 2048)
+    heuristic = tuning.heuristic_config(bucket)
+    first_shape_fast, robust = [c for c in tile_shapes(bucket) if c != heuristic][:2]
+    times = {first_shape_fast: (10.0, 6.0), robust: (12.0, 4.8)}  # means 8 and 8.4; regrets 1.25 and 1.2
+    entry = search(bucket, lambda c: times.get(c, (30.0, 30.0)), math.inf, lambda c, e: None)
+    assert tuning.config_from("shrink", entry) == robust
+    assert entry["regret"] == 1.2 and entry["us"] == round(8.4 * 1e6, 3) and entry["heuristic_us"] == 30e6
 
 
 @pytest.mark.parametrize("op", ["shrink", "expand"])
@@ -294,7 +317,7 @@ def test_rotation_copies_span_l2_under_the_memory_cap():
     assert allocated == 4096 * 2 + 16 * 4096 * 2 + 4096 * 16 * 2  # x and the whole slot
     assert rotation_copies(decode, 2, needed=lambda n: 3 * 50 * 2**20 // n + 1) == MAX_COPIES  # capped
     assert rotation_copies(decode, 2, needed=lambda n: 7) == 7  # one batch shape (one-token groups)
-    assert rotation_copies(Bucket("shrink", 4096, (4096,), 16, 512, 128), 2, needed=lambda n: 7) == 8  # 2 shapes
+    assert rotation_copies(Bucket("shrink", 4096, (4096,), 16, 512, 128), 2, needed=lambda n: 7) == 14  # 2 shapes
     prefill = Bucket("expand", 18944, (3584,), 128, 8192, 32)  # 256 slots of 128 x (18944 + 3584) each
     copies = rotation_copies(prefill, 2, needed=lambda n: 10**6)
     assert copies == MEMORY_CAP // copy_bytes(prefill, 2)[1] and copies * copy_bytes(prefill, 2)[1] <= MEMORY_CAP
