@@ -171,18 +171,20 @@ class BatchShape:
 
 def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     """The bucket's representative batches: the spread batch (`group_lens`), every adapter of rank
-    block_r, and, where groups may differ in size, a batch of random group sizes (`random_lens`,
-    at most MAX_GROUPS groups) whose ranks run block_r, block_r/2, block_r/4, block_r/8 in turn (a
-    batch whose largest rank is r holds lower ones too).
+    block_r, and, where groups may differ in size, a batch of random group sizes (`random_lens`, at
+    most MAX_GROUPS groups) twice: every adapter of rank block_r, then ranks block_r, block_r/2,
+    block_r/4, block_r/8 in turn (a batch whose largest rank is r holds lower ones too).
 
-    Timing both keeps the tuner off configurations that only fit the spread batch: its 8192 tokens
+    Random sizes keep the tuner off configurations that only fit the spread batch: its 8192 tokens
     in 64-row tiles make 128 programs, one wave on 132 SMs, and the configuration chosen for it (one
     CTA an SM) ran the kernel benchmark's random-length prefills (137-144 tiles: each group adds a
-    partial tile) 1.7x slower on an H200, as a second wave would; and with all ranks equal, rank
-    blocks never paid. Where the largest group is the whole batch (G = T) the spread batch is one
-    group, so the random batch's largest group is the smallest that still rounds up to G: a
-    2048-token prefill of four adapters lands in the same bucket as one of a single adapter, and an
-    H200 ran it 1.5x slower on the single adapter's configuration."""
+    partial tile) 1.7x slower on an H200, as a second wave would. Mixed ranks let rank blocks win
+    where they pay; equal ranks show what they cost (each block re-reads x): timed on mixed ranks
+    alone, a rank block's programs past low ranks exit early and hid a second wave that ran a
+    4-adapter rank-64 prefill 1.5x slower. Where the largest group is the whole batch (G = T) the
+    spread batch is one group, so the random batches' largest group is the smallest that still
+    rounds up to G: a 2048-token prefill of four adapters lands in the same bucket as one of a
+    single adapter, and an H200 ran it 1.5x slower on the single adapter's configuration."""
     spread = group_lens(bucket)
     shapes = [BatchShape(spread, [bucket.block_r] * len(spread))]
     if bucket.group == 1:  # one-token groups: nothing to vary
@@ -193,7 +195,8 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
         largest = max(p for p in tuning.TOKEN_POINTS if p < bucket.group) + 1
         count = len(spread_lens(bucket.tokens, largest))
     lens = random_lens(bucket.tokens, largest, min(count, MAX_GROUPS, bucket.tokens - largest + 1))
-    return [*shapes, BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))])]
+    return [*shapes, BatchShape(lens, [bucket.block_r] * len(lens)),
+            BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))])]
 
 
 def segments(lens: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -276,7 +279,7 @@ def variants(op: str, best: Iterable[Config]) -> list[Config]:
 def search(bucket: Bucket, measure: Callable[[Config], Sequence[float]], deadline: float,
            on_failure: Callable[[Config, Exception], None]) -> dict:
     """The bucket's table entry: the chosen configuration's fields, its mean time over the batch
-    shapes ("us", likewise "heuristic_us") and its "regret".
+    shapes ("us", likewise "heuristic_us"), its time on each ("shape_us") and its "regret".
 
     measure(config) -> seconds per call on each of the bucket's batch shapes. The choice is the
     configuration whose worst time over the shapes, relative to the best any configuration took on
@@ -312,7 +315,7 @@ def search(bucket: Bucket, measure: Callable[[Config], Sequence[float]], deadlin
     winner = ranked(seconds)[0]
     return {**tuning.config_dict(winner), "us": round(statistics.fmean(seconds[winner]) * 1e6, 3),
             "heuristic_us": round(statistics.fmean(seconds[heuristic]) * 1e6, 3),
-            "regret": round(regrets(seconds)[winner], 3)}
+            "regret": round(regrets(seconds)[winner], 3), "shape_us": [round(t * 1e6, 3) for t in seconds[winner]]}
 
 
 def regrets(seconds: dict[Config, tuple[float, ...]]) -> dict[Config, float]:

@@ -112,10 +112,12 @@ def test_random_batch_shape_sums_to_the_tokens_with_the_spread_count_and_unalign
         else:  # the spread batch is one group; the random one has several, the largest just in the bucket
             previous = tuning.TOKEN_POINTS[tuning.TOKEN_POINTS.index(group) - 1]
             assert len(spread) == 1 and rand[0] == max(rand) == previous + 1 and len(rand) >= tokens / (previous + 1)
-        assert shapes[1].ranks[:4] == [16, 8, 4, 2][:len(rand)] and len(shapes[1].ranks) == len(rand)
+        assert len(shapes) == 3 and shapes[2].lens == rand  # the same sizes, ranks equal then mixed
+        assert shapes[1].ranks == [16] * len(rand)
+        assert shapes[2].ranks[:4] == [16, 8, 4, 2][:len(rand)] and len(shapes[2].ranks) == len(rand)
     # The case that motivated it: 8192 tokens in groups of <= 2048 fill 64-row tiles exactly when
     # spread, not when random.
-    spread, rand = batch_shapes(Bucket("shrink", 64, (32,), 16, 8192, 2048))
+    spread, rand, _ = batch_shapes(Bucket("shrink", 64, (32,), 16, 8192, 2048))
     assert sum(-(-n // 64) for n in spread.lens) == 128 < sum(-(-n // 64) for n in rand.lens)
 
 
@@ -240,25 +242,26 @@ def test_search_keeps_the_configuration_with_the_least_worst_case_regret_not_the
     entry = search(bucket, lambda c: times.get(c, (30.0, 30.0)), math.inf, lambda c, e: None)
     assert tuning.config_from("shrink", entry) == robust
     assert entry["regret"] == 1.2 and entry["us"] == round(8.4 * 1e6, 3) and entry["heuristic_us"] == 30e6
+    assert entry["shape_us"] == [12e6, 4.8e6]
 
 
 @pytest.mark.parametrize("op", ["shrink", "expand"])
 def test_workload_batches_hit_their_bucket_on_disjoint_slots(op):
     bucket = Bucket(op, 64, (32, 16), 16, 32, 8)
     work = Workload.build(bucket, copies=3, dtype=torch.float32, device="cpu")
-    shapes = batch_shapes(bucket)  # spread 8, 4, 6, 2, 8, 4 of rank 16; random sizes of ranks 16, 8, 4, 2
+    shapes = batch_shapes(bucket)  # spread 8, 4, 6, 2, 8, 4 of rank 16; random sizes of rank 16, then of ranks 16, 8, 4, 2
     groups = len(shapes[1].lens)
-    assert len(shapes) == 2 and len(shapes[1].lens) == groups  # 32 - 8 + 1 groups at most: 12
+    assert len(shapes) == 3 and len(shapes[2].lens) == groups  # 32 - 8 + 1 groups at most: 12
     assert work.stack.num_slots == 3 * groups and len(work.batches) == 3
     slots = [set(b.seg_slots) for b in work.batches]
-    assert [len(s) for s in slots] == [len(shapes[c % 2].lens) for c in range(3)]
+    assert [len(s) for s in slots] == [len(shapes[c % 3].lens) for c in range(3)]
     assert all(min(s) >= c * groups and max(s) < (c + 1) * groups for c, s in enumerate(slots))  # disjoint
     assert all(tuning.bucket_of(op, work.stack, b) == bucket for b in work.batches)
     assert all(b.capacity == groups for b in work.batches)  # one compiled kernel, one grid
     assert [sorted(b.lens.tolist(), reverse=True) for b in work.batches] == [  # copies take the shapes in turn
-        sorted(shapes[c % 2].lens, reverse=True) + [0] * (groups - len(shapes[c % 2].lens)) for c in range(3)]
+        sorted(shapes[c % 3].lens, reverse=True) + [0] * (groups - len(shapes[c % 3].lens)) for c in range(3)]
     assert work.stack.host_ranks == [[r, r] for c in range(3)
-                                     for r in [*shapes[c % 2].ranks, *[0] * (groups - len(shapes[c % 2].ranks))]]
+                                     for r in [*shapes[c % 3].ranks, *[0] * (groups - len(shapes[c % 3].ranks))]]
     assert work.stack.ranks.tolist() == work.stack.host_ranks
 
 
@@ -270,7 +273,7 @@ def test_check_passes_the_heuristic_in_the_interpreter(op):
 
 def test_check_ignores_y_past_each_adapters_rank(monkeypatch):
     bucket = Bucket("shrink", 64, (32, 16), 16, 32, 8)
-    work = Workload.build(bucket, copies=2, dtype=torch.float32, device="cpu")
+    work = Workload.build(bucket, copies=3, dtype=torch.float32, device="cpu")  # the third: mixed ranks
     real = triton_lora.lora_shrink
 
     def garbage_past_rank(x, stack, batch, *rest):  # lora_shrink leaves those entries unspecified
@@ -280,7 +283,7 @@ def test_check_ignores_y_past_each_adapters_rank(monkeypatch):
         return y
 
     monkeypatch.setattr(triton_lora, "lora_shrink", garbage_past_rank)
-    assert set(batch_shapes(bucket)[1].ranks) == {16, 8, 4, 2}
+    assert set(batch_shapes(bucket)[2].ranks) == {16, 8, 4, 2}
     work.check(tuning.heuristic_config(bucket))
 
 
@@ -317,11 +320,11 @@ def test_rotation_copies_span_l2_under_the_memory_cap():
     assert allocated == 4096 * 2 + 16 * 4096 * 2 + 4096 * 16 * 2  # x and the whole slot
     assert rotation_copies(decode, 2, needed=lambda n: 3 * 50 * 2**20 // n + 1) == MAX_COPIES  # capped
     assert rotation_copies(decode, 2, needed=lambda n: 7) == 7  # one batch shape (one-token groups)
-    assert rotation_copies(Bucket("shrink", 4096, (4096,), 16, 512, 128), 2, needed=lambda n: 7) == 14  # 2 shapes
+    assert rotation_copies(Bucket("shrink", 4096, (4096,), 16, 512, 128), 2, needed=lambda n: 7) == 21  # 3 shapes
     prefill = Bucket("expand", 18944, (3584,), 128, 8192, 32)  # 256 slots of 128 x (18944 + 3584) each
     copies = rotation_copies(prefill, 2, needed=lambda n: 10**6)
     assert copies == MEMORY_CAP // copy_bytes(prefill, 2)[1] and copies * copy_bytes(prefill, 2)[1] <= MEMORY_CAP
-    assert rotation_copies(prefill, 2, needed=lambda n: 1) == min(2, copies)  # each of its 2 shapes, if it can
+    assert rotation_copies(prefill, 2, needed=lambda n: 1) == min(3, copies)  # each of its 3 shapes, if it can
 
 
 def entry(config, us):
