@@ -395,16 +395,21 @@ class Row:
                 "static_config": self.static_config}
 
 
+def case_inputs(case: Case, copies: int, device: torch.device | str, dtype: torch.dtype
+                ) -> tuple[LoRAStack, list[LoRABatch], torch.Tensor, torch.Tensor]:
+    """(stack, each copy's batch, x [copies, tokens, hidden], base outputs [copies, tokens, hidden])."""
+    generator = torch.Generator(device).manual_seed(SEED + 1)
+    stack = random_stack(case, copies, dtype, device, generator)
+    batches = [copy_batch(case, c, device) for c in range(copies)]
+    return stack, batches, random_rows(copies, case, dtype, device, generator), random_rows(copies, case, dtype, device, generator)
+
+
 def measure_case(case: Case, impls: dict[str, Impl], device: torch.device | str, dtype: torch.dtype, copies: int,
                  timer: Callable[[list[Callable[[], object]]], float] = timing.graph_time_s) -> list[Row]:
     """Time shrink, then expand, of every implementation over `copies` rotating inputs. Expand's
     y comes from an untimed shrink of the same copy; its out accumulates over replays (the
     deltas are O(1): it stays finite)."""
-    generator = torch.Generator(device).manual_seed(SEED + 1)
-    stack = random_stack(case, copies, dtype, device, generator)
-    batches = [copy_batch(case, c, device) for c in range(copies)]
-    xs = random_rows(copies, case, dtype, device, generator)    # [copies, tokens, hidden]
-    outs = random_rows(copies, case, dtype, device, generator)  # [copies, tokens, hidden]
+    stack, batches, xs, outs = case_inputs(case, copies, device, dtype)
     seconds: dict[str, dict[str, float]] = {op: {} for op in OPS}
     for name, impl in impls.items():
         ops = [impl(stack, batch) for batch in batches]

@@ -1,0 +1,62 @@
+"""benchmarks/tuner_headroom.py on CPU: case parsing, and the search on a case's own batches with a
+fake timer (the ATMM kernels run in Triton's interpreter, see tests/conftest.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from benchmarks import kernel_bench as kb
+from benchmarks import tuner_headroom as th
+from kernels import tune, tuning
+
+
+def test_case_specs_name_kernel_bench_cases():
+    case = th.parse_case("48 mixed 4 12 prefill")
+    assert case == kb.make_case(48, "mixed", 4, 12, "prefill")
+    for bad in ("48 mixed 4 12", "48 mixed four 12 prefill", "48 u7 4 12 prefill", "48 mixed 4 12 sideways"):
+        with pytest.raises(argparse.ArgumentTypeError, match="HIDDEN RANKS ADAPTERS TOKENS LAYOUT"):
+            th.parse_case(bad)
+
+
+def test_cli_rejects_a_bad_case(capsys):
+    with pytest.raises(SystemExit):
+        th.parse_args(["--op", "shrink", "--case", "48 mixed 4 12"])
+    assert "HIDDEN RANKS ADAPTERS TOKENS LAYOUT" in capsys.readouterr().err
+
+
+def _config_of(calls) -> tuning.Config:
+    return calls[0].args[3] if len(calls[0].args) == 4 else calls[0].args[4]  # shrink (x, stack, batch, config)
+
+
+@pytest.mark.parametrize("op", kb.OPS)
+def test_search_on_the_case_finds_the_fastest_and_reports_the_table_against_it(op):
+    case = kb.make_case(64, "u16", 3, 24, "prefill")  # in_features >= the smallest K tile the tuner tries
+    timed = []
+
+    def fake_timer(calls):
+        config = _config_of(calls)
+        timed.append(config)
+        assert len(calls) == 2  # one call per rotating copy
+        return fake_timer_value(config)
+
+    result = th.measure_headroom(op, case, "cpu", torch.float32, copies=2, timer=fake_timer)
+    table = tuning.lookup(tuning.bucket_of(op, *_stack_and_batch(case)), tuning.table_for(torch.device("cpu")))
+    assert timed[0] == result.table_config == table
+    assert result.best_s == pytest.approx(min(fake_timer_value(c) for c in timed)) and result.best_s <= result.table_s
+    assert fake_timer_value(result.best_config) == pytest.approx(result.best_s)
+    assert result.bytes == kb.min_bytes(op, case)
+    line = result.line(bandwidth=1e12)
+    assert case.name in line and f"{result.table_s / result.best_s:.2f}x" in line
+
+
+def fake_timer_value(config) -> float:
+    """Wider tiles, more warps and stages are faster; nothing runs."""
+    return 1e-6 * (100 - config.block_m / 8 - config.num_warps - config.num_stages)
+
+
+def _stack_and_batch(case):
+    stack, batches, _, _ = kb.case_inputs(case, 1, "cpu", torch.float32)
+    return stack, batches[0]
