@@ -60,3 +60,13 @@ def fake_timer_value(config) -> float:
 def _stack_and_batch(case):
     stack, batches, _, _ = kb.case_inputs(case, 1, "cpu", torch.float32)
     return stack, batches[0]
+
+
+def test_profile_target_runs_a_case_on_cpu(monkeypatch):
+    from benchmarks import profile_lora_case
+    calls = []
+    real_expand = profile_lora_case.triton_lora.lora_expand
+    monkeypatch.setattr(profile_lora_case.triton_lora, "lora_expand",
+                        lambda *args: calls.append(args) or real_expand(*args))
+    profile_lora_case.run(kb.make_case(32, "u16", 2, 6, "prefill"), repeats=2, device="cpu", dtype=torch.float32)
+    assert len(calls) == 2
