@@ -401,7 +401,8 @@ def case_inputs(case: Case, copies: int, device: torch.device | str, dtype: torc
     generator = torch.Generator(device).manual_seed(SEED + 1)
     stack = random_stack(case, copies, dtype, device, generator)
     batches = [copy_batch(case, c, device) for c in range(copies)]
-    return stack, batches, random_rows(copies, case, dtype, device, generator), random_rows(copies, case, dtype, device, generator)
+    xs = random_rows(copies, case, dtype, device, generator)
+    return stack, batches, xs, random_rows(copies, case, dtype, device, generator)
 
 
 def measure_case(case: Case, impls: dict[str, Impl], device: torch.device | str, dtype: torch.dtype, copies: int,

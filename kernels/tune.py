@@ -315,7 +315,8 @@ def search(bucket: Bucket, measure: Callable[[Config], Sequence[float]], deadlin
     winner = ranked(seconds)[0]
     return {**tuning.config_dict(winner), "us": round(statistics.fmean(seconds[winner]) * 1e6, 3),
             "heuristic_us": round(statistics.fmean(seconds[heuristic]) * 1e6, 3),
-            "regret": round(regrets(seconds)[winner], 3), "shape_us": [round(t * 1e6, 3) for t in seconds[winner]]}
+            "regret": round(regrets(seconds)[winner], 3),
+            "shape_us": [round(t * 1e6, 3) for t in seconds[winner]]}
 
 
 def regrets(seconds: dict[Config, tuple[float, ...]]) -> dict[Config, float]:
