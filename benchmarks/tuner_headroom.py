@@ -29,6 +29,8 @@ import torch
 
 from benchmarks import kernel_bench as kb
 from kernels import timing, triton_lora, tune, tuning
+from kernels.batch import LoRABatch
+from kernels.lora_stack import LoRAStack
 from kernels.tuning import Config
 
 Timer = Callable[[list[Callable[[], object]]], float]
@@ -75,11 +77,7 @@ def measure_headroom(op: str, case: kb.Case, device: torch.device | str, dtype: 
     ys = [triton_lora.lora_shrink(x, stack, batch) for x, batch in zip(xs, batches)]
 
     def seconds(config: Config) -> tuple[float]:
-        if op == "shrink":
-            calls = [functools.partial(triton_lora.lora_shrink, x, stack, b, config) for x, b in zip(xs, batches)]
-        else:
-            calls = [functools.partial(triton_lora.lora_expand, out, y, stack, b, config)
-                     for out, y, b in zip(outs, ys, batches)]
+        calls = [op_call(op, config, stack, *inputs) for inputs in zip(batches, xs, ys, outs)]
         return (timer(calls),)  # one batch shape: the case's
 
     bucket = tuning.bucket_of(op, stack, batches[0])
@@ -97,15 +95,20 @@ def compile_candidates(op: str, spec: str) -> None:
     then has them for the timing), as kernels.tune's workers do for its buckets."""
     case = parse_case(spec)
     stack, batches, xs, outs = kb.case_inputs(case, 1, "cuda", kb.DTYPE)
-    y = triton_lora.lora_shrink(xs[0], stack, batches[0])
+    inputs = (batches[0], xs[0], triton_lora.lora_shrink(xs[0], stack, batches[0]), outs[0])
     for config in tune.tile_shapes(tuning.bucket_of(op, stack, batches[0])):
         try:
-            if op == "shrink":
-                triton_lora.lora_shrink(xs[0], stack, batches[0], config, compile_only=True)
-            else:
-                triton_lora.lora_expand(outs[0], y, stack, batches[0], config, compile_only=True)
+            op_call(op, config, stack, *inputs, compile_only=True)()
         except Exception:  # noqa: BLE001 - out of shared memory and the like: the search skips it too
             pass
+
+
+def op_call(op: str, config: Config, stack: LoRAStack, batch: LoRABatch, x: torch.Tensor, y: torch.Tensor,
+            out: torch.Tensor, compile_only: bool = False) -> Callable[[], object]:
+    """One call of `op` with `config` on one copy's inputs (shrink reads x, expand y and out)."""
+    if op == "shrink":
+        return functools.partial(triton_lora.lora_shrink, x, stack, batch, config, compile_only)
+    return functools.partial(triton_lora.lora_expand, out, y, stack, batch, config, compile_only)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
