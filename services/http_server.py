@@ -31,7 +31,13 @@ class WsgiServer:
         # Closing sockets from this thread would race the server loop's select()
         # (EBADF); close them on the loop thread, whose loop then ends, and join it.
         server = self._server
-        server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))  # type: ignore[union-attr]
+        trigger = server.trigger  # type: ignore[union-attr]
+        try:
+            if trigger._closed:  # its fd number may belong to another file by now: never write to it
+                raise OSError("trigger closed")
+            trigger.pull_trigger(lambda: wasyncore.close_all(server._map))  # type: ignore[union-attr]
+        except OSError:  # the trigger is closed, so the loop has ended: nothing races a close from here
+            wasyncore.close_all(server._map)  # type: ignore[union-attr]
         self._thread.join(timeout_s)
         server.task_dispatcher.shutdown()  # type: ignore[union-attr]
 
