@@ -183,10 +183,11 @@ def random_stack(case: Case, copies: int, dtype: torch.dtype, device: torch.devi
 
 def copy_batch(case: Case, copy: int, device: torch.device | str) -> LoRABatch:
     """The case's requests on copy `copy`'s slots: the k-th used adapter in slot copy * used + k.
-    The batch knows its largest rank, as the engine's batches do."""
+    The batch knows its largest rank and its token-weighted mean rank, as the engine's batches do."""
     used = case.used_adapters()
     slot = {j: copy * len(used) + k for k, j in enumerate(used)}
-    return LoRABatch.build(case.seg_lens, [slot[j] for j in case.seg_adapters], device, max_rank=max(case.used_ranks()))
+    return LoRABatch.build(case.seg_lens, [slot[j] for j in case.seg_adapters], device, max_rank=max(case.used_ranks()),
+                           mean_rank=sum(case.token_ranks()) / case.tokens)
 
 
 def random_rows(copies: int, case: Case, dtype: torch.dtype, device: torch.device | str,

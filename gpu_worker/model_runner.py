@@ -69,7 +69,8 @@ class ModelRunner:
             block_tables=self._device_tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], torch.int32),
             slot_mapping=self._device_tensor(inputs.slot_mapping, torch.int64),
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens))
-        lora = LoRABatch.build(inputs.seg_lens, inputs.seg_slots, self.device, max_rank=inputs.max_lora_rank)
+        lora = LoRABatch.build(inputs.seg_lens, inputs.seg_slots, self.device, max_rank=inputs.max_lora_rank,
+                               mean_rank=inputs.mean_lora_rank)
         input_ids = self._device_tensor(inputs.input_ids, torch.long)
         embeds = self._input_embeddings(inputs, input_ids)
         with forward_context(ForwardContext(attention, self.kv_cache, lora)):

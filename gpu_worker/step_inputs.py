@@ -48,6 +48,13 @@ class StepInputs:
         return max((item.seq.rank for item in self.items), default=0)
 
     @property
+    def mean_lora_rank(self) -> float | None:
+        """The adapter rank averaged over the step's adapter tokens (None: no token uses one)."""
+        lora = [(item.num_new, item.seq.rank) for item in self.items if item.seq.rank > 0]
+        tokens = sum(n for n, _ in lora)
+        return sum(n * rank for n, rank in lora) / tokens if tokens else None
+
+    @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens) and len(self.sampling) == len(self.items) \
             and not self.image_rows

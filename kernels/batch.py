@@ -23,6 +23,7 @@ grids depend on. Groups of NO_SLOT (or padding) are skipped by the kernels.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -45,6 +46,8 @@ class LoRABatch:
     rows: torch.Tensor | None = None  # int32 [tokens in groups] token of each position; None: identity
     max_rank: int | None = None     # bound on the rank of every adapter the groups' slots hold;
     #                                 None: any rank a stack holds (its padding)
+    mean_rank: float | None = None  # the groups' ranks averaged over their tokens, when the caller
+    #                                 knows them: tiles are tuned apart for mixed-rank batches
 
     def __post_init__(self) -> None:
         num_segments = len(self.seg_lens)
@@ -59,6 +62,8 @@ class LoRABatch:
         assert self.rows is None or (self.rows.dtype == torch.int32 and self.rows.dim() == 1
                                      and self.rows.shape[0] <= self.num_tokens)
         assert self.max_rank is None or self.max_rank >= 0, self.max_rank
+        assert self.mean_rank is None or 0 <= self.mean_rank <= (self.max_rank or math.inf), (
+            self.mean_rank, self.max_rank)
 
     @property
     def capacity(self) -> int:
@@ -78,13 +83,14 @@ class LoRABatch:
     @staticmethod
     def build(seg_lens: Sequence[int], seg_slots: Sequence[int], device: torch.device | str,
               capacity: int | None = None, max_group_len: int | None = None,
-              max_rank: int | None = None) -> LoRABatch:
+              max_rank: int | None = None, mean_rank: float | None = None) -> LoRABatch:
         """Segments laid end to end from token 0, grouped by slot; device tensors padded to
         `capacity` groups (default: as many as there are).
 
         `max_group_len` defaults to the largest group; pass a larger bound when this batch is
         captured in a graph that later replays larger groups. `max_rank`, when the caller knows
-        it, bounds the rank of every adapter in the batch's slots (see `rank_bound`).
+        it, bounds the rank of every adapter in the batch's slots (see `rank_bound`); `mean_rank`,
+        likewise, is their token-weighted mean (see kernels/tuning.py, `is_mixed`).
         """
         seg_lens, seg_slots = tuple(seg_lens), tuple(seg_slots)
         seg_starts = (0, *accumulate(seg_lens))[:len(seg_lens)]
@@ -114,7 +120,7 @@ class LoRABatch:
         return LoRABatch(num_tokens, seg_starts, seg_lens, seg_slots,
                          max(lens, default=0) if max_group_len is None else max_group_len,
                          meta[:capacity], meta[capacity:2 * capacity], meta[2 * capacity:3 * capacity],
-                         None if rows is None else meta[3 * capacity:], max_rank)
+                         None if rows is None else meta[3 * capacity:], max_rank, mean_rank)
 
     def copy_into(self, other: LoRABatch) -> None:
         """Copy this batch's device tensors into `other`'s (a captured graph's static inputs).

@@ -9,7 +9,8 @@ worker that met its variants while serving stalled its first requests of every n
 The variants follow from host ints alone (kernels/tuning.py's bucket key and triton_lora's
 constexprs), so they can be listed from the worker's limits: for every token point up to the
 step budget, every group point up to it (its smallest and largest group, which decide ONE_TILE
-for row tiles in between), every rank tile up to the slots' rank, contiguous and gathered rows.
+for row tiles in between), every rank tile up to the slots' rank, contiguous and gathered rows,
+ranks mixed or not.
 They are compiled on a thread pool in Triton's async-compile mode, without launching anything.
 """
 
@@ -37,6 +38,7 @@ class BatchShape:
     max_group_len: int
     max_rank: int
     gather: bool
+    mixed: bool  # its mean rank is known to be low (tuning.is_mixed): the table may tile it apart
 
     def segments(self) -> tuple[list[int], list[int]]:
         """(segment lengths, slots) of a batch of this shape: one group of max_group_len tokens,
@@ -59,9 +61,12 @@ def batch_shapes(max_tokens: int, max_rank: int) -> Iterator[BatchShape]:
             for group_len in sorted({min(previous + 1, tokens), min(group_point, tokens)}):
                 for rank in rank_tiles:
                     for gather in (False, True):
-                        # Gathering needs a base-only token between two of the group's.
-                        if not gather or (group_len >= 2 and tokens > group_len):
-                            yield BatchShape(tokens, group_len, rank, gather)
+                        # Gathering needs a base-only token between two of the group's: a group
+                        # of all but one token stands for a batch-wide one (same group point).
+                        length = min(group_len, tokens - 1) if gather else group_len
+                        if not gather or length >= 2:
+                            yield BatchShape(tokens, length, rank, gather, mixed=False)
+                            yield BatchShape(tokens, length, rank, gather, mixed=True)
             previous = group_point
 
 
@@ -94,4 +99,4 @@ def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int,
 def _batch(shape: BatchShape, capacity: int, device: torch.device) -> LoRABatch:
     lens, slots = shape.segments()
     return LoRABatch.build(lens, slots, device, capacity=max(1, capacity), max_group_len=shape.max_group_len,
-                           max_rank=shape.max_rank)
+                           max_rank=shape.max_rank, mean_rank=shape.max_rank / 4 if shape.mixed else None)

@@ -47,6 +47,7 @@ from kernels.tuning import Bucket, Config, ExpandConfig, ShrinkConfig
 OPS = ("shrink", "expand")
 MAX_GROUPS = 256  # distinct adapters in one batch at most: buckets with more groups never occur
 SPREAD_QUARTERS = (4, 2, 3, 1)  # group sizes of a representative batch, in quarters of its largest
+MIXED_SHIFTS = (2, 0, 4, 1, 3)  # ranks of a mixed-rank batch's groups in turn: block_r >> shift
 MEMORY_CAP = 20 * 10**9  # bytes of rotating inputs (stack slots included) one bucket may allocate
 MAX_COPIES = 1024  # rotating copies at most (a graph of as many calls). With 32, tiny ops ran with
 # their weights in L2 and the tuner ranked their configurations unlike the kernel benchmark
@@ -120,12 +121,13 @@ def token_groups(tokens: Iterable[int]) -> list[tuple[int, int]]:
 
 
 def buckets(models: Sequence[ModelShape], ops: Sequence[str], ranks: Sequence[int],
-            tokens: Sequence[int], names: Sequence[str] = PROJECTIONS) -> list[Bucket]:
+            tokens: Sequence[int], names: Sequence[str] = PROJECTIONS, mixed: bool = False) -> list[Bucket]:
     """Every bucket of the models' projections named (shared shapes once): all shrink buckets, then
-    all expand buckets (an expand is tuned on the y planes its shrink's tuned split writes)."""
+    all expand buckets (an expand is tuned on the y planes its shrink's tuned split writes).
+    `mixed`: their mixed-rank variants instead (tuning.is_mixed)."""
     projections = dict.fromkeys(shape for name in names for model in models
                                 for shape in [model.projections()[name]])
-    return [Bucket(op, k, sizes, r, t, g) for op in ops for k, sizes in projections for r in ranks
+    return [Bucket(op, k, sizes, r, t, g, mixed) for op in ops for k, sizes in projections for r in ranks
             for t, g in token_groups(tokens)]
 
 
@@ -168,6 +170,18 @@ class BatchShape:
     lens: list[int]   # tokens of each group
     ranks: list[int]  # rank of each group's adapter (on every slice), <= the bucket's block_r
 
+    @property
+    def mean_rank(self) -> float:
+        """Ranks averaged over tokens, as LoRABatch.mean_rank."""
+        return sum(n * r for n, r in zip(self.lens, self.ranks)) / sum(self.lens)
+
+
+def mixed_ranks(block_r: int, groups: int) -> list[int]:
+    """Ranks of a mixed-rank batch's groups: a quarter of block_r, block_r, 1/16, 1/2, 1/8 in turn
+    (the first, largest group takes neither end), so the token-weighted mean stays near 0.3-0.4 of
+    block_r, under tuning.MIXED_MEAN_RANK."""
+    return [max(1, block_r >> MIXED_SHIFTS[g % len(MIXED_SHIFTS)]) for g in range(groups)]
+
 
 def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     """The bucket's representative batches: the spread batch (`group_lens`), every adapter of rank
@@ -184,9 +198,15 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     4-adapter rank-64 prefill 1.5x slower. Where the largest group is the whole batch (G = T) the
     spread batch is one group, so the random batches' largest group is the smallest that still
     rounds up to G: a 2048-token prefill of four adapters lands in the same bucket as one of a
-    single adapter, and an H200 ran it 1.5x slower on the single adapter's configuration."""
+    single adapter, and an H200 ran it 1.5x slower on the single adapter's configuration.
+
+    A mixed-rank bucket (tuning.is_mixed) times the spread and random batches on `mixed_ranks` only:
+    its batches are known to mix ranks, which is what lets rank blocks or wider tiles win."""
     spread = group_lens(bucket)
-    shapes = [BatchShape(spread, [bucket.block_r] * len(spread))]
+    if bucket.mixed:  # one group (G = T) cannot mix ranks: the random batch alone
+        shapes = [BatchShape(spread, mixed_ranks(bucket.block_r, len(spread)))] if len(spread) > 1 else []
+    else:
+        shapes = [BatchShape(spread, [bucket.block_r] * len(spread))]
     if bucket.group == 1:  # one-token groups: nothing to vary
         return shapes
     if bucket.group < bucket.tokens:
@@ -195,6 +215,8 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
         largest = max(p for p in tuning.TOKEN_POINTS if p < bucket.group) + 1
         count = len(spread_lens(bucket.tokens, largest))
     lens = random_lens(bucket.tokens, largest, min(count, MAX_GROUPS, bucket.tokens - largest + 1))
+    if bucket.mixed:
+        return [*shapes, BatchShape(lens, mixed_ranks(bucket.block_r, len(lens)))]
     return [*shapes, BatchShape(lens, [bucket.block_r] * len(lens)),
             BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))])]
 
@@ -395,7 +417,8 @@ class Workload:
         for c, shape in enumerate(shapes):
             seg_lens, seg_groups = segments(shape.lens)
             # One capacity for all: every copy runs the same compiled kernel over the same grid.
-            batches.append(LoRABatch.build(seg_lens, [c * groups + g for g in seg_groups], device, capacity=groups))
+            batches.append(LoRABatch.build(seg_lens, [c * groups + g for g in seg_groups], device, capacity=groups,
+                                           mean_rank=shape.mean_rank if bucket.mixed else None))
         t, slices, out_features = bucket.tokens, len(bucket.out_sizes), sum(bucket.out_sizes)
         new = partial(torch.randn, device=device, generator=generator)
         if bucket.op == "shrink":
@@ -670,6 +693,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="rank tiles to tune, of tuning.RANK_POINTS (default: all)")
     parser.add_argument("--tokens", nargs="+", type=int, default=list(tuning.TOKEN_POINTS),
                         help="batch sizes T to tune, of tuning.TOKEN_POINTS (default: all)")
+    parser.add_argument("--mixed", action="store_true",
+                        help="tune the buckets' mixed-rank variants (batches whose mean rank is known to be low)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--merge", action=argparse.BooleanOptionalAction, default=True,
                         help="keep the table's entries of other buckets (default: on)")
@@ -698,7 +723,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    todo = buckets(args.models, args.ops, args.ranks, args.tokens, args.projections)
+    todo = buckets(args.models, args.ops, args.ranks, args.tokens, args.projections, args.mixed)
     if args.dry_run:  # sizing a continued run needs the table named: without a GPU its name is unknown
         print_plan(untuned(todo, read_table(args.table)) if args.skip_tuned and args.table else todo)
         return 0

@@ -42,7 +42,8 @@ def random_batch(rng: random.Random, max_tokens: int, slots: int, max_rank: int)
         owners.append(rng.choice([NO_SLOT, *range(slots)]))
     if all(o == NO_SLOT for o in owners):
         owners[0] = 0
-    return LoRABatch.build(lens, owners, "cpu", max_rank=rng.choice([8, 16, 24, 32, 48, 64, max_rank]))
+    bound = rng.choice([8, 16, 24, 32, 48, 64, max_rank])
+    return LoRABatch.build(lens, owners, "cpu", max_rank=bound, mean_rank=rng.choice([None, rng.uniform(1, bound)]))
 
 
 @pytest.mark.parametrize(("max_tokens", "slots", "max_rank"), [(4096, 8, 64), (8192, 96, 128), (512, 4, 16)])
@@ -59,8 +60,9 @@ def test_random_engine_batches_select_only_warmed_variants(max_tokens: int, slot
 
 
 def test_gathered_shape_interleaves_its_group_with_base_tokens() -> None:
-    batch = _batch(BatchShape(tokens=32, max_group_len=8, max_rank=64, gather=True), 4, "cpu")
+    batch = _batch(BatchShape(tokens=32, max_group_len=8, max_rank=64, gather=True, mixed=False), 4, "cpu")
     assert batch.rows is not None and batch.max_group_len == 8 and batch.num_tokens == 32
     assert batch.rows.tolist() == [0, 1, 2, 3, 5, 6, 7, 8]  # slot 0's tokens skip base-only token 4
-    contiguous = _batch(BatchShape(tokens=32, max_group_len=8, max_rank=64, gather=False), 4, "cpu")
+    contiguous = _batch(BatchShape(tokens=32, max_group_len=8, max_rank=64, gather=False, mixed=True), 4, "cpu")
     assert contiguous.rows is None and contiguous.capacity == 4
+    assert tuning.bucket_of("shrink", LoRAStack.empty(1, 64, (64,), 64, torch.float32, "meta"), contiguous).mixed

@@ -265,6 +265,24 @@ def test_workload_batches_hit_their_bucket_on_disjoint_slots(op):
     assert work.stack.ranks.tolist() == work.stack.host_ranks
 
 
+@pytest.mark.parametrize("tokens,group", [(2048, 512), (8192, 8192), (512, 1)])
+def test_mixed_rank_buckets_time_only_batches_that_mix_ranks(tokens, group):
+    """Every batch shape of a mixed-rank bucket has groups of several ranks, a token-weighted mean
+    under tuning.MIXED_MEAN_RANK of the rank tile, and its workload's batches look the bucket up."""
+    bucket = Bucket("shrink", 64, (32,), 128, tokens, group, mixed=True)
+    shapes = batch_shapes(bucket)
+    plain = batch_shapes(replace(bucket, mixed=False))
+    assert len(shapes) == (1 if group in (1, tokens) else 2) and len(plain) == (1 if group == 1 else 3)
+    for shape in shapes:
+        assert len(set(shape.ranks)) == 5 and max(shape.ranks) == 128 and min(shape.ranks) == 8
+        assert shape.mean_rank < tuning.MIXED_MEAN_RANK * 128
+        assert shape.lens in [p.lens for p in plain]  # the same group sizes as the unmixed bucket's
+    if group < tokens:
+        work = Workload.build(bucket, copies=2, dtype=torch.float32, device="cpu")
+        assert all(b.mean_rank is not None and tuning.bucket_of("shrink", work.stack, b) == bucket
+                   for b in work.batches)
+
+
 @pytest.mark.parametrize("op", ["shrink", "expand"])
 def test_check_passes_the_heuristic_in_the_interpreter(op):
     bucket = Bucket(op, 64, (32, 16), 16, 32, 8)

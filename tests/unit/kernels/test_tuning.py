@@ -49,6 +49,28 @@ def test_lookup_prefers_the_table_and_falls_back_to_the_heuristic():
         Bucket("expand", 4096, (4096,), 64, 32, 1))
 
 
+def test_a_batch_known_to_mix_ranks_gets_its_own_entry_else_the_unmixed_one():
+    """Mean rank (over tokens) under half the batch's largest: the mixed-rank bucket, whose entry
+    the lookup prefers, falling back to the same bucket's entry without the mix, then the heuristic."""
+    lens, slots = [300, 900, 500], [0, 1, 0]
+    mixed = tuning.bucket_of("shrink", stack(max_rank=128), batch(lens, slots, max_rank=128, mean_rank=44.0))
+    assert mixed == Bucket("shrink", 4096, (4096, 1024, 1024), 128, 2048, 2048, mixed=True)
+    assert mixed.key.endswith("|mixed")
+    for mean in (None, 64.0, 128.0):  # unknown, or half the largest rank and more: not mixed
+        assert not tuning.bucket_of("shrink", stack(max_rank=128), batch(lens, slots, max_rank=128, mean_rank=mean)).mixed
+    plain = Bucket("shrink", 4096, (4096, 1024, 1024), 128, 2048, 2048)
+    assert plain.key == mixed.key.removesuffix("|mixed")
+    uniform_cfg = ShrinkConfig(block_m=128, block_k=128, split_k=1, num_warps=8, num_stages=3)
+    mixed_cfg = ShrinkConfig(block_m=64, block_k=128, split_k=1, num_warps=4, num_stages=3, rank_block=32)
+    table = {"configs": {plain.key: tuning.config_dict(uniform_cfg)}, "static": {}}
+    assert tuning.lookup(mixed, table) == uniform_cfg
+    table["configs"][mixed.key] = tuning.config_dict(mixed_cfg)
+    assert tuning.lookup(mixed, table) == mixed_cfg and tuning.lookup(plain, table) == uniform_cfg
+    assert tuning.lookup(mixed, {"configs": {}, "static": {}}) == tuning.heuristic_config(mixed)
+    with pytest.raises(AssertionError):  # a mean above the bound is a caller's bug
+        batch(lens, slots, max_rank=16, mean_rank=20.0)
+
+
 def test_heuristics_cover_every_bucket_with_valid_configs():
     for op in ("shrink", "expand"):
         for rank in tuning.RANK_POINTS:
