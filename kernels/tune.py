@@ -486,9 +486,11 @@ def static_configs(configs: dict[str, dict]) -> dict[str, dict]:
     the fixed-tiling baseline of the benchmarks. One config must run every shape, so it is taken
     among tensor-core tiles (a 1-row tile re-reads the weights for every token of a prefill), and
     shrink's is unsplit (the planes of a split widen every expand's y tile; rank 128: past shared
-    memory)."""
+    memory). Mixed-rank entries do not vote: their shapes are counted once, unmixed."""
     won: dict[tuple[str, Config], list[float]] = {}
     for key, entry in configs.items():
+        if key.endswith("|mixed"):
+            continue
         op = key.split("|", 1)[0]
         config = tuning.config_from(op, entry)
         if config.block_m == 1 or (isinstance(config, ShrinkConfig) and config.split_k > 1):

@@ -365,6 +365,9 @@ def test_static_config_wins_most_buckets_then_least_time():
     for t in (128, 512, 2048):  # the most wins, but split: static shrink configs are unsplit
         configs[f"shrink|k1|n1|r16|t{t}|g{t}"] = entry(SPLIT, 0.5)
     assert static_configs(configs)["shrink"] == tuning.config_dict(B)
+    for t in (128, 512, 2048):  # the most wins, but mixed-rank entries of shapes already counted
+        configs[f"shrink|k1|n1|r16|t{t}|g{t}|mixed"] = entry(A, 0.5)
+    assert static_configs(configs)["shrink"] == tuning.config_dict(B)
 
 
 HEADER = {"gpu": "NVIDIA H200", "triton": "3.6.0", "torch": "2.11.0", "date": "2025-01-02",
