@@ -202,11 +202,12 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
 
     A mixed-rank bucket (tuning.is_mixed) times the spread and random batches on `mixed_ranks` only:
     its batches are known to mix ranks, which is what lets rank blocks or wider tiles win."""
+    def ranks(groups: int) -> list[int]:
+        return mixed_ranks(bucket.block_r, groups) if bucket.mixed else [bucket.block_r] * groups
+
     spread = group_lens(bucket)
-    if bucket.mixed:  # one group (G = T) cannot mix ranks: the random batch alone
-        shapes = [BatchShape(spread, mixed_ranks(bucket.block_r, len(spread)))] if len(spread) > 1 else []
-    else:
-        shapes = [BatchShape(spread, [bucket.block_r] * len(spread))]
+    # A mixed-rank bucket's spread batch of one group (G = T) cannot mix ranks: it is left out.
+    shapes = [BatchShape(spread, ranks(len(spread)))] if len(spread) > 1 or not bucket.mixed else []
     if bucket.group == 1:  # one-token groups: nothing to vary
         return shapes
     if bucket.group < bucket.tokens:
@@ -215,10 +216,10 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
         largest = max(p for p in tuning.TOKEN_POINTS if p < bucket.group) + 1
         count = len(spread_lens(bucket.tokens, largest))
     lens = random_lens(bucket.tokens, largest, min(count, MAX_GROUPS, bucket.tokens - largest + 1))
-    if bucket.mixed:
-        return [*shapes, BatchShape(lens, mixed_ranks(bucket.block_r, len(lens)))]
-    return [*shapes, BatchShape(lens, [bucket.block_r] * len(lens)),
-            BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))])]
+    shapes.append(BatchShape(lens, ranks(len(lens))))
+    if not bucket.mixed:  # whether ranks mix is unknown: the same sizes with lower ranks too
+        shapes.append(BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))]))
+    return shapes
 
 
 def segments(lens: Sequence[int]) -> tuple[list[int], list[int]]:
