@@ -143,6 +143,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
     sizes = [hi - lo for lo, hi in zip(stack.out_offsets, stack.out_offsets[1:])]
     cfg = config or tuning.expand_config(stack, batch)
     assert cfg.block_m >= 1 and cfg.block_n >= 16 and cfg.n_steps >= 1, cfg
+    assert cfg.block_m >= 16 or not cfg.pipeline, cfg  # the pipelined steps accumulate in tl.dot
     # N-tiles (block_n * n_steps columns, one program each) are numbered slice after slice. The
     # kernel always sees 3 slices: missing ones start at the last tile and end at out_features,
     # so no program maps to them.
@@ -161,7 +162,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=y.shape[0],
         GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(stack.b.dtype),
-        PREFETCH_B=cfg.block_m * block_r <= PREFETCH_B_MAX_TILE,
+        PREFETCH_B=cfg.block_m * block_r <= PREFETCH_B_MAX_TILE and not cfg.pipeline, PIPELINE=cfg.pipeline, STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(out.device),
     )
 
@@ -289,7 +290,7 @@ def _expand_kernel(
     stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PREFETCH_B: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_B: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     # Before the wait: what no kernel of the step writes (batch metadata, ranks, small tiles' first B tile),
     # so that it is in flight while the previous kernel drains. y and out come after it.
@@ -331,28 +332,40 @@ def _expand_kernel(
         for s in tl.static_range(1, SPLIT):
             y += tl.load(y_ptrs + s * stride_y_split, mask=y_mask, other=0.0)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
+    if not PIPELINE:
+        prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
     if rank == 0:  # out is never written
         return
     y = tl.where(r_mask[None, :], y, 0.0)
     pdl.start_dependents(PDL)
-    # Column steps, each next out tile (HBM) requested before this one's B tile (L2) and product.
-    if PREFETCH_B:  # the first step, with its B tile
-        nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
-        _add_product(out_ptrs, prev, y, b, m_mask[:, None] & (offs_n < span_end)[None, :], BLOCK_M, DOT_PRECISION)
-        prev = nxt
-        offs_n += BLOCK_N
-        b_ptrs += BLOCK_N * stride_bn
-        out_ptrs += BLOCK_N * stride_on
-    for _ in range(1 if PREFETCH_B else 0, n_steps):
-        n_mask = offs_n < span_end
-        nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
-        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        _add_product(out_ptrs, prev, y, b, m_mask[:, None] & n_mask[None, :], BLOCK_M, DOT_PRECISION)
-        prev = nxt
-        offs_n += BLOCK_N
-        b_ptrs += BLOCK_N * stride_bn
-        out_ptrs += BLOCK_N * stride_on
+    if PIPELINE:  # plain steps: the compiler's pipeliner streams their out and B tiles through shared memory
+        # (a loop's own num_stages pipelines every load in it; the kernel's, only tl.dot's operands)
+        for _ in tl.range(0, n_steps, num_stages=STAGES):
+            mask = m_mask[:, None] & (offs_n < span_end)[None, :]
+            prev = tl.load(out_ptrs, mask=mask, other=0.0)
+            b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
+            acc = _matmul(y, b, prev.to(tl.float32), BLOCK_M, DOT_PRECISION)
+            tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
+            offs_n += BLOCK_N
+            b_ptrs += BLOCK_N * stride_bn
+            out_ptrs += BLOCK_N * stride_on
+    else:  # column steps, each next out tile (HBM) requested before this one's B tile (L2) and product
+        if PREFETCH_B:  # the first step, with its B tile
+            nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
+            _add_product(out_ptrs, prev, y, b, m_mask[:, None] & (offs_n < span_end)[None, :], BLOCK_M, DOT_PRECISION)
+            prev = nxt
+            offs_n += BLOCK_N
+            b_ptrs += BLOCK_N * stride_bn
+            out_ptrs += BLOCK_N * stride_on
+        for _ in range(1 if PREFETCH_B else 0, n_steps):
+            n_mask = offs_n < span_end
+            nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
+            b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            _add_product(out_ptrs, prev, y, b, m_mask[:, None] & n_mask[None, :], BLOCK_M, DOT_PRECISION)
+            prev = nxt
+            offs_n += BLOCK_N
+            b_ptrs += BLOCK_N * stride_bn
+            out_ptrs += BLOCK_N * stride_on
 
 
 @triton.jit

@@ -57,6 +57,7 @@ SHORTLIST = 2  # stage-1 shapes that go on to stage 2
 STAGE1 = {"shrink": (4, 3), "expand": (4, 2)}
 WARPS = (4, 8)
 STAGES = {"shrink": (2, 3, 4), "expand": (1, 2)}
+PIPELINE_STAGES = (2, 3, 4)  # expand's pipelined steps: prefetch depth + 1; stage 1 times the middle one
 SHRINK_BLOCK_M, SHRINK_BLOCK_K, SPLIT_K = (16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16, 32)
 EXPAND_BLOCK_M, BLOCK_N, N_STEPS = (1, 16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8)
 RANK_BLOCKS, RANK_BLOCKS_FMA, SHRINK_BLOCK_K_FMA = (16, 32), (2, 4, 8, 16), (128, 256, 512)
@@ -288,15 +289,20 @@ def tile_shapes(bucket: Bucket) -> list[Config]:
     widest = max(bucket.out_sizes)
     # 1-row tiles (CUDA-core multiply-sum) only for one-token groups. n_steps stops at the first
     # count whose span covers the widest slice: more steps would all be masked.
+    # Tensor-core tiles taking several steps are also timed with pipelined steps.
     rows = (1, 16) if bucket.group == 1 else _row_tiles(EXPAND_BLOCK_M[1:], bucket.group)
-    return [ExpandConfig(m, n, steps, warps, stages)
-            for m in rows for n in BLOCK_N if (n >= 64 or bucket.group == 1) and m * n <= 2 * MAX_TILE
-            for steps in N_STEPS if steps == 1 or n * steps // 2 < widest]
+    shapes = [ExpandConfig(m, n, steps, warps, stages)
+              for m in rows for n in BLOCK_N if (n >= 64 or bucket.group == 1) and m * n <= 2 * MAX_TILE
+              for steps in N_STEPS if steps == 1 or n * steps // 2 < widest]
+    return shapes + [replace(c, num_stages=PIPELINE_STAGES[1], pipeline=True) for c in shapes
+                     if c.block_m >= 16 and c.n_steps > 1]
 
 
 def variants(op: str, best: Iterable[Config]) -> list[Config]:
     """Stage 2: each shortlisted shape over every num_warps x num_stages."""
-    return [replace(c, num_warps=w, num_stages=s) for c in best for w in WARPS for s in STAGES[op]]
+    def stages(config: Config) -> tuple[int, ...]:
+        return PIPELINE_STAGES if getattr(config, "pipeline", False) else STAGES[op]
+    return [replace(c, num_warps=w, num_stages=s) for c in best for w in WARPS for s in stages(c)]
 
 
 def search(bucket: Bucket, measure: Callable[[Config], Sequence[float]], deadline: float,

@@ -50,6 +50,9 @@ class ExpandConfig:
     n_steps: int     # block_n steps per program: amortizes its prologue, pipelines B loads
     num_warps: int
     num_stages: int
+    pipeline: bool = False  # (tiles of 16+ rows) each step loads its out tile in the loop, as the
+    #                         product's accumulator, for the compiler to prefetch num_stages - 1 steps
+    #                         ahead through shared memory, instead of one step ahead in registers
 
 
 Config = ShrinkConfig | ExpandConfig

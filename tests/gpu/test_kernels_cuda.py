@@ -192,11 +192,26 @@ def _distinct_table_configs() -> list[tuple[str, object]]:
 
 
 def test_every_tuned_config_computes_the_reference():
-    """Each distinct configuration of this GPU's committed table, on a batch that gathers scattered
-    tokens, mixes ranks and slices and leaves a slot out: a bad table entry cannot ship."""
+    """Each distinct configuration of this GPU's committed table: a bad table entry cannot ship."""
     configs = _distinct_table_configs()
     if not configs:
         pytest.skip(f"no tuned table for {torch.cuda.get_device_name()}")
+    _check_configs(configs)
+
+
+def test_pipelined_expand_steps_compute_the_reference():
+    """Expand's pipelined steps (out tiles prefetched through shared memory) in bf16, at each
+    prefetch depth the tuner tries, with wgmma (64 rows) and mma (16 rows) tiles."""
+    from kernels.tune import PIPELINE_STAGES
+    from kernels.tuning import ExpandConfig
+    _check_configs([("expand", ExpandConfig(m, n, steps, warps, stages, pipeline=True))
+                    for m, n, steps, warps in [(64, 64, 4, 4), (16, 32, 8, 8), (32, 128, 2, 8)]
+                    for stages in PIPELINE_STAGES])
+
+
+def _check_configs(configs: list[tuple[str, object]]) -> None:
+    """Each (op, config) on a batch that gathers scattered tokens, mixes ranks and slices and leaves
+    a slot out, against the float32 reference."""
     stack, _ = make_stack("qkv", torch.float32)
     cuda_stack = _on_cuda(stack, torch.bfloat16)
     seg_lens, seg_slots = [37, 1, 5, 1, 20, 3, 1], [0, 1, 4, NO_SLOT, 1, 0, 2]

@@ -30,6 +30,9 @@ CONFIGS = {  # name -> (shrink config, expand config, loose max_group_len bound,
                     ExpandConfig(block_m=1, block_n=16, n_steps=2, num_warps=4, num_stages=2), False, (F32, F16)),
     "rank_blocks_split": (ShrinkConfig(block_m=4, block_k=32, split_k=2, num_warps=4, num_stages=2, rank_block=8),
                           None, True, (F32,)),
+    # Out tiles loaded in the column loop, prefetched by the compiler (3 columns steps; groups span tiles).
+    "pipelined": (None, ExpandConfig(block_m=16, block_n=16, n_steps=3, num_warps=4, num_stages=3, pipeline=True),
+                  True, (F32, F16)),
     "wide": (ShrinkConfig(block_m=32, block_k=32, split_k=1, num_warps=4, num_stages=2),
              ExpandConfig(block_m=32, block_n=32, n_steps=1, num_warps=4, num_stages=2), False, (F32,)),
 }

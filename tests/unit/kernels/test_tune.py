@@ -21,7 +21,7 @@ from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CA
                           Y_PLANES_CAP,
                           BudgetSpent, CheckFailed, ModelShape,
                           Progress, Workload, batch_shapes, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
-                          expands_on_heuristic_splits, rotation_copies, regrets, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
+                          expands_on_heuristic_splits, PIPELINE_STAGES, rotation_copies, regrets, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
                           write_table)
 from kernels.tuning import Bucket, ExpandConfig, ShrinkConfig
 
@@ -164,8 +164,13 @@ def test_expand_candidates_respect_their_constraints(bucket):
         assert (c.block_m == 1) <= (bucket.group == 1)  # 1-row tiles only for one-token groups
         assert c.block_n in (32, 64, 128, 256) and c.n_steps in (1, 2, 4, 8)
         assert c.n_steps == 1 or c.block_n * c.n_steps // 2 < max(bucket.out_sizes)  # no all-masked steps
-        assert (c.num_warps, c.num_stages) == (4, 2)
+        if c.pipeline:  # the twin of a plain tensor-core shape of several steps
+            assert c.block_m >= 16 and c.n_steps > 1 and (c.num_warps, c.num_stages) == (4, PIPELINE_STAGES[1])
+            assert replace(c, num_stages=2, pipeline=False) in configs
+        else:
+            assert (c.num_warps, c.num_stages) == (4, 2)
     assert (bucket.group == 1) == any(c.block_m == 1 for c in configs)
+    assert any(c.pipeline for c in configs) == any(c.block_m >= 16 and c.n_steps > 1 for c in configs)
     if bucket.out_sizes == (48, 16):  # slices this narrow: one step of any block_n covers them
         assert {c.n_steps for c in configs} == {1} and {c.block_m for c in configs} == {16, 32, 64}
 
@@ -177,6 +182,9 @@ def test_variants_cover_warps_and_stages_of_each_shortlisted_shape():
     assert {(c.block_m, c.block_k, c.split_k) for c in out} == {(16, 64, 8), (32, 128, 1)}
     assert {(c.num_warps, c.num_stages) for c in variants("expand", [ExpandConfig(1, 64, 4, 4, 2)])} == {
         (w, s) for w in (4, 8) for s in (1, 2)}
+    pipelined = variants("expand", [ExpandConfig(16, 64, 4, 4, 3, pipeline=True)])
+    assert {(c.num_warps, c.num_stages, c.pipeline) for c in pipelined} == {
+        (w, s, True) for w in (4, 8) for s in PIPELINE_STAGES}
 
 
 def fake_seconds(config) -> float:
