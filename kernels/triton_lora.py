@@ -80,6 +80,12 @@ def _launcher(kernel: triton.runtime.JITFunction, grid: tuple[int, ...], compile
     return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
 
 
+def _rank_classes(block_r: int) -> int:
+    """Rank tiles pipelined expand steps choose from per program: block_r, and its half and quarter
+    while those still make a tl.dot (K >= 16)."""
+    return 1 + (block_r >= 32) + (block_r >= 64)
+
+
 def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
@@ -163,6 +169,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(stack.b.dtype),
         PREFETCH_B=cfg.block_m * block_r <= PREFETCH_B_MAX_TILE and not cfg.pipeline, PIPELINE=cfg.pipeline, STAGES=cfg.num_stages,
+        RANK_CLASSES=_rank_classes(block_r) if cfg.pipeline else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(out.device),
     )
 
@@ -290,7 +297,8 @@ def _expand_kernel(
     stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PREFETCH_B: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_B: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, RANK_CLASSES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Before the wait: what no kernel of the step writes (batch metadata, ranks, small tiles' first B tile),
     # so that it is in flight while the previous kernel drains. y and out come after it.
@@ -315,41 +323,48 @@ def _expand_kernel(
     if PREFETCH_B:  # [BLOCK_R, BLOCK_N] tile of stack.b (Bᵀ) of the first step
         b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
     pdl.wait_for_inputs(PDL)
-    # y and the first out tile do not need the rank: they are requested before branching on it
-    # (branching first cost 1 us on 1-32-token expands on an H200).
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
-    # Masked by the stack's padded rank (a host int: loads stay vectorized), then by the adapter's.
-    y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]
-    # The sum of the planes, as [BLOCK_M, BLOCK_R] fp32. Tiles of 16+ rows load plane after
-    # plane (independent loads, all in flight at once): one [SPLIT, BLOCK_M, BLOCK_R] load holds
-    # SPLIT times the registers. A 1-row tile loads all planes at once: loaded one by one, 32
-    # planes made a decode expand 4-7x slower on an H200.
-    if BLOCK_M == 1:
-        offs_s = tl.arange(0, SPLIT)[:, None, None] * stride_y_split
-        y = tl.sum(tl.load(y_ptrs[None, :, :] + offs_s, mask=y_mask[None, :, :], other=0.0), axis=0)
-    else:
-        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            y += tl.load(y_ptrs + s * stride_y_split, mask=y_mask, other=0.0)
-    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    if not PIPELINE:
-        prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
-    if rank == 0:  # out is never written
-        return
-    y = tl.where(r_mask[None, :], y, 0.0)
-    pdl.start_dependents(PDL)
     if PIPELINE:  # plain steps: the compiler's pipeliner streams their out and B tiles through shared memory
-        # (a loop's own num_stages pipelines every load in it; the kernel's, only tl.dot's operands)
-        for _ in tl.range(0, n_steps, num_stages=STAGES):
-            mask = m_mask[:, None] & (offs_n < span_end)[None, :]
-            prev = tl.load(out_ptrs, mask=mask, other=0.0)
-            b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
-            acc = _matmul(y, b, prev.to(tl.float32), BLOCK_M, DOT_PRECISION)
-            tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
-            offs_n += BLOCK_N
-            b_ptrs += BLOCK_N * stride_bn
-            out_ptrs += BLOCK_N * stride_on
-    else:  # column steps, each next out tile (HBM) requested before this one's B tile (L2) and product
+        if rank == 0:  # out is never written
+            return
+        pdl.start_dependents(PDL)
+        # The narrowest rank tile holding this adapter's rank: a low-rank adapter's tiles of a mixed batch
+        # multiply (and hold) a quarter or half of the batch's rank tile.
+        if RANK_CLASSES >= 3 and rank <= BLOCK_R // 4:
+            _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
+                             stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                             stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R // 4, SPLIT, DOT_PRECISION, STAGES)
+        elif RANK_CLASSES >= 2 and rank <= BLOCK_R // 2:
+            _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
+                             stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                             stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R // 2, SPLIT, DOT_PRECISION, STAGES)
+        else:
+            _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
+                             stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                             stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, SPLIT, DOT_PRECISION, STAGES)
+    else:
+        # y and the first out tile do not need the rank: they are requested before branching on it
+        # (branching first cost 1 us on 1-32-token expands on an H200).
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
+        # Masked by the stack's padded rank (a host int: loads stay vectorized), then by the adapter's.
+        y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]
+        # The sum of the planes, as [BLOCK_M, BLOCK_R] fp32. Tiles of 16+ rows load plane after
+        # plane (independent loads, all in flight at once): one [SPLIT, BLOCK_M, BLOCK_R] load holds
+        # SPLIT times the registers. A 1-row tile loads all planes at once: loaded one by one, 32
+        # planes made a decode expand 4-7x slower on an H200.
+        if BLOCK_M == 1:
+            offs_s = tl.arange(0, SPLIT)[:, None, None] * stride_y_split
+            y = tl.sum(tl.load(y_ptrs[None, :, :] + offs_s, mask=y_mask[None, :, :], other=0.0), axis=0)
+        else:
+            y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+            for s in tl.static_range(1, SPLIT):
+                y += tl.load(y_ptrs + s * stride_y_split, mask=y_mask, other=0.0)
+        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+        prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
+        if rank == 0:  # out is never written
+            return
+        y = tl.where(r_mask[None, :], y, 0.0)
+        pdl.start_dependents(PDL)
+        # Column steps, each next out tile (HBM) requested before this one's B tile (L2) and product.
         if PREFETCH_B:  # the first step, with its B tile
             nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
             _add_product(out_ptrs, prev, y, b, m_mask[:, None] & (offs_n < span_end)[None, :], BLOCK_M, DOT_PRECISION)
@@ -366,6 +381,36 @@ def _expand_kernel(
             offs_n += BLOCK_N
             b_ptrs += BLOCK_N * stride_bn
             out_ptrs += BLOCK_N * stride_on
+
+
+@triton.jit
+def _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
+                     stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank, stride_bn,
+                     stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
+                     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    """out[rows, this program's columns] += y[rows, :R] @ B[:R, columns], R >= rank, in column steps whose out
+    and B tiles the compiler prefetches STAGES - 1 steps ahead through shared memory (a loop's own
+    num_stages pipelines every load in it; the kernel's, only tl.dot's operands)."""
+    offs_r = tl.arange(0, R)
+    r_mask = offs_r < rank
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
+    y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]  # a host int: the loads stay vectorized
+    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        y += tl.load(y_ptrs + s * stride_y_split, mask=y_mask, other=0.0)
+    y = tl.where(r_mask[None, :], y, 0.0)
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    for _ in tl.range(0, n_steps, num_stages=STAGES):
+        n_mask = offs_n < span_end
+        mask = m_mask[:, None] & n_mask[None, :]
+        prev = tl.load(out_ptrs, mask=mask, other=0.0)
+        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _matmul(y, b, prev.to(tl.float32), BLOCK_M, DOT_PRECISION)
+        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
+        offs_n += BLOCK_N
+        b_ptrs += BLOCK_N * stride_bn
+        out_ptrs += BLOCK_N * stride_on
 
 
 @triton.jit

@@ -4,6 +4,8 @@ Run through the device tool: `python3 -m pytest -m gpu tests/gpu -q`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
@@ -204,17 +206,21 @@ def test_pipelined_expand_steps_compute_the_reference():
     prefetch depth the tuner tries, with wgmma (64 rows) and mma (16 rows) tiles."""
     from kernels.tune import PIPELINE_STAGES
     from kernels.tuning import ExpandConfig
-    _check_configs([("expand", ExpandConfig(m, n, steps, warps, stages, pipeline=True))
-                    for m, n, steps, warps in [(64, 64, 4, 4), (16, 32, 8, 8), (32, 128, 2, 8)]
-                    for stages in PIPELINE_STAGES])
+    from tests.unit.kernels.test_lora_triton import RANK_CLASS_BATCH, rank_class_stack
+    configs = [("expand", ExpandConfig(m, n, steps, warps, stages, pipeline=True))
+               for m, n, steps, warps in [(64, 64, 4, 4), (16, 32, 8, 8), (32, 128, 2, 8)]
+               for stages in PIPELINE_STAGES]
+    _check_configs(configs)
+    _check_configs(configs, rank_class_stack(torch.float32), *RANK_CLASS_BATCH)  # each rank class
 
 
-def _check_configs(configs: list[tuple[str, object]]) -> None:
-    """Each (op, config) on a batch that gathers scattered tokens, mixes ranks and slices and leaves
-    a slot out, against the float32 reference."""
-    stack, _ = make_stack("qkv", torch.float32)
+def _check_configs(configs: list[tuple[str, object]], stack: LoRAStack | None = None,
+                   seg_lens: Sequence[int] = (37, 1, 5, 1, 20, 3, 1),
+                   seg_slots: Sequence[int] = (0, 1, 4, NO_SLOT, 1, 0, 2)) -> None:
+    """Each (op, config) against the float32 reference, by default on a batch that gathers scattered
+    tokens, mixes ranks and slices and leaves a slot out."""
+    stack = stack or make_stack("qkv", torch.float32)[0]
     cuda_stack = _on_cuda(stack, torch.bfloat16)
-    seg_lens, seg_slots = [37, 1, 5, 1, 20, 3, 1], [0, 1, 4, NO_SLOT, 1, 0, 2]
     batch = LoRABatch.build(seg_lens, seg_slots, "cuda")
     host = LoRABatch.build(seg_lens, seg_slots, "cpu")
     x, out = make_inputs(host, stack.out_features, torch.float32)

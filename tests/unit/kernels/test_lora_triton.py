@@ -104,6 +104,30 @@ def test_a_batch_rank_bound_tiles_only_the_ranks_it_uses(config):
     run_and_check(stack, batch, x, out, shrink_cfg, expand_cfg)
 
 
+# A rank-64 stack of ranks 5, 20, 33 and 64 (slot 2 empty), and a batch interleaving their tokens.
+RANK_CLASS_BATCH = ([6, 17, 3, 20, 5, 9], [0, 1, 3, 4, NO_SLOT, 0])
+
+
+def rank_class_stack(dtype: torch.dtype) -> LoRAStack:
+    g = torch.Generator().manual_seed(4)
+    stack = LoRAStack.empty(5, IN_FEATURES, LAYOUTS["qkv"], 64, dtype, "cpu")
+    for slot, rank in ((0, 5), (1, 20), (3, 33), (4, 64)):
+        stack.set_slot(slot, {s: ((torch.randn(rank, IN_FEATURES, generator=g) / IN_FEATURES ** 0.5).to(dtype),
+                                  torch.randn(n, rank, generator=g).to(dtype))
+                              for s, n in enumerate(LAYOUTS["qkv"])}, scaling=0.5)
+    return stack
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_pipelined_expand_multiplies_each_adapters_rank_class(dtype):
+    """Pipelined steps multiply each adapter's narrowest rank tile (16, 32, 64 and 64 for ranks 5, 20,
+    33 and 64), with rank padding NaN-poisoned."""
+    stack = rank_class_stack(dtype)
+    batch = LoRABatch.build(*RANK_CLASS_BATCH, "cpu")
+    x, out = make_inputs(batch, stack.out_features, dtype)
+    run_and_check(stack, batch, x, out, None, CONFIGS["pipelined"][1])
+
+
 def test_expand_adds_into_a_wider_output_dtype():
     """out in float32 while the weights are float16 (the base layer may keep a wider output)."""
     stack, _ = make_stack("qkv", torch.float16)
