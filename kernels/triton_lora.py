@@ -17,6 +17,10 @@ expand, every program of which loads split_k [BLOCK_M, BLOCK_R] tiles: 32 planes
 add ~0.3 us to a 1-row decode tile, while 32 planes of rank 64 for 16-row tiles cost more than
 the split saved; kernels.tune caps the product (PLANE_TILE_CAP).
 
+Expand's column steps come in two kinds (ExpandConfig.pipeline): each next out tile loaded one step
+ahead into registers, or a loop the compiler pipelines through shared memory, whose programs also
+multiply only the rank tile their adapter needs (`_pipelined_steps`).
+
 Grids come from host ints only (num_tokens, the batch's capacity, the stack's shape;
 max_group_len only picks the configuration), and every per-step value is read from device
 tensors, so both ops can be captured in a CUDA graph and replayed with new batch and slot
@@ -327,20 +331,10 @@ def _expand_kernel(
         if rank == 0:  # out is never written
             return
         pdl.start_dependents(PDL)
-        # The narrowest rank tile holding this adapter's rank: a low-rank adapter's tiles of a mixed batch
-        # multiply (and hold) a quarter or half of the batch's rank tile.
-        if RANK_CLASSES >= 3 and rank <= BLOCK_R // 4:
-            _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
-                             stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                             stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R // 4, SPLIT, DOT_PRECISION, STAGES)
-        elif RANK_CLASSES >= 2 and rank <= BLOCK_R // 2:
-            _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
-                             stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                             stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R // 2, SPLIT, DOT_PRECISION, STAGES)
-        else:
-            _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
-                             stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                             stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, SPLIT, DOT_PRECISION, STAGES)
+        _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
+                         stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                         stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES, SPLIT, DOT_PRECISION,
+                         STAGES)
     else:
         # y and the first out tile do not need the rank: they are requested before branching on it
         # (branching first cost 1 us on 1-32-token expands on an H200).
@@ -387,10 +381,28 @@ def _expand_kernel(
 def _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
                      stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank, stride_bn,
                      stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
-                     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    """out[rows, this program's columns] += y[rows, :R] @ B[:R, columns], R >= rank, in column steps whose out
-    and B tiles the compiler prefetches STAGES - 1 steps ahead through shared memory (a loop's own
-    num_stages pipelines every load in it; the kernel's, only tl.dot's operands)."""
+                     CLASSES: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    """out[rows, this program's columns] += y[rows, :rank] @ B[:rank, columns], in column steps whose out and
+    B tiles the compiler prefetches STAGES - 1 steps ahead through shared memory (a loop's own num_stages
+    pipelines every load in it; the kernel's, only tl.dot's operands). The steps multiply the narrowest of
+    CLASSES rank tiles (R, R/2, R/4) holding the adapter's rank: in a mixed batch, a low-rank adapter's
+    programs multiply (and hold) a fraction of the batch's rank tile."""
+    if CLASSES > 1 and rank <= R // 2:
+        _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
+                         stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank, stride_bn,
+                         stride_om, stride_on, BLOCK_M, BLOCK_N, R // 2, CLASSES - 1, SPLIT, DOT_PRECISION, STAGES)
+    else:
+        _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
+                           n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                           stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, R, SPLIT, DOT_PRECISION, STAGES)
+
+
+@triton.jit
+def _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
+                       stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank, stride_bn,
+                       stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
+                       SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    """_pipelined_steps with a rank tile of R >= rank."""
     offs_r = tl.arange(0, R)
     r_mask = offs_r < rank
     y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
