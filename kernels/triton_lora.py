@@ -172,8 +172,8 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=y.shape[0],
         GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(stack.b.dtype),
-        PREFETCH_B=cfg.block_m * block_r <= PREFETCH_B_MAX_TILE and not cfg.pipeline, PIPELINE=cfg.pipeline, STAGES=cfg.num_stages,
-        RANK_CLASSES=_rank_classes(block_r) if cfg.pipeline else 1,
+        PREFETCH_B=cfg.block_m * block_r <= PREFETCH_B_MAX_TILE and not cfg.pipeline,
+        PIPELINE=cfg.pipeline, STAGES=cfg.num_stages, RANK_CLASSES=_rank_classes(block_r) if cfg.pipeline else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(out.device),
     )
 
@@ -327,12 +327,12 @@ def _expand_kernel(
     if PREFETCH_B:  # [BLOCK_R, BLOCK_N] tile of stack.b (Bᵀ) of the first step
         b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
     pdl.wait_for_inputs(PDL)
-    if PIPELINE:  # plain steps: the compiler's pipeliner streams their out and B tiles through shared memory
+    if PIPELINE:  # plain column steps: the compiler's pipeliner streams out and B tiles through shared memory
         if rank == 0:  # out is never written
             return
         pdl.start_dependents(PDL)
-        _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
-                         stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+        _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
+                         n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
                          stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES, SPLIT, DOT_PRECISION,
                          STAGES)
     else:
@@ -378,9 +378,9 @@ def _expand_kernel(
 
 
 @triton.jit
-def _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
-                     stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank, stride_bn,
-                     stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
+def _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
+                     n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                     stride_bn, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
                      CLASSES: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     """out[rows, this program's columns] += y[rows, :rank] @ B[:rank, columns], in column steps whose out and
     B tiles the compiler prefetches STAGES - 1 steps ahead through shared memory (a loop's own num_stages
@@ -388,19 +388,21 @@ def _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank,
     CLASSES rank tiles (R, R/2, R/4) holding the adapter's rank: in a mixed batch, a low-rank adapter's
     programs multiply (and hold) a fraction of the batch's rank tile."""
     if CLASSES > 1 and rank <= R // 2:
-        _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
-                         stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank, stride_bn,
-                         stride_om, stride_on, BLOCK_M, BLOCK_N, R // 2, CLASSES - 1, SPLIT, DOT_PRECISION, STAGES)
+        _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
+                         n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                         stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, R // 2, CLASSES - 1, SPLIT, DOT_PRECISION,
+                         STAGES)
     else:
         _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
-                           n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                           stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, R, SPLIT, DOT_PRECISION, STAGES)
+                           n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot,
+                           stride_b_rank, stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, R, SPLIT, DOT_PRECISION,
+                           STAGES)
 
 
 @triton.jit
-def _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end, n_steps,
-                       stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank, stride_bn,
-                       stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
+def _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
+                       n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                       stride_bn, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
                        SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     """_pipelined_steps with a rank tile of R >= rank."""
     offs_r = tl.arange(0, R)
