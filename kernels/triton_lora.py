@@ -341,17 +341,7 @@ def _expand_kernel(
         y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
         # Masked by the stack's padded rank (a host int: loads stay vectorized), then by the adapter's.
         y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]
-        # The sum of the planes, as [BLOCK_M, BLOCK_R] fp32. Tiles of 16+ rows load plane after
-        # plane (independent loads, all in flight at once): one [SPLIT, BLOCK_M, BLOCK_R] load holds
-        # SPLIT times the registers. A 1-row tile loads all planes at once: loaded one by one, 32
-        # planes made a decode expand 4-7x slower on an H200.
-        if BLOCK_M == 1:
-            offs_s = tl.arange(0, SPLIT)[:, None, None] * stride_y_split
-            y = tl.sum(tl.load(y_ptrs[None, :, :] + offs_s, mask=y_mask[None, :, :], other=0.0), axis=0)
-        else:
-            y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-            for s in tl.static_range(1, SPLIT):
-                y += tl.load(y_ptrs + s * stride_y_split, mask=y_mask, other=0.0)
+        y = _sum_of_planes(y_ptrs, y_mask, stride_y_split, SPLIT, BLOCK_M)
         out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
         prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
         if rank == 0:  # out is never written
@@ -409,10 +399,7 @@ def _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, ran
     r_mask = offs_r < rank
     y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
     y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]  # a host int: the loads stay vectorized
-    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        y += tl.load(y_ptrs + s * stride_y_split, mask=y_mask, other=0.0)
-    y = tl.where(r_mask[None, :], y, 0.0)
+    y = tl.where(r_mask[None, :], _sum_of_planes(y_ptrs, y_mask, stride_y_split, SPLIT, BLOCK_M), 0.0)
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     for _ in tl.range(0, n_steps, num_stages=STAGES):
@@ -425,6 +412,22 @@ def _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, ran
         offs_n += BLOCK_N
         b_ptrs += BLOCK_N * stride_bn
         out_ptrs += BLOCK_N * stride_on
+
+
+@triton.jit
+def _sum_of_planes(y_ptrs, y_mask, stride_y_split, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The sum of y's SPLIT planes at `y_ptrs` (plane 0), as an fp32 [BLOCK_M, ranks] tile. Tiles of 16+
+    rows load plane after plane (independent loads, all in flight at once): one [SPLIT, BLOCK_M, ranks]
+    load holds SPLIT times the registers. A 1-row tile loads all planes at once: loaded one by one, 32
+    planes made a decode expand 4-7x slower on an H200."""
+    if BLOCK_M == 1:
+        offs_s = tl.arange(0, SPLIT)[:, None, None] * stride_y_split
+        y = tl.sum(tl.load(y_ptrs[None, :, :] + offs_s, mask=y_mask[None, :, :], other=0.0), axis=0)
+    else:
+        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            y += tl.load(y_ptrs + s * stride_y_split, mask=y_mask, other=0.0)
+    return y
 
 
 @triton.jit
