@@ -31,7 +31,7 @@ from kernels.batch import LoRABatch
 from kernels.lora_stack import LoRAStack
 from kernels.tuning import ExpandConfig
 
-RUNG_CONFIG = ExpandConfig(32, 128, 4, 4, 3, pipeline=True)  # the table's static expand when this was written
+RUNG_CONFIG = ExpandConfig(32, 128, 4, 4, 3, pipeline=True)  # the H200 table's static expand until 2026-11-22
 TOKENS = (512, 2048, 4096, 8192)
 
 
@@ -122,15 +122,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{'rank rung':14s}" + "".join(f"{f't{t} us':>10s}{'frac':>6s}" for t in args.tokens)
           + f"{'fixed us':>10s}{'marginal frac':>15s}{'vs rmw':>8s}")
     for rank in args.ranks:
-        floor = None
+        rmw_seconds = None  # the first rung's
         for rung in ("rmw", "product", "atmm", "tuned"):
             seconds = [timing.graph_time_s(rung_calls(rung, t, args.hidden, rank, device)) for t in args.tokens]
             fixed, per_token = fit(args.tokens, seconds)
-            floor = floor or seconds
+            rmw_seconds = rmw_seconds or seconds
             cells = "".join(f"{s * 1e6:10.2f}{min_bytes(t, args.hidden, rank) / bandwidth / s:6.2f}"
                             for t, s in zip(args.tokens, seconds))
             marginal = min_bytes(1, args.hidden, 0) / bandwidth / per_token
-            print(f"r{rank:<4d}{rung:9s}{cells}{fixed * 1e6:10.2f}{marginal:15.2f}{seconds[-1] / floor[-1]:8.2f}", flush=True)
+            print(f"r{rank:<4d}{rung:9s}{cells}{fixed * 1e6:10.2f}{marginal:15.2f}{seconds[-1] / rmw_seconds[-1]:8.2f}", flush=True)
             torch.cuda.empty_cache()
 
 
