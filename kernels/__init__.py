@@ -11,10 +11,10 @@ import torch
 
 from kernels import reference
 from kernels.batch import NO_SLOT, LoRABatch
-from kernels.linear import linear
+from kernels.linear import fuse_lora, linear, skinny
 from kernels.lora_stack import LoRAStack
 
-__all__ = ["NO_SLOT", "LoRABatch", "LoRAStack", "linear", "lora_expand", "lora_shrink"]
+__all__ = ["NO_SLOT", "LoRABatch", "LoRAStack", "linear", "linear_with_lora", "lora_expand", "lora_shrink"]
 
 
 def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
@@ -41,3 +41,17 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         triton_lora.lora_expand(out, y, stack, batch)
     else:
         reference.lora_expand(out, y, stack, batch)
+
+
+def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                     stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
+    """linear(x, weight, bias) followed by lora_expand(out, y, stack, batch), in one kernel where the
+    skinny decode matmul serves x (kernels/linear.py): y from lora_shrink(x, stack, batch)."""
+    if skinny(x) and fuse_lora():
+        from kernels.triton_linear import LoRAOperand, fuses_lora, skinny_linear
+        operand = LoRAOperand(y, stack, batch)
+        if fuses_lora(x.shape[0], operand):
+            return skinny_linear(x, weight, bias, lora=operand)
+    out = linear(x, weight, bias)
+    lora_expand(out, y, stack, batch)
+    return out

@@ -5,10 +5,17 @@ memory bound), and no program splits K, so no second reduction kernel runs (cuBL
 the 4096-wide outputs at 17-64 rows and reduces in a second launch). Tile configurations come from
 sweeps over the 7B projection shapes on an H200 (docs/benchmarks/skinny_gemm_sweep-2026-11-21-h200.log
 for 16 rows, benchmarks/linear_bench.py for more).
+
+With a LoRA operand the same kernel adds each token's adapter product to its tile before the one
+store: out = x @ Wᵀ + bias + y @ B_slotᵀ, the expand of kernels/triton_lora.py fused into the base
+matmul. At decode a separate expand reads and writes out again, and its tiny programs wait on
+dependent metadata loads; here B streams after W in the same programs, each group a K step of
+rank width (`_add_lora`). The delta is added in fp32 before out is rounded once.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +23,19 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.batch import LoRABatch
+from kernels.lora_stack import LoRAStack
 
 MAX_ROWS = 64  # the most rows this kernel serves
+
+
+@dataclass(frozen=True, eq=False)  # holds tensors: identity, not value, equality
+class LoRAOperand:
+    """What the fused expand adds: y from kernels.lora_shrink (float32 [splits, num_tokens,
+    num_slices, max_rank]) times each group's B in `stack`, for the groups of `batch`."""
+    y: torch.Tensor
+    stack: LoRAStack
+    batch: LoRABatch
 
 
 @dataclass(frozen=True)
@@ -47,9 +65,21 @@ def linear_config(num_rows: int, out_features: int, in_features: int) -> LinearC
     return LinearConfig(block_n=128, block_k=128, num_warps=4, num_stages=4)
 
 
+def fuses_lora(num_rows: int, lora: LoRAOperand, config: LinearConfig | None = None) -> bool:
+    """Whether skinny_linear can add this LoRA operand itself: no column tile may straddle two slices
+    of a fused projection."""
+    stack = lora.stack
+    cfg = config or linear_config(num_rows, stack.out_features, stack.in_features)
+    return 1 <= num_rows <= MAX_ROWS and all(offset % cfg.block_n == 0 for offset in stack.out_offsets[1:-1])
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: LinearConfig | None = None) -> torch.Tensor:
-    """x: [M <= 64, K], weight: [N, K] (rows contiguous), bias: [N] or None -> [M, N] in x's dtype."""
+                  config: LinearConfig | None = None, lora: LoRAOperand | None = None,
+                  compile_only: bool = False) -> torch.Tensor:
+    """x: [M <= 64, K], weight: [N, K] (rows contiguous), bias: [N] or None -> [M, N] in x's dtype;
+    plus, with `lora` (fuses_lora must hold), out[t, slice s] += y.sum(0)[t, s, :r] @ stack.b[slot, :r, slice s]
+    for the tokens of each group with a slot, as kernels.lora_expand adds it.
+    compile_only: compile the kernel for these arguments without launching it (kernels/lora_warmup.py)."""
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
     assert weight.shape[1] == in_features and weight.stride(1) == 1, (x.shape, weight.shape)
@@ -58,18 +88,45 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_m = row_tile(num_rows)
     cfg = config or linear_config(num_rows, out_features, in_features)
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
-    _skinny_linear_kernel[(triton.cdiv(out_features, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, out, num_rows, out_features, in_features,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
+    grid = (triton.cdiv(out_features, cfg.block_n),)
+    kernel = functools.partial(_skinny_linear_kernel.warmup, grid=grid) if compile_only else _skinny_linear_kernel[grid]
+    kernel(x, weight, bias if bias is not None else weight, out, num_rows, out_features, in_features,
+           x.stride(0), weight.stride(0), out.stride(0), *_lora_args(out, weight, lora, cfg),
+           HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+           DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     return out
 
 
-@triton.jit
+def _lora_args(out: torch.Tensor, weight: torch.Tensor, lora: LoRAOperand | None, cfg: LinearConfig) -> tuple:
+    """The kernel's LoRA arguments, ending with its HAS_LORA, GATHER, BLOCK_R and SPLIT constexprs;
+    without an operand, placeholders the kernel never reads."""
+    if lora is None:
+        return (weight,) * 7 + (0,) * 10 + (False, False, 16, 1)
+    y, stack, batch = lora.y, lora.stack, lora.batch
+    stack.check_expand_args(out, y, batch)
+    assert stack.in_features == weight.shape[1] and stack.out_features == weight.shape[0], (stack.a.shape, weight.shape)
+    assert fuses_lora(out.shape[0], lora, cfg) and stack.num_slices <= 3, (stack.out_offsets, cfg)
+    assert stack.b.dtype == out.dtype and stack.b.stride(2) == 1 and y.stride(3) == 1, (stack.b.dtype, out.dtype)
+    assert y.shape[0] & (y.shape[0] - 1) == 0, y.shape  # tl.static_range over planes
+    ends = [stack.out_offsets[min(s, stack.num_slices)] for s in (1, 2)]  # slices 0, 1 end here
+    block_r = max(16, triton.next_power_of_2(batch.rank_bound(stack.max_rank)))
+    rows = batch.slots if batch.rows is None else batch.rows  # any tensor: GATHER=False never reads it
+    return (y, stack.b, stack.ranks, batch.starts, batch.lens, batch.slots, rows, batch.capacity, *ends,
+            stack.max_rank, y.stride(0), y.stride(1), y.stride(2), stack.b.stride(0), stack.b.stride(1),
+            stack.ranks.stride(0), True, batch.rows is not None, block_r, y.shape[0])
+
+
+# Group counts change from step to step: not specialized on (== 1, multiples of 16), nor the batch
+# metadata's alignment, so that each step shape does not compile another variant.
+@triton.jit(do_not_specialize=["num_groups", "stride_y_split"],
+            do_not_specialize_on_alignment=["starts_ptr", "lens_ptr", "slots_ptr", "rows_ptr"])
 def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, num_rows, out_features, in_features,
                           stride_xm, stride_wn, stride_om,
+                          y_ptr, b_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups, end0,
+                          end1, max_rank, stride_y_split, stride_ym, stride_y_slice, stride_b_slot, stride_b_rank,
+                          stride_ranks_slot,
+                          HAS_LORA: tl.constexpr, GATHER: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_for_inputs(PDL)
@@ -86,7 +143,51 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, num_rows, out_feature
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)           # [BLOCK_M, BLOCK_K]
         w = tl.load(w_rows + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] = Wᵀ tile
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if HAS_LORA:
+        acc = _add_lora(acc, y_ptr, b_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups, end0,
+                        end1, max_rank, stride_y_split, stride_ym, stride_y_slice, stride_b_slot, stride_b_rank,
+                        stride_ranks_slot, offs_m, m_mask, offs_n, n_mask, GATHER, BLOCK_N, BLOCK_R, SPLIT,
+                        DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _add_lora(acc, y_ptr, b_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups, end0, end1,
+              max_rank, stride_y_split, stride_ym, stride_y_slice, stride_b_slot, stride_b_rank, stride_ranks_slot,
+              offs_m, m_mask, offs_n, n_mask, GATHER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+              SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + for each group g: (y rows of g's tokens) @ B[slot_g, :rank, this tile's columns], in fp32.
+
+    The tile lies in one slice (fuses_lora). y's planes are summed once for all rows; each group then
+    multiplies only its own rows (the others masked to 0) by its B tile, so a group is one tl.dot of
+    rank depth: an [BLOCK_M, BLOCK_R] x [BLOCK_R, BLOCK_N] K step after W's. Empty slots and untargeted
+    slices have rank 0: their B loads are masked off entirely and read nothing. A group's tokens are
+    positions start..end of the batch, or (GATHER) the tokens the row order lists at those positions."""
+    first_col = tl.program_id(0) * BLOCK_N
+    slice_idx = (first_col >= end0).to(tl.int32) + (first_col >= end1).to(tl.int32)
+    offs_r = tl.arange(0, BLOCK_R)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :]
+    y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]
+    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        y += tl.load(y_ptrs + s * stride_y_split, mask=y_mask, other=0.0)
+    for g in range(0, num_groups):
+        slot = tl.load(slots_ptr + g)
+        start = tl.load(starts_ptr + g)
+        end = start + tl.load(lens_ptr + g)
+        rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx, mask=slot >= 0, other=0)
+        r_mask = offs_r < rank
+        if GATHER:  # row i is the group's if the row order lists it at one of its positions
+            pos = start + offs_m
+            tokens = tl.load(rows_ptr + pos, mask=pos < end, other=-1)
+            rows = tl.max((tokens[None, :] == offs_m[:, None]).to(tl.int32), axis=1) > 0
+        else:
+            rows = (offs_m >= start) & (offs_m < end)
+        b = tl.load(b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :],
+                    mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+        y_g = tl.where(rows[:, None] & r_mask[None, :], y, 0.0)
+        acc = tl.dot(y_g.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+    return acc
