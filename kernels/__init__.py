@@ -49,9 +49,8 @@ def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     skinny decode matmul serves x (kernels/linear.py): y from lora_shrink(x, stack, batch)."""
     if skinny(x) and fuse_lora():
         from kernels.triton_linear import LoRAOperand, fuses_lora, skinny_linear
-        operand = LoRAOperand(y, stack, batch)
-        if fuses_lora(x.shape[0], operand):
-            return skinny_linear(x, weight, bias, lora=operand)
+        if fuses_lora(stack, batch):
+            return skinny_linear(x, weight, bias, lora=LoRAOperand(y, stack, batch))
     out = linear(x, weight, bias)
     lora_expand(out, y, stack, batch)
     return out

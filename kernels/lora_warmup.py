@@ -10,9 +10,10 @@ The variants follow from host ints alone (kernels/tuning.py's bucket key and tri
 constexprs), so they can be listed from the worker's limits: for every token point up to the
 step budget, every group point up to it (its smallest and largest group, which decide ONE_TILE
 for row tiles in between), every rank tile up to the slots' rank, contiguous and gathered rows,
-ranks mixed or not. Batches of up to SKINNY_MAX_ROWS tokens also compile the base matmul with the
-expand fused in (kernels.linear_with_lora), with and without a bias, for one row count per row tile
-and per Triton's specialization of the count (1, a multiple of 16, other) (`fused_shapes`).
+ranks mixed or not. Batches of up to SKINNY_MAX_ROWS tokens also compile the skinny base matmul, with
+the expand fused in where kernels.linear_with_lora fuses the batch and plain, with and without a bias,
+for one row count per row tile and per Triton's specialization of the count (1, a multiple of 16,
+other) (`fused_shapes`).
 They are compiled on a thread pool in Triton's async-compile mode, without launching anything.
 """
 
@@ -103,9 +104,9 @@ def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int,
         for stack in by_shape.values():
             x = torch.empty(max_tokens, stack.in_features, dtype=stack.a.dtype, device=stack.a.device)
             out = torch.empty(max_tokens, stack.out_features, dtype=stack.a.dtype, device=stack.a.device)
-            fused = fuse_lora() and stack.a.dtype in (torch.float16, torch.bfloat16)
+            skinny = stack.a.dtype in (torch.float16, torch.bfloat16)  # kernels.linear's skinny matmul serves it
             weight = torch.empty(stack.out_features, stack.in_features, dtype=stack.a.dtype, device=stack.a.device) \
-                if fused else None
+                if skinny else None
             for shape in shapes:
                 if shape.max_rank > triton.next_power_of_2(stack.max_rank):
                     continue
@@ -114,22 +115,25 @@ def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int,
                     y = triton_lora.lora_shrink(x[:shape.tokens], stack, batch, compile_only=True)
                     triton_lora.lora_expand(out[:shape.tokens], y, stack, batch, compile_only=True)
                     requested += 2
-                    for skinny in fused_shapes(shape) if fused else ():
-                        requested += _compile_fused(x[:skinny.tokens], weight, out[0], stack,
-                                                    _batch(skinny, groups, stack.a.device))
+                    for rows in fused_shapes(shape) if skinny else ():
+                        requested += _compile_skinny(x[:rows.tokens], weight, out[0], stack,
+                                                     _batch(rows, groups, stack.a.device))
             del weight
     return requested, time.perf_counter() - started
 
 
-def _compile_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stack: LoRAStack,
-                   batch: LoRABatch) -> int:
-    """Compile the matmul with the expand fused in, with and without `bias`; the variants requested."""
-    operand = LoRAOperand(triton_lora.lora_shrink(x, stack, batch, compile_only=True), stack, batch)
-    if not fuses_lora(x.shape[0], operand):
-        return 0
-    for with_bias in (None, bias):
-        skinny_linear(x, weight, with_bias, lora=operand, compile_only=True)
-    return 2
+def _compile_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stack: LoRAStack,
+                    batch: LoRABatch) -> int:
+    """Compile the skinny matmul for x's rows, with and without `bias`: with the expand fused in where
+    linear_with_lora fuses this batch, and plain as well (what it runs where it does not). Returns the
+    variants requested."""
+    lora = None
+    if fuse_lora() and fuses_lora(stack, batch):
+        lora = LoRAOperand(triton_lora.lora_shrink(x, stack, batch, compile_only=True), stack, batch)
+    for operand in {None, lora}:
+        for with_bias in (None, bias):
+            skinny_linear(x, weight, with_bias, lora=operand, compile_only=True)
+    return 2 * len({None, lora})
 
 
 def _batch(shape: BatchShape, capacity: int, device: torch.device) -> LoRABatch:

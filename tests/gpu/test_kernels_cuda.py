@@ -134,7 +134,7 @@ def test_skinny_linear_bf16_matches_float32(rows, out_features, in_features):
 def test_lora_fused_into_skinny_linear_bf16_matches_float32(rows, sizes, in_features, with_bias):
     """linear_with_lora on the 7B decode shapes, as the engine calls it: mixed ranks, each slice targeted
     or not, rows sharing adapters, with no adapter, and on an empty slot."""
-    from kernels.triton_linear import LoRAOperand, fuses_lora
+    from kernels.triton_linear import fuses_lora
 
     g = torch.Generator().manual_seed(rows + in_features)
     stack = LoRAStack.empty(6, in_features, sizes, 64, torch.float32, "cpu")
@@ -157,7 +157,7 @@ def test_lora_fused_into_skinny_linear_bf16_matches_float32(rows, sizes, in_feat
     batch = LoRABatch.build(seg_lens, slots, "cuda")
     x = x.cuda()
     y = kernels.lora_shrink(x, cuda_stack, batch)
-    assert fuses_lora(rows, LoRAOperand(y, cuda_stack, batch))
+    assert fuses_lora(cuda_stack, batch)
     actual = kernels.linear_with_lora(x, weight.cuda(), None if bias is None else bias.cuda(), y, cuda_stack, batch)
     assert _rel_err(actual.float().cpu(), expected) < BF16_REL
     # The LoRA part alone (the base product is most of out): against what the reference adds.

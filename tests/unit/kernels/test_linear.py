@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import linear_with_lora, reference
+from kernels import LoRABatch, LoRAStack, linear_with_lora, reference
 from kernels.linear import linear
 from kernels.triton_linear import LinearConfig, LoRAOperand, fuses_lora, skinny_linear
 from tests.unit.kernels.test_lora_reference import CASES as LORA_CASES
@@ -65,7 +65,7 @@ def test_fused_lora_matches_matmul_plus_reference_expand(case, layout, dtype, sp
     # Split planes as lora_shrink's K splits leave them; entries no op defines are NaN.
     planes = torch.cat([y_ref / splits] * splits)
     operand = LoRAOperand(torch.where(y_mask, planes, float("nan")), stack, batch)
-    assert fuses_lora(batch.num_tokens, operand, FUSED_CONFIG)
+    assert fuses_lora(stack, batch, FUSED_CONFIG)
 
     out = skinny_linear(x, weight, bias, FUSED_CONFIG, lora=operand)
     expected = F.linear(x.double(), weight.double(), bias.double())
@@ -78,8 +78,7 @@ def test_tiles_straddling_slices_do_not_fuse():
     """gate_up's 24-column slices: no 16-column tile boundary falls on theirs."""
     stack, _ = make_stack("gate_up", torch.float32)
     batch = make_batch("mixed")
-    y = reference.lora_shrink(torch.zeros(batch.num_tokens, IN_FEATURES), stack, batch)
-    assert not fuses_lora(batch.num_tokens, LoRAOperand(y, stack, batch), FUSED_CONFIG)
+    assert not fuses_lora(stack, batch, FUSED_CONFIG)
 
 
 def test_linear_with_lora_on_cpu_is_matmul_then_reference_expand():
@@ -91,3 +90,19 @@ def test_linear_with_lora_on_cpu_is_matmul_then_reference_expand():
     expected = F.linear(x, weight)
     reference.lora_expand(expected, y, stack, batch)
     assert torch.equal(linear_with_lora(x, weight, None, y, stack, batch), expected)
+
+
+def test_many_one_token_groups_run_the_expand_apart():
+    """Each of 9+ rows on its own adapter: the fused kernel would visit every group in every program
+    (MAX_FUSED_ONE_TOKEN_GROUPS); up to 8 such rows, or as many rows in longer groups, fuse."""
+    from kernels.triton_linear import MAX_FUSED_ONE_TOKEN_GROUPS
+
+    n = MAX_FUSED_ONE_TOKEN_GROUPS
+    stack = LoRAStack.empty(n + 1, IN_FEATURES, (20,), 16, torch.float32, "cpu")
+
+    def fused(seg_lens: list[int]) -> bool:
+        return fuses_lora(stack, LoRABatch.build(seg_lens, list(range(len(seg_lens))), "cpu"), FUSED_CONFIG)
+
+    assert fused([1] * n)
+    assert not fused([1] * (n + 1))
+    assert fused([3] * 3)
