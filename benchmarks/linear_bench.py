@@ -12,11 +12,11 @@ between the kernels of an engine step.
     PYTHONPATH=.:protos python3 -m benchmarks.linear_bench --lora [--rows 1 8 32] [--json OUT]
 
 --sweep also times a grid of tile configurations for each shape and row count and prints the best.
---lora times the matmul with a LoRA expand added (rank-64 adapters on every slice; each row its own
-adapter, or all rows one adapter): the skinny matmul followed by kernels.lora_expand (the table's
-configuration) against the same matmul with the expand fused in, whether or not kernels.linear_with_lora
-would fuse that batch (its choice is printed). The floor adds the B weights the step uses to the
-matmul's bytes; y (from the shrink, not timed) is read by both.
+--lora times a LoRA layer's projection (rank-64 adapters on every slice; each row its own adapter, or
+all rows one adapter): the shrink, the skinny matmul and kernels.lora_expand (the table's
+configurations), against the shrink and the matmul with the expand fused in, whether or not
+kernels.linear_with_lora would fuse that batch (its choice is printed). The floor adds the A and B
+weights the step uses to the matmul's bytes.
 """
 
 from __future__ import annotations
@@ -116,35 +116,43 @@ def lora_case(rows: int, name: str, own: bool) -> list[tuple[torch.Tensor, torch
                                 max_rank=LORA_RANK)
         x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(sum(sizes), in_features, device="cuda", dtype=torch.bfloat16) * 0.02
-        copies.append((x, weight, LoRAOperand(triton_lora.lora_shrink(x, stack, batch), stack, batch)))
+        copies.append((x, weight, stack, batch))
     return copies
 
 
-def unfused(x: torch.Tensor, weight: torch.Tensor, lora: LoRAOperand) -> torch.Tensor:
+def unfused(x: torch.Tensor, weight: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
+    """The shrink, the skinny matmul, the expand: three launches."""
+    y = triton_lora.lora_shrink(x, stack, batch)
     out = skinny_linear(x, weight)
-    triton_lora.lora_expand(out, lora.y, lora.stack, lora.batch)
+    triton_lora.lora_expand(out, y, stack, batch)
     return out
+
+
+def fused(x: torch.Tensor, weight: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
+    """The shrink, then the matmul with the expand inside (as linear_with_lora runs it where it fuses)."""
+    return skinny_linear(x, weight, lora=LoRAOperand(triton_lora.lora_shrink(x, stack, batch), stack, batch))
 
 
 def lora_rows(rows: int, name: str, own: bool, bandwidth: float) -> dict:
     """One case: both paths checked against float32, then timed; a row of the report."""
     copies = lora_case(rows, name, own)
-    x, weight, lora = copies[0]
+    x, weight, stack, batch = copies[0]
     want = x.float() @ weight.float().t()
-    for s, (lo, hi) in enumerate(zip(lora.stack.out_offsets, lora.stack.out_offsets[1:])):
+    for s, (lo, hi) in enumerate(zip(stack.out_offsets, stack.out_offsets[1:])):
         for token, slot in enumerate(range(rows) if own else [0] * rows):
-            want[token, lo:hi] += lora.y.sum(0)[token, s] @ lora.stack.b[slot, :, lo:hi].float()
-    for label, got in (("unfused", unfused(x, weight, lora)), ("fused", skinny_linear(x, weight, lora=lora))):
+            a, b = stack.a[slot, s].float(), stack.b[slot, :, lo:hi].float()
+            want[token, lo:hi] += stack.scalings[slot] * (x[token].float() @ a.t()) @ b
+    for label, got in (("unfused", unfused(*copies[0])), ("fused", fused(*copies[0]))):
         err = ((got.float() - want).norm() / want.norm()).item()
         assert err < 1e-2, f"{name} rows {rows} {label}: relative error {err:.2e}"
     n, k = weight.shape
     slots = rows if own else 1
-    floor = (n * k + slots * LORA_RANK * n + rows * (n + k)) * 2 / bandwidth
+    floor = (n * k + slots * LORA_RANK * (n + k * stack.num_slices) + rows * (n + k)) * 2 / bandwidth
     times = {label: graph_time_s([lambda c=c, op=op: op(*c) for c in copies])
-             for label, op in (("base", lambda x, w, lora: skinny_linear(x, w)), ("unfused", unfused),
-                               ("fused", lambda x, w, lora: skinny_linear(x, w, lora=lora)))}
+             for label, op in (("base", lambda x, w, stack, batch: skinny_linear(x, w)), ("unfused", unfused),
+                               ("fused", fused))}
     del copies
-    return dict(shape=name, rows=rows, adapters="own" if own else "one", engine_fuses=fuses_lora(lora.stack, lora.batch),
+    return dict(shape=name, rows=rows, adapters="own" if own else "one", engine_fuses=fuses_lora(stack, batch),
                 floor_us=floor * 1e6,
                 **{f"{label}_us": t * 1e6 for label, t in times.items()})
 

@@ -43,10 +43,12 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         reference.lora_expand(out, y, stack, batch)
 
 
-def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-                     stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
-    """linear(x, weight, bias) followed by lora_expand(out, y, stack, batch), in one kernel where the
-    skinny decode matmul serves x (kernels/linear.py): y from lora_shrink(x, stack, batch)."""
+def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stack: LoRAStack,
+                     batch: LoRABatch) -> torch.Tensor:
+    """linear(x, weight, bias) plus each token's adapter: lora_shrink then lora_expand into the output,
+    the expand inside the matmul's kernel where the skinny decode matmul serves x (kernels/linear.py),
+    whose programs then stream the weight while the shrink runs."""
+    y = lora_shrink(x, stack, batch)
     if skinny(x) and fuse_lora():
         from kernels.triton_linear import LoRAOperand, fuses_lora, skinny_linear
         if fuses_lora(stack, batch):

@@ -7,9 +7,9 @@ cuBLAS, which splits K for some of them and reduces in a second kernel, and laun
 programmatic dependent launch (kernels/pdl.py). At 64 rows cuBLAS wins (gate_up), hence 32;
 `benchmarks/linear_bench.py` measures both (docs/benchmarks/engine.md). Everything else goes to F.linear.
 
-`linear_with_lora` is the base matmul plus a LoRA expand. Where the skinny kernel serves the rows, it
-adds the expand's product in its own programs (kernels/triton_linear.py); `TESSERA_FUSE_LORA=0` turns
-that off (for A/B timing), leaving the matmul and kernels.lora_expand one after the other.
+kernels.linear_with_lora is the base matmul plus a LoRA shrink and expand. Where the skinny kernel serves
+the rows, it adds the expand's product in its own programs (kernels/triton_linear.py); `TESSERA_FUSE_LORA=0`
+turns that off (for A/B timing), leaving the matmul and kernels.lora_expand one after the other.
 """
 
 from __future__ import annotations

@@ -92,7 +92,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x: [M <= 64, K], weight: [N, K] (rows contiguous), bias: [N] or None -> [M, N] in x's dtype;
     plus, with `lora` (where fuses_lora, or past its row rule), out[t, slice s] += y.sum(0)[t, s, :r] @ stack.b[slot, :r, slice s]
     for the tokens of each group with a slot, as kernels.lora_expand adds it.
-    compile_only: compile the kernel for these arguments without launching it (kernels/lora_warmup.py)."""
+    compile_only: compile the kernel for these arguments without launching it (kernels/lora_warmup.py).
+
+    Under PDL (kernels/pdl.py) a LoRA program streams W before waiting on the kernel launched just before
+    it, which must therefore not write x, weight or bias: linear_with_lora launches the shrink there, which
+    writes only y, and whose programs start this kernel only after they waited on x's writer themselves."""
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
     assert weight.shape[1] == in_features and weight.stride(1) == 1, (x.shape, weight.shape)
@@ -143,7 +147,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, num_rows, out_feature
                           BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait_for_inputs(PDL)
+    if not HAS_LORA:
+        pdl.wait_for_inputs(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < out_features
@@ -158,6 +163,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, num_rows, out_feature
         w = tl.load(w_rows + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] = Wᵀ tile
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if HAS_LORA:
+        pdl.wait_for_inputs(PDL)  # for y: the shrink launched just before writes it
         acc = _add_lora(acc, y_ptr, b_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups, end0,
                         end1, max_rank, stride_y_split, stride_ym, stride_y_slice, stride_b_slot, stride_b_rank,
                         stride_ranks_slot, offs_m, m_mask, offs_n, n_mask, GATHER, GROUP_BLOCK, BLOCK_N, BLOCK_R,

@@ -50,5 +50,4 @@ class LoRALinear(nn.Module):
         batch = get_forward_context().lora
         if self.lora is None or not batch.has_lora:
             return kernels.linear(x, self.weight, self.bias)
-        y = kernels.lora_shrink(x, self.lora, batch)
-        return kernels.linear_with_lora(x, self.weight, self.bias, y, self.lora, batch)
+        return kernels.linear_with_lora(x, self.weight, self.bias, self.lora, batch)

@@ -156,9 +156,8 @@ def test_lora_fused_into_skinny_linear_bf16_matches_float32(rows, sizes, in_feat
     cuda_stack = _on_cuda(stack, torch.bfloat16)
     batch = LoRABatch.build(seg_lens, slots, "cuda")
     x = x.cuda()
-    y = kernels.lora_shrink(x, cuda_stack, batch)
     assert fuses_lora(cuda_stack, batch)
-    actual = kernels.linear_with_lora(x, weight.cuda(), None if bias is None else bias.cuda(), y, cuda_stack, batch)
+    actual = kernels.linear_with_lora(x, weight.cuda(), None if bias is None else bias.cuda(), cuda_stack, batch)
     assert _rel_err(actual.float().cpu(), expected) < BF16_REL
     # The LoRA part alone (the base product is most of out): against what the reference adds.
     delta = actual.float().cpu() - torch.nn.functional.linear(x.float().cpu(), weight.float(),
@@ -305,7 +304,7 @@ def test_no_lora_kernel_compiles_after_warm_up():
             batch = LoRABatch.build(batch.seg_lens, batch.seg_slots, "cuda", max_rank=batch.max_rank)
             for stack, weight, bias in zip(stacks, weights, biases):
                 x = torch.randn(batch.num_tokens, stack.in_features, device="cuda", dtype=torch.bfloat16)
-                kernels.linear_with_lora(x, weight, bias, kernels.lora_shrink(x, stack, batch), stack, batch)
+                kernels.linear_with_lora(x, weight, bias, stack, batch)
         torch.cuda.synchronize()
     finally:
         knobs.runtime.jit_post_compile_hook = previous
