@@ -11,10 +11,10 @@ import torch
 
 from kernels import reference
 from kernels.batch import NO_SLOT, LoRABatch
-from kernels.linear import fuse_lora, linear, skinny
+from kernels.linear import linear
 from kernels.lora_stack import LoRAStack
 
-__all__ = ["NO_SLOT", "LoRABatch", "LoRAStack", "linear", "linear_with_lora", "lora_expand", "lora_shrink"]
+__all__ = ["NO_SLOT", "LoRABatch", "LoRAStack", "linear", "lora_expand", "lora_shrink"]
 
 
 def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
@@ -41,18 +41,3 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         triton_lora.lora_expand(out, y, stack, batch)
     else:
         reference.lora_expand(out, y, stack, batch)
-
-
-def linear_with_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stack: LoRAStack,
-                     batch: LoRABatch) -> torch.Tensor:
-    """linear(x, weight, bias) plus each token's adapter: lora_shrink then lora_expand into the output,
-    the expand inside the matmul's kernel where the skinny decode matmul serves x (kernels/linear.py),
-    whose programs then stream the weight while the shrink runs."""
-    y = lora_shrink(x, stack, batch)
-    if skinny(x) and fuse_lora():
-        from kernels.triton_linear import LoRAOperand, fuses_lora, skinny_linear
-        if fuses_lora(stack, batch):
-            return skinny_linear(x, weight, bias, lora=LoRAOperand(y, stack, batch))
-    out = linear(x, weight, bias)
-    lora_expand(out, y, stack, batch)
-    return out

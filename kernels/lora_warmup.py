@@ -10,10 +10,7 @@ The variants follow from host ints alone (kernels/tuning.py's bucket key and tri
 constexprs), so they can be listed from the worker's limits: for every token point up to the
 step budget, every group point up to it (its smallest and largest group, which decide ONE_TILE
 for row tiles in between), every rank tile up to the slots' rank, contiguous and gathered rows,
-ranks mixed or not. Batches of up to SKINNY_MAX_ROWS tokens also compile the skinny base matmul, with
-the expand fused in where kernels.linear_with_lora fuses the batch and plain, with and without a bias,
-for one row count per row tile and per Triton's specialization of the count (1, a multiple of 16,
-other) (`fused_shapes`).
+ranks mixed or not.
 They are compiled on a thread pool in Triton's async-compile mode, without launching anything.
 """
 
@@ -31,9 +28,7 @@ from triton.runtime._async_compile import AsyncCompileMode
 
 from kernels import triton_lora, tuning
 from kernels.batch import NO_SLOT, LoRABatch
-from kernels.linear import SKINNY_MAX_ROWS, fuse_lora
 from kernels.lora_stack import LoRAStack
-from kernels.triton_linear import LoRAOperand, fuses_lora, row_tile, skinny_linear
 
 
 @dataclass(frozen=True)
@@ -75,25 +70,11 @@ def batch_shapes(max_tokens: int, max_rank: int) -> Iterator[BatchShape]:
             previous = group_point
 
 
-def fused_shapes(shape: BatchShape) -> Iterator[BatchShape]:
-    """Shapes standing for every fused-matmul variant of batches in `shape`'s token bucket: one row count
-    per (row tile, row-count specialization), its group clamped to the rows."""
-    point = tuning.round_up(shape.tokens, tuning.TOKEN_POINTS)
-    if shape.tokens > SKINNY_MAX_ROWS:
-        return
-    by_variant = {(row_tile(rows), rows == 1, rows % 16 == 0): rows for rows in range(1, shape.tokens + 1)
-                  if tuning.round_up(rows, tuning.TOKEN_POINTS) == point}
-    for rows in sorted(by_variant.values()):
-        group = min(shape.max_group_len, rows - 1 if shape.gather else rows)
-        if not shape.gather or group >= 2:
-            yield BatchShape(rows, group, shape.max_rank, shape.gather, shape.mixed)
-
-
 def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int,
                  jobs: int | None = None) -> tuple[int, float]:
     """Compile shrink and expand for every batch shape of every stack (one per distinct projection
-    shape), and the fused matmul for the skinny ones. `capacity`: the most groups a step's batch may
-    hold (the adapter slots). Returns (variants requested, seconds)."""
+    shape). `capacity`: the most groups a step's batch may hold (the adapter slots). Returns
+    (variants requested, seconds)."""
     started = time.perf_counter()
     by_shape = {(s.in_features, s.out_offsets, s.max_rank, s.a.dtype): s for s in stacks}
     shapes = list(batch_shapes(max_tokens, max(s.max_rank for s in by_shape.values()) if by_shape else 16))
@@ -104,9 +85,6 @@ def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int,
         for stack in by_shape.values():
             x = torch.empty(max_tokens, stack.in_features, dtype=stack.a.dtype, device=stack.a.device)
             out = torch.empty(max_tokens, stack.out_features, dtype=stack.a.dtype, device=stack.a.device)
-            skinny = stack.a.dtype in (torch.float16, torch.bfloat16)  # kernels.linear's skinny matmul serves it
-            weight = torch.empty(stack.out_features, stack.in_features, dtype=stack.a.dtype, device=stack.a.device) \
-                if skinny else None
             for shape in shapes:
                 if shape.max_rank > triton.next_power_of_2(stack.max_rank):
                     continue
@@ -115,25 +93,7 @@ def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int,
                     y = triton_lora.lora_shrink(x[:shape.tokens], stack, batch, compile_only=True)
                     triton_lora.lora_expand(out[:shape.tokens], y, stack, batch, compile_only=True)
                     requested += 2
-                    for rows in fused_shapes(shape) if skinny else ():
-                        requested += _compile_skinny(x[:rows.tokens], weight, out[0], stack,
-                                                     _batch(rows, groups, stack.a.device))
-            del weight
     return requested, time.perf_counter() - started
-
-
-def _compile_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stack: LoRAStack,
-                    batch: LoRABatch) -> int:
-    """Compile the skinny matmul for x's rows, with and without `bias`: with the expand fused in where
-    linear_with_lora fuses this batch, and plain as well (what it runs where it does not). Returns the
-    variants requested."""
-    lora = None
-    if fuse_lora() and fuses_lora(stack, batch):
-        lora = LoRAOperand(triton_lora.lora_shrink(x, stack, batch, compile_only=True), stack, batch)
-    for operand in {None, lora}:
-        for with_bias in (None, bias):
-            skinny_linear(x, weight, with_bias, lora=operand, compile_only=True)
-    return 2 * len({None, lora})
 
 
 def _batch(shape: BatchShape, capacity: int, device: torch.device) -> LoRABatch:

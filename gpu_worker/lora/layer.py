@@ -47,7 +47,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
+        out = kernels.linear(x, self.weight, self.bias)
         batch = get_forward_context().lora
-        if self.lora is None or not batch.has_lora:
-            return kernels.linear(x, self.weight, self.bias)
-        return kernels.linear_with_lora(x, self.weight, self.bias, self.lora, batch)
+        if self.lora is not None and batch.has_lora:
+            y = kernels.lora_shrink(x, self.lora, batch)
+            kernels.lora_expand(out, y, self.lora, batch)
+        return out

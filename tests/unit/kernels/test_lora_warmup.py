@@ -15,9 +15,7 @@ import pytest
 import torch
 
 from kernels import NO_SLOT, LoRABatch, LoRAStack, triton_lora, tuning
-from kernels.linear import SKINNY_MAX_ROWS
-from kernels.lora_warmup import BatchShape, _batch, batch_shapes, fused_shapes
-from kernels.triton_linear import fuses_lora, linear_config, row_tile
+from kernels.lora_warmup import BatchShape, _batch, batch_shapes
 
 TABLE = tuning.load_table("NVIDIA H200")  # the committed table: real configurations per bucket
 PROJECTIONS = {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)), "down": (11008, (4096,))}
@@ -68,27 +66,3 @@ def test_gathered_shape_interleaves_its_group_with_base_tokens() -> None:
     contiguous = _batch(BatchShape(tokens=32, max_group_len=8, max_rank=64, gather=False, mixed=True), 4, "cpu")
     assert contiguous.rows is None and contiguous.capacity == 4
     assert tuning.bucket_of("shrink", LoRAStack.empty(1, 64, (64,), 64, torch.float32, "meta"), contiguous).mixed
-
-
-def fused_variant(stack: LoRAStack, batch: LoRABatch) -> tuple:
-    """What makes the fused matmul compile anew: its y planes (the shrink's table split), rank tile, gathered
-    rows, group scan size, row tile, the row count's specialization and the matmul's tile configuration."""
-    rows = batch.num_tokens
-    split = tuning.lookup(tuning.bucket_of("shrink", stack, batch), TABLE).split_k
-    return (split, triton_lora._block_r(stack, batch), batch.rows is not None, triton_lora.group_block(batch.capacity),
-            row_tile(rows), rows == 1,
-            rows % 16 == 0, linear_config(rows, stack.out_features, stack.in_features))
-
-
-@pytest.mark.parametrize(("max_tokens", "max_rank"), [(4096, 64), (20, 128)])
-def test_skinny_batches_select_only_warmed_fused_variants(max_tokens: int, max_rank: int) -> None:
-    rng = random.Random(f"fused-{max_tokens}-{max_rank}")
-    for name, (in_features, out_sizes) in PROJECTIONS.items():
-        stack = LoRAStack.empty(1, in_features, out_sizes, max_rank, torch.bfloat16, "meta")
-        skinny_batches = (_batch(skinny, groups, "cpu") for shape in batch_shapes(max_tokens, max_rank)
-                          for skinny in fused_shapes(shape) for groups in (1, 8))
-        warmed = {fused_variant(stack, batch) for batch in skinny_batches if fuses_lora(stack, batch)}
-        batches = (random_batch(rng, min(max_tokens, SKINNY_MAX_ROWS), 8, max_rank) for _ in range(600))
-        # Batches past the step budget never run; past SKINNY_MAX_ROWS, or not fused, they run the matmul apart.
-        for batch in [b for b in batches if b.num_tokens <= min(max_tokens, SKINNY_MAX_ROWS) and fuses_lora(stack, b)]:
-            assert fused_variant(stack, batch) in warmed, (name, batch.num_tokens, batch.seg_lens, batch.seg_slots)
