@@ -338,10 +338,8 @@ def _expand_kernel(
     else:
         # y and the first out tile do not need the rank: they are requested before branching on it
         # (branching first cost 1 us on 1-32-token expands on an H200).
-        y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
-        # Masked by the stack's padded rank (a host int: loads stay vectorized), then by the adapter's.
-        y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]
-        y = _sum_of_planes(y_ptrs, y_mask, stride_y_split, SPLIT, BLOCK_M)
+        y = _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym, stride_y_slice,
+                    stride_y_rank, SPLIT, BLOCK_M)
         out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
         prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
         if rank == 0:  # out is never written
@@ -397,9 +395,8 @@ def _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, ran
     """_pipelined_steps with a rank tile of R >= rank."""
     offs_r = tl.arange(0, R)
     r_mask = offs_r < rank
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
-    y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]  # a host int: the loads stay vectorized
-    y = tl.where(r_mask[None, :], _sum_of_planes(y_ptrs, y_mask, stride_y_split, SPLIT, BLOCK_M), 0.0)
+    y = tl.where(r_mask[None, :], _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym,
+                                          stride_y_slice, stride_y_rank, SPLIT, BLOCK_M), 0.0)
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     for _ in tl.range(0, n_steps, num_stages=STAGES):
@@ -412,6 +409,16 @@ def _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, ran
         offs_n += BLOCK_N
         b_ptrs += BLOCK_N * stride_bn
         out_ptrs += BLOCK_N * stride_on
+
+
+@triton.jit
+def _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
+            SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """y[rows, slice, offs_r] summed over its planes, fp32; columns past the stack's padded rank read as 0
+    (a host int: the loads stay vectorized), those past the adapter's own rank are the caller's to mask."""
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
+    y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]
+    return _sum_of_planes(y_ptrs, y_mask, stride_y_split, SPLIT, BLOCK_M)
 
 
 @triton.jit

@@ -301,7 +301,7 @@ def tile_shapes(bucket: Bucket) -> list[Config]:
 def variants(op: str, best: Iterable[Config]) -> list[Config]:
     """Stage 2: each shortlisted shape over every num_warps x num_stages."""
     def stages(config: Config) -> tuple[int, ...]:
-        return PIPELINE_STAGES if getattr(config, "pipeline", False) else STAGES[op]
+        return PIPELINE_STAGES if isinstance(config, ExpandConfig) and config.pipeline else STAGES[op]
     return [replace(c, num_warps=w, num_stages=s) for c in best for w in WARPS for s in stages(c)]
 
 
