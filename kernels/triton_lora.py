@@ -154,17 +154,14 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
     cfg = config or tuning.expand_config(stack, batch)
     assert cfg.block_m >= 1 and cfg.block_n >= 16 and cfg.n_steps >= 1, cfg
     assert cfg.block_m >= 16 or not cfg.pipeline, cfg  # the pipelined steps accumulate in tl.dot
-    ends = [stack.out_offsets[min(s, len(sizes))] for s in range(1, MAX_SLICES + 1)]  # slices 0, 1, 2
-    block_r = _block_r(stack, batch)
-    if cfg.programs_per_sm:
-        _expand_balanced(out, y, stack, batch, cfg, sizes, ends, block_r, compile_only)
-        return
     # N-tiles (block_n * n_steps columns, one program each) are numbered slice after slice. The
     # kernel always sees 3 slices: missing ones start at the last tile and end at out_features,
     # so no program maps to them.
     tiles = [triton.cdiv(n, cfg.block_n * cfg.n_steps) for n in sizes]
     tile_starts = [sum(tiles[:s]) for s in range(1, MAX_SLICES)]  # first N-tile of slices 1, 2
+    ends = [stack.out_offsets[min(s, len(sizes))] for s in range(1, MAX_SLICES + 1)]  # slices 0, 1, 2
     grid = (_m_tile_bound(batch, cfg.block_m), sum(tiles))
+    block_r = _block_r(stack, batch)
     _launcher(_expand_kernel, grid, compile_only)(
         y, stack.b, out, stack.ranks, batch.starts, batch.lens, batch.slots, _rows_arg(out, batch),
         batch.capacity, *ends, *tile_starts, cfg.n_steps, stack.max_rank,
@@ -179,44 +176,6 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         PIPELINE=cfg.pipeline, STAGES=cfg.num_stages, RANK_CLASSES=_rank_classes(block_r) if cfg.pipeline else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(out.device),
     )
-
-
-def _expand_balanced(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch, cfg: ExpandConfig,
-                     sizes: list[int], ends: list[int], block_r: int, compile_only: bool) -> None:
-    """lora_expand on a grid of programs_per_sm programs an SM (`_expand_balanced_kernel`)."""
-    assert cfg.pipeline and cfg.n_steps == 1, cfg  # units are single pipelined column steps
-    steps = [triton.cdiv(n, cfg.block_n) for n in sizes]
-    step_starts = [sum(steps[:s]) for s in range(1, MAX_SLICES)]  # first column step of slices 1, 2
-    units_bound = _m_tile_bound(batch, cfg.block_m) * sum(steps)
-    grid = (min(multiprocessors(out.device) * cfg.programs_per_sm, units_bound),)
-    _launcher(_expand_balanced_kernel, grid, compile_only)(
-        y, stack.b, out, stack.ranks, batch.starts, batch.lens, batch.slots, _rows_arg(out, batch),
-        batch.capacity, *ends, *step_starts, sum(steps), stack.max_rank,
-        *y.stride(),
-        *stack.b.stride(),
-        out.stride(0), out.stride(1),
-        stack.ranks.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=y.shape[0],
-        GROUP_BLOCK=group_block(batch.capacity), GATHER=batch.rows is not None,
-        DOT_PRECISION=_dot_precision(stack.b.dtype), STAGES=cfg.num_stages, RANK_CLASSES=_rank_classes(block_r),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(out.device),
-    )
-
-
-# The interpreter runs programs one after another: a few are enough to split units between them.
-INTERPRETER_MULTIPROCESSORS = 2
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The device's SM count: what a balanced grid is sized by (a host int: graph replays keep it)."""
-    if device.type != "cuda":
-        return INTERPRETER_MULTIPROCESSORS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @triton.jit
@@ -237,47 +196,24 @@ def _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
         pos_end = pos_begin + tl.load(lens_ptr + pid)
         slot = tl.where(pos_end > pos_begin, tl.load(slots_ptr + pid), -1)
     else:
-        starts, lens, slots, tiles, ends = _group_tiles(starts_ptr, lens_ptr, slots_ptr, num_groups, BLOCK_M,
-                                                        GROUP_BLOCK)
-        slot, pos_begin, pos_end = _tile_of(pid, starts, lens, slots, tiles, ends, BLOCK_M)
-    rows, m_mask = _tile_rows(rows_ptr, slot, pos_begin, pos_end, BLOCK_M, GATHER)
-    return slot, rows, m_mask
-
-
-@triton.jit
-def _group_tiles(starts_ptr, lens_ptr, slots_ptr, num_groups, BLOCK_M: tl.constexpr, GROUP_BLOCK: tl.constexpr):
-    """The batch's groups as [GROUP_BLOCK] vectors: starts, lens, slots, their M-tile counts (0 for a
-    group without a slot) and the running sum of those counts (tile t is in the group whose range
-    [ends - tiles, ends) holds it)."""
-    offs = tl.arange(0, GROUP_BLOCK)
-    valid = offs < num_groups
-    starts = tl.load(starts_ptr + offs, mask=valid, other=0)
-    lens = tl.load(lens_ptr + offs, mask=valid, other=0)
-    slots = tl.load(slots_ptr + offs, mask=valid, other=-1)
-    tiles = tl.where(slots >= 0, (lens + BLOCK_M - 1) // BLOCK_M, 0)
-    return starts, lens, slots, tiles, tl.cumsum(tiles, axis=0)
-
-
-@triton.jit
-def _tile_of(tile, starts, lens, slots, tiles, ends, BLOCK_M: tl.constexpr):
-    """(slot, first position, end position) of M-tile `tile` of `_group_tiles`; slot -1 past the last."""
-    mine = (ends - tiles <= tile) & (tile < ends)  # one-hot: the group holding the tile, if any
-    slot = tl.sum(tl.where(mine, slots + 1, 0), axis=0) - 1
-    pos_begin = tl.sum(tl.where(mine, starts + (tile - ends + tiles) * BLOCK_M, 0), axis=0)
-    pos_end = tl.sum(tl.where(mine, starts + lens, 0), axis=0)
-    return slot, pos_begin, pos_end
-
-
-@triton.jit
-def _tile_rows(rows_ptr, slot, pos_begin, pos_end, BLOCK_M: tl.constexpr, GATHER: tl.constexpr):
-    """(token rows [BLOCK_M] int64, row mask) of the tile at batch positions [pos_begin, pos_end)."""
+        offs = tl.arange(0, GROUP_BLOCK)
+        valid = offs < num_groups
+        starts = tl.load(starts_ptr + offs, mask=valid, other=0)
+        lens = tl.load(lens_ptr + offs, mask=valid, other=0)
+        slots = tl.load(slots_ptr + offs, mask=valid, other=-1)
+        tiles = tl.where(slots >= 0, (lens + BLOCK_M - 1) // BLOCK_M, 0)  # [GROUP_BLOCK]
+        ends = tl.cumsum(tiles, axis=0)
+        mine = (ends - tiles <= pid) & (pid < ends)  # one-hot: the group holding tile pid, if any
+        slot = tl.sum(tl.where(mine, slots + 1, 0), axis=0) - 1
+        pos_begin = tl.sum(tl.where(mine, starts + (pid - ends + tiles) * BLOCK_M, 0), axis=0)
+        pos_end = tl.sum(tl.where(mine, starts + lens, 0), axis=0)
     pos = pos_begin + tl.arange(0, BLOCK_M)
     m_mask = pos < pos_end
     if GATHER:
         rows = tl.load(rows_ptr + pos, mask=m_mask & (slot >= 0), other=0)
     else:
         rows = pos
-    return rows.to(tl.int64), m_mask
+    return slot, rows.to(tl.int64), m_mask
 
 
 @triton.jit
@@ -427,56 +363,6 @@ def _expand_kernel(
             offs_n += BLOCK_N
             b_ptrs += BLOCK_N * stride_bn
             out_ptrs += BLOCK_N * stride_on
-
-
-@triton.jit(**_PER_STEP)
-def _expand_balanced_kernel(
-    y_ptr, b_ptr, out_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
-    num_groups, end0, end1, end2, step_start1, step_start2, steps_per_tile, max_rank,
-    stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
-    stride_b_slot, stride_b_rank, stride_bn,
-    stride_om, stride_on,
-    stride_ranks_slot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-    GROUP_BLOCK: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-    RANK_CLASSES: tl.constexpr, PDL: tl.constexpr,
-):
-    """_expand_kernel's pipelined steps on a fixed grid. The batch's work is units, (M-tile, column
-    step) pairs numbered tile after tile, each tile's steps running through slice 0, then 1, then 2;
-    program p takes units [p * U / P, (p + 1) * U / P) of the U that live tiles have. So every
-    program does the same work to within one unit, where one program per M-tile and span leaves
-    its last wave part-empty (on an H200, 288 programs of which 264 fit at once took two waves'
-    time). A program's units are a few runs of one tile's columns in one slice: each run loads its
-    y tile once and pipelines its steps as _pipelined_steps does."""
-    starts, lens, slots, tiles, ends = _group_tiles(starts_ptr, lens_ptr, slots_ptr, num_groups, BLOCK_M,
-                                                    GROUP_BLOCK)
-    units = tl.sum(tiles, axis=0).to(tl.int64) * steps_per_tile
-    pid = tl.program_id(0).to(tl.int64)
-    unit = pid * units // tl.num_programs(0)
-    last_unit = (pid + 1) * units // tl.num_programs(0)
-    pdl.wait_for_inputs(PDL)
-    pdl.start_dependents(PDL)
-    while unit < last_unit:
-        tile = unit // steps_per_tile
-        step = unit - tile * steps_per_tile
-        in1 = step >= step_start1
-        in2 = step >= step_start2
-        slice_idx = in1.to(tl.int32) + in2.to(tl.int32)
-        slice_first_step = tl.where(in2, step_start2, tl.where(in1, step_start1, 0))
-        slice_end_step = tl.where(in2, steps_per_tile, tl.where(in1, step_start2, step_start1))
-        n_begin = tl.where(in2, end1, tl.where(in1, end0, 0))
-        n_end = tl.where(in2, end2, tl.where(in1, end1, end0))
-        run = tl.minimum(slice_end_step - step, last_unit - unit)  # this tile's steps in this slice
-        slot, pos_begin, pos_end = _tile_of(tile, starts, lens, slots, tiles, ends, BLOCK_M)  # a live tile
-        rows, m_mask = _tile_rows(rows_ptr, slot, pos_begin, pos_end, BLOCK_M, GATHER)
-        rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx)  # 0: an untargeted slice
-        if rank > 0:
-            offs_n = n_begin + (step - slice_first_step) * BLOCK_N + tl.arange(0, BLOCK_N)
-            _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, n_end,
-                             run, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot,
-                             stride_b_rank, stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES,
-                             SPLIT, DOT_PRECISION, STAGES)
-        unit += run
 
 
 @triton.jit

@@ -58,7 +58,6 @@ STAGE1 = {"shrink": (4, 3), "expand": (4, 2)}
 WARPS = (4, 8)
 STAGES = {"shrink": (2, 3, 4), "expand": (1, 2)}
 PIPELINE_STAGES = (2, 3, 4)  # expand's pipelined steps: prefetch depth + 1; stage 1 times the middle one
-BALANCED_PROGRAMS = (1, 2, 3, 4)  # expand's balanced grids: programs per SM (a grid size: no compile each)
 SHRINK_BLOCK_M, SHRINK_BLOCK_K, SPLIT_K = (16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16, 32)
 EXPAND_BLOCK_M, BLOCK_N, N_STEPS = (1, 16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8)
 RANK_BLOCKS, RANK_BLOCKS_FMA, SHRINK_BLOCK_K_FMA = (16, 32), (2, 4, 8, 16), (128, 256, 512)
@@ -290,30 +289,20 @@ def tile_shapes(bucket: Bucket) -> list[Config]:
     widest = max(bucket.out_sizes)
     # 1-row tiles (CUDA-core multiply-sum) only for one-token groups. n_steps stops at the first
     # count whose span covers the widest slice: more steps would all be masked.
-    # Tensor-core tiles taking several steps are also timed with pipelined steps, and every tensor-core
-    # tile on balanced grids.
+    # Tensor-core tiles taking several steps are also timed with pipelined steps.
     rows = (1, 16) if bucket.group == 1 else _row_tiles(EXPAND_BLOCK_M[1:], bucket.group)
     shapes = [ExpandConfig(m, n, steps, warps, stages)
               for m in rows for n in BLOCK_N if (n >= 64 or bucket.group == 1) and m * n <= 2 * MAX_TILE
               for steps in N_STEPS if steps == 1 or n * steps // 2 < widest]
-    pipelined = [replace(c, num_stages=PIPELINE_STAGES[1], pipeline=True) for c in shapes
-                 if c.block_m >= 16 and c.n_steps > 1]
-    balanced = [replace(c, n_steps=1, num_stages=PIPELINE_STAGES[1], pipeline=True, programs_per_sm=k)
-                for c in dict.fromkeys(replace(c, n_steps=1) for c in shapes if c.block_m >= 16)
-                for k in BALANCED_PROGRAMS]
-    return shapes + pipelined + balanced
+    return shapes + [replace(c, num_stages=PIPELINE_STAGES[1], pipeline=True) for c in shapes
+                     if c.block_m >= 16 and c.n_steps > 1]
 
 
 def variants(op: str, best: Iterable[Config]) -> list[Config]:
-    """Stage 2: each shortlisted shape over every num_warps x num_stages (balanced grids: x programs
-    per SM too, as the stages' shared memory changes how many fit)."""
+    """Stage 2: each shortlisted shape over every num_warps x num_stages."""
     def stages(config: Config) -> tuple[int, ...]:
         return PIPELINE_STAGES if isinstance(config, ExpandConfig) and config.pipeline else STAGES[op]
-
-    def programs(config: Config) -> tuple[int, ...]:
-        return BALANCED_PROGRAMS if isinstance(config, ExpandConfig) and config.programs_per_sm else (0,)
-    return [replace(c, num_warps=w, num_stages=s, **({"programs_per_sm": k} if k else {}))
-            for c in best for w in WARPS for s in stages(c) for k in programs(c)]
+    return [replace(c, num_warps=w, num_stages=s) for c in best for w in WARPS for s in stages(c)]
 
 
 def search(bucket: Bucket, measure: Callable[[Config], Sequence[float]], deadline: float,
@@ -594,7 +583,7 @@ def print_plan(todo: Sequence[Bucket]) -> None:
     for bucket in todo:
         stage1 = tile_shapes(bucket)
         n1 = len(stage1) + (tuning.heuristic_config(bucket) not in stage1)
-        n2 = sum(sorted((len(variants(bucket.op, [c])) - 1 for c in stage1), reverse=True)[:SHORTLIST])
+        n2 = (len(WARPS) * len(STAGES[bucket.op]) - 1) * min(SHORTLIST, len(stage1))  # less stage 1's setting
         total1, total2 = total1 + n1, total2 + n2
         print(f"{bucket.key}  stage1 {n1}  stage2 <={n2}")
     per_op = ", ".join(f"{op} {sum(b.op == op for b in todo)}" for op in OPS)

@@ -53,9 +53,6 @@ class ExpandConfig:
     pipeline: bool = False  # (tiles of 16+ rows) each step loads its out tile in the loop, as the
     #                         product's accumulator, for the compiler to prefetch num_stages - 1 steps
     #                         ahead through shared memory, instead of one step ahead in registers
-    programs_per_sm: int = 0  # (pipelined, n_steps 1) > 0: this many programs per SM split the batch's
-    #                           (M-tile, column step) units evenly between them, instead of one program per
-    #                           M-tile and n_steps columns, whose last wave may leave most SMs idle
 
 
 Config = ShrinkConfig | ExpandConfig

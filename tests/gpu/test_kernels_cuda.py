@@ -214,19 +214,6 @@ def test_pipelined_expand_steps_compute_the_reference():
     _check_configs(configs, rank_class_stack(torch.float32), *RANK_CLASS_BATCH)  # each rank class
 
 
-def test_balanced_expand_grids_compute_the_reference():
-    """Expand on balanced grids in bf16: wgmma (64 rows) and mma (16 rows) tiles, at each prefetch depth,
-    with one program an SM (each program many units) and four (some programs without any)."""
-    from kernels.tune import PIPELINE_STAGES
-    from kernels.tuning import ExpandConfig
-    from tests.unit.kernels.test_lora_triton import RANK_CLASS_BATCH, rank_class_stack
-    configs = [("expand", ExpandConfig(m, n, 1, warps, stages, pipeline=True, programs_per_sm=k))
-               for m, n, warps in [(64, 64, 4), (16, 32, 8), (32, 128, 8)]
-               for stages in PIPELINE_STAGES for k in (1, 4)]
-    _check_configs(configs)
-    _check_configs(configs, rank_class_stack(torch.float32), *RANK_CLASS_BATCH)  # each rank class
-
-
 def _check_configs(configs: list[tuple[str, object]], stack: LoRAStack | None = None,
                    seg_lens: Sequence[int] = (37, 1, 5, 1, 20, 3, 1),
                    seg_slots: Sequence[int] = (0, 1, 4, NO_SLOT, 1, 0, 2)) -> None:

@@ -17,11 +17,12 @@ import torch
 
 from kernels import triton_lora, tuning
 from kernels.batch import LoRABatch
-from kernels.tune import (BALANCED_PROGRAMS, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PIPELINE_STAGES, PRESETS,
-                          SHORTLIST, STAGES, WARPS, Y_PLANES_CAP, BudgetSpent, CheckFailed, ModelShape, Progress,
-                          Workload, batch_shapes, buckets, copy_bytes, expands_on_heuristic_splits, group_lens, main,
-                          merged_table, model_shape, regrets, rotation_copies, search, segments, shrink_splits,
-                          static_configs, tile_shapes, token_groups, variants, write_table)
+from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PRESETS, STAGES, WARPS,
+                          Y_PLANES_CAP,
+                          BudgetSpent, CheckFailed, ModelShape,
+                          Progress, Workload, batch_shapes, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
+                          expands_on_heuristic_splits, PIPELINE_STAGES, rotation_copies, regrets, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
+                          write_table)
 from kernels.tuning import Bucket, ExpandConfig, ShrinkConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -163,21 +164,13 @@ def test_expand_candidates_respect_their_constraints(bucket):
         assert (c.block_m == 1) <= (bucket.group == 1)  # 1-row tiles only for one-token groups
         assert c.block_n in (32, 64, 128, 256) and c.n_steps in (1, 2, 4, 8)
         assert c.n_steps == 1 or c.block_n * c.n_steps // 2 < max(bucket.out_sizes)  # no all-masked steps
-        if c.programs_per_sm:  # a balanced grid of a tensor-core tile: single pipelined steps
-            assert c.pipeline and c.n_steps == 1 and (c.num_warps, c.num_stages) == (4, PIPELINE_STAGES[1])
-            assert c.programs_per_sm in BALANCED_PROGRAMS and replace(c, num_stages=2, pipeline=False,
-                                                                      programs_per_sm=0) in configs
-        elif c.pipeline:  # the twin of a plain tensor-core shape of several steps
+        if c.pipeline:  # the twin of a plain tensor-core shape of several steps
             assert c.block_m >= 16 and c.n_steps > 1 and (c.num_warps, c.num_stages) == (4, PIPELINE_STAGES[1])
             assert replace(c, num_stages=2, pipeline=False) in configs
         else:
             assert (c.num_warps, c.num_stages) == (4, 2)
     assert (bucket.group == 1) == any(c.block_m == 1 for c in configs)
-    assert any(c.pipeline and not c.programs_per_sm for c in configs) == any(
-        c.block_m >= 16 and c.n_steps > 1 for c in configs)
-    tensor_core_tiles = {(c.block_m, c.block_n) for c in configs if c.block_m >= 16}
-    assert {(c.block_m, c.block_n, c.programs_per_sm) for c in configs if c.programs_per_sm} == {
-        (m, n, k) for m, n in tensor_core_tiles for k in BALANCED_PROGRAMS}
+    assert any(c.pipeline for c in configs) == any(c.block_m >= 16 and c.n_steps > 1 for c in configs)
     if bucket.out_sizes == (48, 16):  # slices this narrow: one step of any block_n covers them
         assert {c.n_steps for c in configs} == {1} and {c.block_m for c in configs} == {16, 32, 64}
 
@@ -192,9 +185,6 @@ def test_variants_cover_warps_and_stages_of_each_shortlisted_shape():
     pipelined = variants("expand", [ExpandConfig(16, 64, 4, 4, 3, pipeline=True)])
     assert {(c.num_warps, c.num_stages, c.pipeline) for c in pipelined} == {
         (w, s, True) for w in (4, 8) for s in PIPELINE_STAGES}
-    balanced = variants("expand", [ExpandConfig(32, 128, 1, 4, 3, pipeline=True, programs_per_sm=2)])
-    assert len(balanced) == len(set(balanced)) and {(c.num_warps, c.num_stages, c.programs_per_sm) for c in balanced} == {
-        (w, s, k) for w in (4, 8) for s in PIPELINE_STAGES for k in BALANCED_PROGRAMS}
 
 
 def fake_seconds(config) -> float:
