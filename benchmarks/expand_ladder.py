@@ -31,7 +31,7 @@ from kernels.batch import LoRABatch
 from kernels.lora_stack import LoRAStack
 from kernels.tuning import ExpandConfig
 
-RUNG_CONFIG = ExpandConfig(32, 128, 4, 4, 3, pipeline=True)  # the H200 table's static expand until 2026-11-22
+RUNG_CONFIG = ExpandConfig(32, 128, 4, 4, 3, pipeline=True)  # the H200 table's static expand (again since 2026-11-22)
 TOKENS = (512, 2048, 4096, 8192)
 
 
