@@ -228,7 +228,7 @@ class Atmm:
         triton_lora.lora_expand(out, y, self.stack, self.batch, self.configs["expand"])
 
     def dense(self, y: torch.Tensor) -> torch.Tensor:
-        return y.sum(0)[:, 0]  # y: float32 [K splits, tokens, 1 slice, max_rank]
+        return y.float().sum(0)[:, 0]  # y: [K splits, tokens, 1 slice, max_rank] (triton_lora.y_dtype)
 
 
 def slot_rows(batch: LoRABatch) -> dict[int, list[int]]:

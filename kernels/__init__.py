@@ -18,7 +18,7 @@ __all__ = ["NO_SLOT", "LoRABatch", "LoRAStack", "linear", "lora_expand", "lora_s
 
 
 def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
-    """x [num_tokens, in_features] -> y float32 [splits, num_tokens, num_slices, max_rank].
+    """x [num_tokens, in_features] -> y [splits, num_tokens, num_slices, max_rank], float32 or (one plane) x's dtype.
 
     y holds partial sums over in_features (splits >= 1 planes, which lora_expand adds up):
     y.sum(0)[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of segments with a slot

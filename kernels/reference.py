@@ -41,13 +41,14 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
     """out[t, slice s columns] += y.sum(0)[t, s, :r] @ stack.b[slot, :r, slice s columns], in place.
 
     out: [num_tokens, out_features] the base projection's output (any float dtype)
-    y:   float32 [splits, num_tokens, num_slices, max_rank] from lora_shrink: partial sums over K
+    y:   [splits, num_tokens, num_slices, max_rank] from lora_shrink: partial sums over K (float32, or one
+         plane in the stack's dtype)
     Rows of base-only tokens and columns of untargeted slices are left untouched.
     """
     stack.check_expand_args(out, y, batch)
     if not batch.has_lora:
         return
-    y = y.sum(0)
+    y = y.float().sum(0)
     for start, length, slot in zip(batch.seg_starts, batch.seg_lens, batch.seg_slots):
         if slot == NO_SLOT or length == 0:
             continue

@@ -10,16 +10,23 @@ group with a prefix sum over the groups' tile counts (`_find_tile`, one read of 
 int32 metadata), then returns at once when its slice is untargeted or its slot empty.
 
 Shrink may split K over `split_k` programs; each stores its partial product in its own plane of
-y ([split_k, tokens, slices, ranks]) and expand sums the planes in the same load that reads y.
-That needs no zero-filled y (a memset node per call in a graph) and no atomics (results are
+y ([split_k, tokens, slices, ranks], float32) and expand sums the planes in the same load that reads
+y. That needs no zero-filled y (a memset node per call in a graph) and no atomics (results are
 deterministic): decode shrinks went from 3.4-4.4 to 2.1-2.3 us on an H200. The price is paid in
 expand, every program of which loads split_k [BLOCK_M, BLOCK_R] tiles: 32 planes of rank 16
 add ~0.3 us to a 1-row decode tile, while 32 planes of rank 64 for 16-row tiles cost more than
-the split saved; kernels.tune caps the product (PLANE_TILE_CAP).
+the split saved; kernels.tune caps the product (PLANE_TILE_CAP). An unsplit shrink writes its one
+plane in x's dtype (`y_dtype`): the expand's tensor-core tiles round y to it anyway, and half the
+bytes matter to B-stationary expands, which re-read y for every column tile.
 
-Expand's column steps come in two kinds (ExpandConfig.pipeline): each next out tile loaded one step
-ahead into registers, or a loop the compiler pipelines through shared memory, whose programs also
-multiply only the rank tile their adapter needs (`_pipelined_steps`).
+Expand programs come in three kinds. Two walk column steps over one M-tile (ExpandConfig.pipeline):
+each next out tile loaded one step ahead into registers, or a loop the compiler pipelines through
+shared memory, whose programs also multiply only the rank tile their adapter needs
+(`_pipelined_steps`). The third (ExpandConfig.m_steps > 1) is B-stationary: a program holds one
+column tile of B and walks up to m_steps M-tiles of its group (`_stationary_steps`). Column steps
+re-read a [rank, block_n] B tile (from L2) for every M-tile, rank / (2 block_m) times the out bytes;
+past rank 64 that traffic, not HBM, bounds a prefill expand. On an H200, one rank-128 adapter over 8192
+tokens ran 49 us with the best column-step tiles and 42 us B-stationary (bare out += 1: 35 us).
 
 Grids come from host ints only (num_tokens, the batch's capacity, the stack's shape;
 max_group_len only picks the configuration), and every per-step value is read from device
@@ -98,21 +105,26 @@ def _rows_arg(x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
     return x if batch.rows is None else batch.rows  # any tensor: GATHER=False never reads it
 
 
+def y_dtype(split_k: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the y lora_shrink returns: float32 partial sums when K is split, else the model's."""
+    return torch.float32 if split_k > 1 else dtype
+
+
 def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
                 config: ShrinkConfig | None = None, compile_only: bool = False) -> torch.Tensor:
     """y.sum(0)[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of groups using a
-    slot; other entries are unspecified.
+    slot, and zeros past r up to the batch's rank tile (`_block_r`); other entries are unspecified.
 
     x:      [num_tokens, in_features], stack.a's dtype
-    returns y: float32 [split_k, num_tokens, num_slices, max_rank], one partial sum over K a plane
+    returns y: [split_k, num_tokens, num_slices, max_rank] (`y_dtype`), one partial sum over K a plane
     compile_only: compile the kernel for these arguments without launching it (kernels.tune)
     """
     stack.check_shrink_args(x, batch)
     assert x.dtype == stack.a.dtype, (x.dtype, stack.a.dtype)
     cfg = config or tuning.shrink_config(stack, batch)
     assert cfg.block_m >= 1 and cfg.block_k >= 16 and _is_pow2(cfg.split_k), cfg  # expand: tl.arange(split_k)
-    y = torch.empty(cfg.split_k, batch.num_tokens, stack.num_slices, stack.max_rank, dtype=torch.float32,
-                    device=x.device)
+    y = torch.empty(cfg.split_k, batch.num_tokens, stack.num_slices, stack.max_rank,
+                    dtype=y_dtype(cfg.split_k, x.dtype), device=x.device)
     if batch.num_tokens == 0 or batch.capacity == 0:
         return y
     # K range of one split, a multiple of block_k; trailing splits may get an empty range.
@@ -123,7 +135,7 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
     grid = (_m_tile_bound(batch, cfg.block_m), stack.num_slices * cfg.split_k * (block_r // rank_block))
     _launcher(_shrink_kernel, grid, compile_only)(
         x, stack.a, y, stack.ranks, stack.scalings, batch.starts, batch.lens, batch.slots, _rows_arg(x, batch),
-        batch.capacity, stack.in_features, stack.num_slices, cfg.split_k, k_per_split,
+        batch.capacity, stack.in_features, stack.num_slices, cfg.split_k, k_per_split, stack.max_rank,
         x.stride(0), x.stride(1),
         *stack.a.stride(),
         *y.stride(),
@@ -141,7 +153,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
     """out[t, slice s columns] += y.sum(0)[t, s, :r] @ stack.b[slot, :r, slice s columns], in place.
 
     out: [num_tokens, out_features] the base projection's output (any float dtype)
-    y:   float32 [splits, num_tokens, num_slices, max_rank] from lora_shrink (splits a power of 2)
+    y:   [splits, num_tokens, num_slices, max_rank] from lora_shrink (splits a power of 2; `y_dtype`)
     Tiles of >= 16 rows multiply in B's dtype (y is rounded to it, as vLLM does, for 16-bit
     tensor cores), smaller ones in fp32; all accumulate and add to out in fp32. Rows of
     base-only tokens and columns of untargeted slices are never written.
@@ -152,15 +164,17 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         return
     sizes = [hi - lo for lo, hi in zip(stack.out_offsets, stack.out_offsets[1:])]
     cfg = config or tuning.expand_config(stack, batch)
-    assert cfg.block_m >= 1 and cfg.block_n >= 16 and cfg.n_steps >= 1, cfg
-    assert cfg.block_m >= 16 or not cfg.pipeline, cfg  # the pipelined steps accumulate in tl.dot
+    assert cfg.block_m >= 1 and cfg.block_n >= 16 and cfg.n_steps >= 1 and cfg.m_steps >= 1, cfg
+    assert cfg.block_m >= 16 or not (cfg.pipeline or cfg.stationary), cfg  # those steps accumulate in tl.dot
+    assert not cfg.stationary or (cfg.n_steps == 1 and not cfg.pipeline and _is_pow2(cfg.m_steps)), cfg
     # N-tiles (block_n * n_steps columns, one program each) are numbered slice after slice. The
     # kernel always sees 3 slices: missing ones start at the last tile and end at out_features,
     # so no program maps to them.
     tiles = [triton.cdiv(n, cfg.block_n * cfg.n_steps) for n in sizes]
     tile_starts = [sum(tiles[:s]) for s in range(1, MAX_SLICES)]  # first N-tile of slices 1, 2
     ends = [stack.out_offsets[min(s, len(sizes))] for s in range(1, MAX_SLICES + 1)]  # slices 0, 1, 2
-    grid = (_m_tile_bound(batch, cfg.block_m), sum(tiles))
+    tile_rows = cfg.block_m * cfg.m_steps  # a program's M span
+    grid = (_m_tile_bound(batch, tile_rows), sum(tiles))[::-1 if cfg.stationary else 1]
     block_r = _block_r(stack, batch)
     _launcher(_expand_kernel, grid, compile_only)(
         y, stack.b, out, stack.ranks, batch.starts, batch.lens, batch.slots, _rows_arg(out, batch),
@@ -170,10 +184,11 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
         out.stride(0), out.stride(1),
         stack.ranks.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=y.shape[0],
-        GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, cfg.block_m),
+        GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, tile_rows),
         GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(stack.b.dtype),
-        PREFETCH_B=cfg.block_m * block_r <= PREFETCH_B_MAX_TILE and not cfg.pipeline,
-        PIPELINE=cfg.pipeline, STAGES=cfg.num_stages, RANK_CLASSES=_rank_classes(block_r) if cfg.pipeline else 1,
+        PREFETCH_B=cfg.block_m * block_r <= PREFETCH_B_MAX_TILE and not (cfg.pipeline or cfg.stationary),
+        PIPELINE=cfg.pipeline, M_STEPS=cfg.m_steps, STAGES=cfg.num_stages,
+        RANK_CLASSES=_rank_classes(block_r) if cfg.pipeline or cfg.stationary else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(out.device),
     )
 
@@ -182,15 +197,24 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
 def _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
                BLOCK_M: tl.constexpr, GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
                GATHER: tl.constexpr):
-    """(slot, token rows [BLOCK_M] int64, row mask) of this program's M-tile; slot -1: nothing to do.
+    """(slot, token rows [BLOCK_M] int64, row mask) of this program's M-tile; slot -1: nothing to do."""
+    slot, pos_begin, pos_end = _find_span(tl.program_id(0), starts_ptr, lens_ptr, slots_ptr, num_groups, BLOCK_M,
+                                          GROUP_BLOCK, ONE_TILE)
+    rows, m_mask = _tile_rows(rows_ptr, slot, pos_begin, pos_end, BLOCK_M, GATHER)
+    return slot, rows, m_mask
 
-    program_id(0) counts the M-tiles of groups with a slot, group after group. Example,
-    BLOCK_M 16, starts (0, 20, 25), lens (20, 5, 3), slots (4, NO_SLOT, 1): tiles (2, 0, 1);
+
+@triton.jit
+def _find_span(pid, starts_ptr, lens_ptr, slots_ptr, num_groups, TILE_ROWS: tl.constexpr, GROUP_BLOCK: tl.constexpr,
+               ONE_TILE: tl.constexpr):
+    """(slot, first position, end position) of M-tile `pid`, of up to TILE_ROWS positions; slot -1: nothing to do.
+
+    The M axis of the grid counts the M-tiles of groups with a slot, group after group. Example,
+    TILE_ROWS 16, starts (0, 20, 25), lens (20, 5, 3), slots (4, NO_SLOT, 1): tiles (2, 0, 1);
     program 1 -> slot 4, positions 16..19; program 2 -> slot 1, positions 25..27; program 3 -> -1.
     All from one read of the batch metadata: before its weights a program waits only on it (and
-    on the row order when gathering). With ONE_TILE (no group longer than BLOCK_M) tile i is group i.
+    on the row order when gathering). With ONE_TILE (no group longer than TILE_ROWS) tile i is group i.
     """
-    pid = tl.program_id(0)
     if ONE_TILE:
         pos_begin = tl.load(starts_ptr + pid)
         pos_end = pos_begin + tl.load(lens_ptr + pid)
@@ -201,19 +225,26 @@ def _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
         starts = tl.load(starts_ptr + offs, mask=valid, other=0)
         lens = tl.load(lens_ptr + offs, mask=valid, other=0)
         slots = tl.load(slots_ptr + offs, mask=valid, other=-1)
-        tiles = tl.where(slots >= 0, (lens + BLOCK_M - 1) // BLOCK_M, 0)  # [GROUP_BLOCK]
+        tiles = tl.where(slots >= 0, (lens + TILE_ROWS - 1) // TILE_ROWS, 0)  # [GROUP_BLOCK]
         ends = tl.cumsum(tiles, axis=0)
         mine = (ends - tiles <= pid) & (pid < ends)  # one-hot: the group holding tile pid, if any
         slot = tl.sum(tl.where(mine, slots + 1, 0), axis=0) - 1
-        pos_begin = tl.sum(tl.where(mine, starts + (pid - ends + tiles) * BLOCK_M, 0), axis=0)
-        pos_end = tl.sum(tl.where(mine, starts + lens, 0), axis=0)
+        pos_begin = tl.sum(tl.where(mine, starts + (pid - ends + tiles) * TILE_ROWS, 0), axis=0)
+        pos_end = tl.sum(tl.where(mine, tl.minimum(starts + lens, starts + (pid - ends + tiles + 1) * TILE_ROWS), 0),
+                         axis=0)
+    return slot, pos_begin, pos_end
+
+
+@triton.jit
+def _tile_rows(rows_ptr, slot, pos_begin, pos_end, BLOCK_M: tl.constexpr, GATHER: tl.constexpr):
+    """(token rows [BLOCK_M] int64, row mask) of positions pos_begin.. (< pos_end) of a group."""
     pos = pos_begin + tl.arange(0, BLOCK_M)
     m_mask = pos < pos_end
     if GATHER:
         rows = tl.load(rows_ptr + pos, mask=m_mask & (slot >= 0), other=0)
     else:
         rows = pos
-    return slot, rows.to(tl.int64), m_mask
+    return rows.to(tl.int64), m_mask
 
 
 @triton.jit
@@ -238,7 +269,7 @@ _PER_STEP = dict(do_not_specialize=["num_groups", "stride_y_split"],
 @triton.jit(**_PER_STEP)
 def _shrink_kernel(
     x_ptr, a_ptr, y_ptr, ranks_ptr, scalings_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
-    num_groups, in_features, num_slices, split_k, k_per_split,
+    num_groups, in_features, num_slices, split_k, k_per_split, y_ranks,
     stride_xm, stride_xk,
     stride_a_slot, stride_a_slice, stride_a_rank, stride_ak,
     stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
@@ -268,7 +299,15 @@ def _shrink_kernel(
     if ONE_STEP:  # a split's K range is one step: its whole A tile is read before the wait
         a = tl.load(a_ptrs, mask=r_mask[None, :] & (offs_k < in_features)[:, None], other=0.0)
     pdl.wait_for_inputs(PDL)
-    if r_begin >= rank:  # no tile, or ranks past this adapter's own
+    # y's columns of this rank block (y_ranks: a host int, so stores stay vectorized); past the adapter's
+    # rank they get zeros (its A rows are masked), which B-stationary expands read unmasked.
+    y_ptrs = (y_ptr + split * stride_y_split + rows[:, None] * stride_ym + slice_idx * stride_y_slice
+              + offs_r[None, :] * stride_y_rank)
+    y_mask = m_mask[:, None] & (offs_r < y_ranks)[None, :]
+    if rank == 0:  # no tile, or an untargeted slice
+        return
+    if r_begin >= rank:  # ranks past this adapter's own
+        tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=y_ptr.dtype.element_ty), mask=y_mask)
         return
     scaling = tl.load(scalings_ptr + slot)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
@@ -286,9 +325,7 @@ def _shrink_kernel(
             a_ptrs += BLOCK_K * stride_ak
     pdl.start_dependents(PDL)
     # Every split stores its plane, an empty K range too (zeros): expand sums all planes.
-    y_ptrs = (y_ptr + split * stride_y_split + rows[:, None] * stride_ym + slice_idx * stride_y_slice
-              + offs_r[None, :] * stride_y_rank)
-    tl.store(y_ptrs, acc * scaling, mask=m_mask[:, None] & r_mask[None, :])
+    tl.store(y_ptrs, (acc * scaling).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit(**_PER_STEP)
@@ -301,16 +338,24 @@ def _expand_kernel(
     stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PREFETCH_B: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, RANK_CLASSES: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH_B: tl.constexpr, PIPELINE: tl.constexpr, M_STEPS: tl.constexpr, STAGES: tl.constexpr,
+    RANK_CLASSES: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Before the wait: what no kernel of the step writes (batch metadata, ranks, small tiles' first B tile),
-    # so that it is in flight while the previous kernel drains. y and out come after it.
-    # grid: (M-tile, N-tile); N-tiles run through slice 0, then 1, then 2, and slice s spans
-    # columns [end_{s-1}, end_s) of out (end_{-1} = 0).
-    slot, rows, m_mask = _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
-                                    BLOCK_M, GROUP_BLOCK, ONE_TILE, GATHER)
-    pid_n = tl.program_id(1)
+    # Before the wait: what no kernel of the step writes (batch metadata, ranks, small tiles' first B tile,
+    # B-stationary programs' B tile), so that it is in flight while the previous kernel drains. y and out
+    # come after it.
+    # grid: (M-tile, N-tile), B-stationary (N-tile, M-tile) so that a wave of programs covers a band of rows
+    # across all columns (with M first it took 1.2x longer on an H200); an M-tile spans M_STEPS tiles of BLOCK_M
+    # rows. N-tiles run through slice 0, then 1, then 2, and slice s spans columns [end_{s-1}, end_s) of out
+    # (end_{-1} = 0).
+    if M_STEPS > 1:
+        slot, pos_begin, pos_end = _find_span(tl.program_id(1), starts_ptr, lens_ptr, slots_ptr, num_groups,
+                                              BLOCK_M * M_STEPS, GROUP_BLOCK, ONE_TILE)
+        pid_n = tl.program_id(0)
+    else:
+        slot, rows, m_mask = _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
+                                        BLOCK_M, GROUP_BLOCK, ONE_TILE, GATHER)
+        pid_n = tl.program_id(1)
     in1 = pid_n >= tile_start1
     in2 = pid_n >= tile_start2
     slice_idx = in1.to(tl.int32) + in2.to(tl.int32)
@@ -322,47 +367,53 @@ def _expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     # 0 for the grid's slack past the last tile, an empty slot, or an untargeted slice
     rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx, mask=slot >= 0, other=0)
-    r_mask = offs_r < rank
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
-    if PREFETCH_B:  # [BLOCK_R, BLOCK_N] tile of stack.b (Bᵀ) of the first step
-        b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
-    pdl.wait_for_inputs(PDL)
-    if PIPELINE:  # plain column steps: the compiler's pipeliner streams out and B tiles through shared memory
-        if rank == 0:  # out is never written
-            return
-        pdl.start_dependents(PDL)
-        _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
-                         n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                         stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES, SPLIT, DOT_PRECISION,
-                         STAGES)
+    if M_STEPS > 1:
+        _stationary_steps(y_ptr, b_ptr, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank, offs_n,
+                          span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot,
+                          stride_b_rank, stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, M_STEPS,
+                          RANK_CLASSES, SPLIT, GATHER, DOT_PRECISION, STAGES, PDL)
     else:
-        # y and the first out tile do not need the rank: they are requested before branching on it
-        # (branching first cost 1 us on 1-32-token expands on an H200).
-        y = _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym, stride_y_slice,
-                    stride_y_rank, SPLIT, BLOCK_M)
-        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-        prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
-        if rank == 0:  # out is never written
-            return
-        y = tl.where(r_mask[None, :], y, 0.0)
-        pdl.start_dependents(PDL)
-        # Column steps, each next out tile (HBM) requested before this one's B tile (L2) and product.
-        if PREFETCH_B:  # the first step, with its B tile
-            nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
-            _add_product(out_ptrs, prev, y, b, m_mask[:, None] & (offs_n < span_end)[None, :], BLOCK_M, DOT_PRECISION)
-            prev = nxt
-            offs_n += BLOCK_N
-            b_ptrs += BLOCK_N * stride_bn
-            out_ptrs += BLOCK_N * stride_on
-        for _ in range(1 if PREFETCH_B else 0, n_steps):
-            n_mask = offs_n < span_end
-            nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
-            b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            _add_product(out_ptrs, prev, y, b, m_mask[:, None] & n_mask[None, :], BLOCK_M, DOT_PRECISION)
-            prev = nxt
-            offs_n += BLOCK_N
-            b_ptrs += BLOCK_N * stride_bn
-            out_ptrs += BLOCK_N * stride_on
+        r_mask = offs_r < rank
+        b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
+        if PREFETCH_B:  # [BLOCK_R, BLOCK_N] tile of stack.b (Bᵀ) of the first step
+            b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
+        pdl.wait_for_inputs(PDL)
+        if PIPELINE:  # plain column steps: the compiler's pipeliner streams out and B tiles through shared memory
+            if rank == 0:  # out is never written
+                return
+            pdl.start_dependents(PDL)
+            _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
+                             n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                             stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES, SPLIT, DOT_PRECISION,
+                             STAGES)
+        else:
+            # y and the first out tile do not need the rank: they are requested before branching on it
+            # (branching first cost 1 us on 1-32-token expands on an H200).
+            y = _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym, stride_y_slice,
+                        stride_y_rank, SPLIT, BLOCK_M)
+            out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+            prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
+            if rank == 0:  # out is never written
+                return
+            y = tl.where(r_mask[None, :], y, 0.0)
+            pdl.start_dependents(PDL)
+            # Column steps, each next out tile (HBM) requested before this one's B tile (L2) and product.
+            if PREFETCH_B:  # the first step, with its B tile
+                nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
+                _add_product(out_ptrs, prev, y, b, m_mask[:, None] & (offs_n < span_end)[None, :], BLOCK_M, DOT_PRECISION)
+                prev = nxt
+                offs_n += BLOCK_N
+                b_ptrs += BLOCK_N * stride_bn
+                out_ptrs += BLOCK_N * stride_on
+            for _ in range(1 if PREFETCH_B else 0, n_steps):
+                n_mask = offs_n < span_end
+                nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
+                b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+                _add_product(out_ptrs, prev, y, b, m_mask[:, None] & n_mask[None, :], BLOCK_M, DOT_PRECISION)
+                prev = nxt
+                offs_n += BLOCK_N
+                b_ptrs += BLOCK_N * stride_bn
+                out_ptrs += BLOCK_N * stride_on
 
 
 @triton.jit
@@ -412,9 +463,56 @@ def _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, ran
 
 
 @triton.jit
+def _stationary_steps(y_ptr, b_ptr, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank, offs_n,
+                      span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                      stride_bn, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
+                      M_STEPS: tl.constexpr, CLASSES: tl.constexpr, SPLIT: tl.constexpr, GATHER: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """out[positions pos_begin..pos_end of the group, this program's columns] += y @ B[:rank, columns], B's tile
+    read once (before the PDL wait), then M-tile after M-tile, each tile's y and out loads prefetched
+    STAGES - 1 tiles ahead. The rank tile is the narrowest of CLASSES (R, R/2, R/4) holding the adapter's rank,
+    as in `_pipelined_steps`."""
+    if CLASSES > 1 and rank <= R // 2:
+        _stationary_steps(y_ptr, b_ptr, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank, offs_n,
+                          span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot,
+                          stride_b_rank, stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, R // 2, M_STEPS,
+                          CLASSES - 1, SPLIT, GATHER, DOT_PRECISION, STAGES, PDL)
+    else:
+        offs_r = tl.arange(0, R)
+        r_mask = offs_r < rank
+        n_mask = offs_n < span_end
+        b = tl.load(b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank
+                    + offs_n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        steps = tl.arange(0, M_STEPS)[:, None]
+        if GATHER:  # every step's rows at once: loads in the loop whose address came from a load there (the
+            #         rows) were not prefetched, and such expands ran 1.4x slower on an H200
+            pos_all = pos_begin + steps * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [M_STEPS, BLOCK_M]
+            rows_all = tl.load(rows_ptr + pos_all, mask=(pos_all < pos_end) & (slot >= 0), other=0)
+        pdl.wait_for_inputs(PDL)
+        if rank > 0:  # else out is never written
+            pdl.start_dependents(PDL)
+            for step in tl.range(0, M_STEPS, num_stages=STAGES):  # tiles past pos_end: all masked
+                pos = pos_begin + step * BLOCK_M + tl.arange(0, BLOCK_M)
+                m_mask = pos < pos_end
+                if GATHER:  # this step's row of rows_all (a register tensor cannot be indexed)
+                    rows = tl.sum(tl.where(steps == step, rows_all, 0), axis=0).to(tl.int64)
+                else:
+                    rows = pos.to(tl.int64)
+                # Not masked by the rank: lora_shrink wrote zeros there (a masked load or a select cost 1.1x
+                # on an H200: the tile then passes through registers instead of straight to the product).
+                y = _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym,
+                            stride_y_slice, stride_y_rank, SPLIT, BLOCK_M)
+                out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+                mask = m_mask[:, None] & n_mask[None, :]
+                prev = tl.load(out_ptrs, mask=mask, other=0.0)
+                acc = _matmul(y, b, prev.to(tl.float32), BLOCK_M, DOT_PRECISION)
+                tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
             SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """y[rows, slice, offs_r] summed over its planes, fp32; columns past the stack's padded rank read as 0
+    """y[rows, slice, offs_r] summed over its planes (`_sum_of_planes`); columns past the stack's padded rank read as 0
     (a host int: the loads stay vectorized), those past the adapter's own rank are the caller's to mask."""
     y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
     y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]
@@ -423,11 +521,13 @@ def _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, st
 
 @triton.jit
 def _sum_of_planes(y_ptrs, y_mask, stride_y_split, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The sum of y's SPLIT planes at `y_ptrs` (plane 0), as an fp32 [BLOCK_M, ranks] tile. Tiles of 16+
-    rows load plane after plane (independent loads, all in flight at once): one [SPLIT, BLOCK_M, ranks]
-    load holds SPLIT times the registers. A 1-row tile loads all planes at once: loaded one by one, 32
-    planes made a decode expand 4-7x slower on an H200."""
-    if BLOCK_M == 1:
+    """The sum of y's SPLIT planes at `y_ptrs` (plane 0), as a [BLOCK_M, ranks] tile: float32, or y's own
+    dtype when it has one plane. Tiles of 16+ rows load plane after plane (independent loads, all in flight
+    at once): one [SPLIT, BLOCK_M, ranks] load holds SPLIT times the registers. A 1-row tile loads all
+    planes at once: loaded one by one, 32 planes made a decode expand 4-7x slower on an H200."""
+    if SPLIT == 1:
+        y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    elif BLOCK_M == 1:
         offs_s = tl.arange(0, SPLIT)[:, None, None] * stride_y_split
         y = tl.sum(tl.load(y_ptrs[None, :, :] + offs_s, mask=y_mask[None, :, :], other=0.0), axis=0)
     else:

@@ -60,6 +60,8 @@ STAGES = {"shrink": (2, 3, 4), "expand": (1, 2)}
 PIPELINE_STAGES = (2, 3, 4)  # expand's pipelined steps: prefetch depth + 1; stage 1 times the middle one
 SHRINK_BLOCK_M, SHRINK_BLOCK_K, SPLIT_K = (16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16, 32)
 EXPAND_BLOCK_M, BLOCK_N, N_STEPS = (1, 16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8)
+# B-stationary expand tiles (ExpandConfig.m_steps), for groups of STATIONARY_MIN_GROUP tokens and up
+STATIONARY_TILES, M_STEPS, STATIONARY_MIN_GROUP = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128)), (2, 4, 8), 128
 RANK_BLOCKS, RANK_BLOCKS_FMA, SHRINK_BLOCK_K_FMA = (16, 32), (2, 4, 8, 16), (128, 256, 512)
 Y_PLANES_CAP = 64 * 2**20  # bytes of shrink's partial-sum planes (split_k of them) one call may write
 PROGRAMS = (33, 4224)  # shrink's split-K keeps the programs between ~1/4 and ~32 per SM of an H100/H200
@@ -289,19 +291,24 @@ def tile_shapes(bucket: Bucket) -> list[Config]:
     widest = max(bucket.out_sizes)
     # 1-row tiles (CUDA-core multiply-sum) only for one-token groups. n_steps stops at the first
     # count whose span covers the widest slice: more steps would all be masked.
-    # Tensor-core tiles taking several steps are also timed with pipelined steps.
+    # Tensor-core tiles taking several steps are also timed with pipelined steps. Groups of hundreds of
+    # tokens also try B-stationary programs spanning M_STEPS tiles of the group.
     rows = (1, 16) if bucket.group == 1 else _row_tiles(EXPAND_BLOCK_M[1:], bucket.group)
     shapes = [ExpandConfig(m, n, steps, warps, stages)
               for m in rows for n in BLOCK_N if (n >= 64 or bucket.group == 1) and m * n <= 2 * MAX_TILE
               for steps in N_STEPS if steps == 1 or n * steps // 2 < widest]
+    # (4 warps hold a 64 x 256 accumulator in 128 registers a thread: those tiles start at 8 warps.)
+    stationary = [ExpandConfig(m, n, 1, 8 if m * n >= MAX_TILE else warps, PIPELINE_STAGES[1], m_steps=k)
+                  for m, n in STATIONARY_TILES for k in M_STEPS if bucket.group >= max(STATIONARY_MIN_GROUP, m * k)]
     return shapes + [replace(c, num_stages=PIPELINE_STAGES[1], pipeline=True) for c in shapes
-                     if c.block_m >= 16 and c.n_steps > 1]
+                     if c.block_m >= 16 and c.n_steps > 1] + stationary
 
 
 def variants(op: str, best: Iterable[Config]) -> list[Config]:
     """Stage 2: each shortlisted shape over every num_warps x num_stages."""
     def stages(config: Config) -> tuple[int, ...]:
-        return PIPELINE_STAGES if isinstance(config, ExpandConfig) and config.pipeline else STAGES[op]
+        pipelined = isinstance(config, ExpandConfig) and (config.pipeline or config.stationary)
+        return PIPELINE_STAGES if pipelined else STAGES[op]
     return [replace(c, num_warps=w, num_stages=s) for c in best for w in WARPS for s in stages(c)]
 
 
@@ -368,7 +375,7 @@ def copy_bytes(bucket: Bucket, elem_size: int, splits: int = 1) -> tuple[int, in
     """(bytes one call moves, bytes one input copy allocates: its activations and its stack slots)."""
     t, k, r, n = bucket.tokens, bucket.in_features, bucket.block_r, sum(bucket.out_sizes)
     slices, groups = len(bucket.out_sizes), max(len(shape.lens) for shape in batch_shapes(bucket))
-    y = splits * t * slices * r * 4  # float32 planes
+    y = splits * t * slices * r * (4 if splits > 1 else elem_size)  # float32 planes, or one (triton_lora.y_dtype)
     a, b = groups * slices * r * k * elem_size, groups * n * r * elem_size
     if bucket.op == "shrink":  # reads x and A, writes y
         return t * k * elem_size + a + y, t * k * elem_size + a + b
@@ -406,7 +413,7 @@ class Workload:
     bucket: Bucket
     stack: LoRAStack             # [copies * groups] slots, groups: the most of any shape
     batches: list[LoRABatch]     # copy c: shape c % shapes' segments, group i on slot c * groups + i
-    inputs: list[torch.Tensor]   # shrink: x [T, in_features]; expand: y float32 [splits, T, slices, block_r]
+    inputs: list[torch.Tensor]   # shrink: x [T, in_features]; expand: y [splits, T, slices, block_r] (y_dtype)
     outs: list[torch.Tensor]     # expand: out [T, out_features]; shrink: none
 
     @staticmethod
@@ -431,7 +438,7 @@ class Workload:
         if bucket.op == "shrink":
             inputs, outs = [new(t, bucket.in_features, dtype=dtype) for _ in batches], []
         else:
-            inputs = [new(splits, t, slices, bucket.block_r, dtype=torch.float32) for _ in batches]
+            inputs = [new(splits, t, slices, bucket.block_r, dtype=triton_lora.y_dtype(splits, dtype)) for _ in batches]
             outs = [new(t, out_features, dtype=dtype) for _ in batches]
         work = Workload(bucket, stack, batches, inputs, outs)
         assert all(tuning.bucket_of(bucket.op, stack, b) == bucket for b in batches), bucket  # lookup finds it

@@ -53,6 +53,12 @@ class ExpandConfig:
     pipeline: bool = False  # (tiles of 16+ rows) each step loads its out tile in the loop, as the
     #                         product's accumulator, for the compiler to prefetch num_stages - 1 steps
     #                         ahead through shared memory, instead of one step ahead in registers
+    m_steps: int = 1  # > 1: B-stationary (tiles of 16+ rows, n_steps 1): a program holds one column tile
+    #                   of B and walks up to m_steps M-tiles of its group, each pipelined as above
+
+    @property
+    def stationary(self) -> bool:
+        return self.m_steps > 1
 
 
 Config = ShrinkConfig | ExpandConfig

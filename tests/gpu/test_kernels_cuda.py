@@ -214,11 +214,26 @@ def test_pipelined_expand_steps_compute_the_reference():
     _check_configs(configs, rank_class_stack(torch.float32), *RANK_CLASS_BATCH)  # each rank class
 
 
+def test_stationary_expand_steps_compute_the_reference():
+    """B-stationary expands in bf16: every tile the tuner tries, each M span, on y as float32 planes
+    and as one bf16 plane, on groups of several programs each (300 and 221 tokens) and in each rank class."""
+    from kernels.tune import M_STEPS, PIPELINE_STAGES, STATIONARY_TILES
+    from kernels.tuning import ExpandConfig, ShrinkConfig
+    from tests.unit.kernels.test_lora_triton import RANK_CLASS_BATCH, rank_class_stack
+    configs = [("expand", ExpandConfig(m, n, 1, 8 if m * n >= 16384 else 4, stages, m_steps=k))
+               for m, n in STATIONARY_TILES for k in M_STEPS for stages in PIPELINE_STAGES[:2]]
+    long_groups = (300, 1, 5, 1, 200, 3, 1), (0, 1, 4, NO_SLOT, 1, 0, 2)
+    for split in (1, 2):
+        _check_configs(configs, None, *long_groups, shrink_config=ShrinkConfig(64, 64, split, 4, 3))
+    _check_configs(configs, rank_class_stack(torch.float32), *RANK_CLASS_BATCH)
+
+
 def _check_configs(configs: list[tuple[str, object]], stack: LoRAStack | None = None,
                    seg_lens: Sequence[int] = (37, 1, 5, 1, 20, 3, 1),
-                   seg_slots: Sequence[int] = (0, 1, 4, NO_SLOT, 1, 0, 2)) -> None:
+                   seg_slots: Sequence[int] = (0, 1, 4, NO_SLOT, 1, 0, 2), shrink_config: object = None) -> None:
     """Each (op, config) against the float32 reference, by default on a batch that gathers scattered
-    tokens, mixes ranks and slices and leaves a slot out."""
+    tokens, mixes ranks and slices and leaves a slot out. Expands take y from `shrink_config` (None:
+    the table's)."""
     stack = stack or make_stack("qkv", torch.float32)[0]
     cuda_stack = _on_cuda(stack, torch.bfloat16)
     batch = LoRABatch.build(seg_lens, seg_slots, "cuda")
@@ -231,7 +246,7 @@ def _check_configs(configs: list[tuple[str, object]], stack: LoRAStack | None = 
     from kernels import triton_lora
     for op, config in configs:
         actual = out16.cuda()
-        shrink_cfg = config if op == "shrink" else None
+        shrink_cfg = config if op == "shrink" else shrink_config
         y = triton_lora.lora_shrink(x16.cuda(), cuda_stack, batch, shrink_cfg)
         triton_lora.lora_expand(actual, y, cuda_stack, batch, config if op == "expand" else None)
         assert _rel_err(actual.cpu(), expected) < BF16_REL, (op, config)

@@ -1,8 +1,9 @@
 """Triton LoRA kernels (CPU interpreter, see conftest.py) against the torch reference.
 
 Same case grid as test_lora_reference.py. Unused weight storage is NaN (reading it would show),
-y entries expand must not read are NaN, and out entries expand must not touch are -0.0: a kernel
-that reads and writes back even an unchanged value turns them into +0.0.
+y entries expand must not read (past the batch's rank tile, or of untargeted slices) are NaN, and
+out entries expand must not touch are -0.0: a kernel that reads and writes back even an unchanged
+value turns them into +0.0.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ CONFIGS = {  # name -> (shrink config, expand config, loose max_group_len bound,
                   True, (F32, F16)),
     "wide": (ShrinkConfig(block_m=32, block_k=32, split_k=1, num_warps=4, num_stages=2),
              ExpandConfig(block_m=32, block_n=32, n_steps=1, num_warps=4, num_stages=2), False, (F32,)),
+    # B-stationary: 2 M-tiles of 16 rows a program, so a 37-token group takes two programs, the second
+    # one partial; y as 2 float32 planes, then as one plane in the model's dtype.
+    "stationary": (ShrinkConfig(block_m=16, block_k=16, split_k=2, num_warps=4, num_stages=2),
+                   ExpandConfig(block_m=16, block_n=16, n_steps=1, num_warps=4, num_stages=3, m_steps=2), True, (F32,)),
+    "stationary_one_plane": (ShrinkConfig(block_m=16, block_k=32, split_k=1, num_warps=4, num_stages=2),
+                             ExpandConfig(block_m=16, block_n=32, n_steps=1, num_warps=4, num_stages=2, m_steps=2),
+                             False, (F32, F16)),
 }
 GRID = [(config, dtype) for config, (*_, dtypes) in CONFIGS.items() for dtype in dtypes]
 
@@ -50,10 +58,13 @@ def run_and_check(stack, batch, x, out, shrink_cfg=None, expand_cfg=None) -> Non
 
     y = lora_shrink(x, stack, batch, shrink_cfg)
     splits = shrink_cfg.split_k if shrink_cfg else y.shape[0]
-    assert y.dtype == torch.float32 and y.shape == (splits, *y_ref.shape[1:])
-    torch.testing.assert_close(y.sum(0)[y_mask], y_ref[0][y_mask], rtol=tol, atol=tol)
+    assert y.dtype == triton_lora.y_dtype(splits, x.dtype) and y.shape == (splits, *y_ref.shape[1:])
+    torch.testing.assert_close(y.float().sum(0)[y_mask], y_ref[0][y_mask], rtol=tol, atol=tol)
 
-    y_poisoned = torch.where(y_mask, y, float("nan"))  # every plane
+    # Past each adapter's rank, up to the batch's rank tile, y is zero (B-stationary expands read it unmasked).
+    rank_tile = y_mask.any(-1, keepdim=True) & (torch.arange(stack.max_rank) < triton_lora._block_r(stack, batch))
+    assert torch.equal(y[:, rank_tile & ~y_mask], torch.zeros_like(y[:, rank_tile & ~y_mask]))
+    y_poisoned = torch.where(rank_tile, y, float("nan"))  # every plane
     out = torch.where(out_mask, out, -0.0)
     lora_expand(out, y_poisoned, stack, batch, expand_cfg)
     scale = max(out_ref.abs().max().item(), 1.0) if out_ref.numel() else 1.0
@@ -118,14 +129,15 @@ def rank_class_stack(dtype: torch.dtype) -> LoRAStack:
     return stack
 
 
+@pytest.mark.parametrize("config", ["pipelined", "stationary_one_plane"])
 @pytest.mark.parametrize("dtype", [F32, F16])
-def test_pipelined_expand_multiplies_each_adapters_rank_class(dtype):
-    """Pipelined steps multiply each adapter's narrowest rank tile (16, 32, 64 and 64 for ranks 5, 20,
-    33 and 64), with rank padding NaN-poisoned."""
+def test_expand_steps_multiply_each_adapters_rank_class(config, dtype):
+    """Pipelined and B-stationary steps multiply each adapter's narrowest rank tile (16, 32, 64 and 64 for
+    ranks 5, 20, 33 and 64), with rank padding NaN-poisoned."""
     stack = rank_class_stack(dtype)
     batch = LoRABatch.build(*RANK_CLASS_BATCH, "cpu")
     x, out = make_inputs(batch, stack.out_features, dtype)
-    run_and_check(stack, batch, x, out, None, CONFIGS["pipelined"][1])
+    run_and_check(stack, batch, x, out, None, CONFIGS[config][1])
 
 
 def test_expand_adds_into_a_wider_output_dtype():

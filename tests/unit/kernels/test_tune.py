@@ -18,7 +18,7 @@ import torch
 from kernels import triton_lora, tuning
 from kernels.batch import LoRABatch
 from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PRESETS, STAGES, WARPS,
-                          Y_PLANES_CAP,
+                          STATIONARY_MIN_GROUP, Y_PLANES_CAP,
                           BudgetSpent, CheckFailed, ModelShape,
                           Progress, Workload, batch_shapes, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
                           expands_on_heuristic_splits, PIPELINE_STAGES, rotation_copies, regrets, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
@@ -167,9 +167,13 @@ def test_expand_candidates_respect_their_constraints(bucket):
         if c.pipeline:  # the twin of a plain tensor-core shape of several steps
             assert c.block_m >= 16 and c.n_steps > 1 and (c.num_warps, c.num_stages) == (4, PIPELINE_STAGES[1])
             assert replace(c, num_stages=2, pipeline=False) in configs
+        elif c.stationary:  # B-stationary: M spans inside the group, and 8 warps for the widest accumulators
+            assert bucket.group >= max(STATIONARY_MIN_GROUP, c.block_m * c.m_steps) and c.n_steps == 1
+            assert (c.num_warps, c.num_stages) == (8 if c.block_m * c.block_n >= MAX_TILE else 4, PIPELINE_STAGES[1])
         else:
             assert (c.num_warps, c.num_stages) == (4, 2)
     assert (bucket.group == 1) == any(c.block_m == 1 for c in configs)
+    assert (bucket.group >= STATIONARY_MIN_GROUP) == any(c.stationary for c in configs)
     assert any(c.pipeline for c in configs) == any(c.block_m >= 16 and c.n_steps > 1 for c in configs)
     if bucket.out_sizes == (48, 16):  # slices this narrow: one step of any block_n covers them
         assert {c.n_steps for c in configs} == {1} and {c.block_m for c in configs} == {16, 32, 64}
@@ -342,7 +346,8 @@ def test_check_catches_a_broken_kernel(monkeypatch):
 def test_rotation_copies_span_l2_under_the_memory_cap():
     decode = Bucket("shrink", 4096, (4096,), 16, 1, 1)
     moved, allocated = copy_bytes(decode, 2)
-    assert moved == 4096 * 2 + 16 * 4096 * 2 + 16 * 4  # x, A of one slot, y
+    assert moved == 4096 * 2 + 16 * 4096 * 2 + 16 * 2  # x, A of one slot, y (one plane: the model's dtype)
+    assert copy_bytes(decode, 2, splits=4)[0] == 4096 * 2 + 16 * 4096 * 2 + 4 * 16 * 4  # float32 planes
     assert allocated == 4096 * 2 + 16 * 4096 * 2 + 4096 * 16 * 2  # x and the whole slot
     assert rotation_copies(decode, 2, needed=lambda n: 3 * 50 * 2**20 // n + 1) == MAX_COPIES  # capped
     assert rotation_copies(decode, 2, needed=lambda n: 7) == 7  # one batch shape (one-token groups)
