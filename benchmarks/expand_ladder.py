@@ -8,7 +8,10 @@ Rungs (hidden 4096, one adapter, contiguous tokens, out [tokens, hidden] in bf16
            kernel: the bytes of the expand without its y and B)
   product  out += y @ B: y's tile loaded once a program, B's tile each step, the sum on tensor cores
   atmm     kernels.triton_lora.lora_expand with the same tile configuration (batch metadata, masks)
+  stationary  lora_expand with B-stationary programs (STATIONARY_CONFIG: one column tile of B held while
+           walking 8 M-tiles)
   tuned    lora_expand with the table's configuration for the shape
+The lora_expand rungs take y as one bf16 plane, as an unsplit shrink writes it.
 Every rung uses programmatic dependent launch as the expand does. Times are kernel_bench's (one CUDA
 graph over rotating inputs spanning 3x L2); each rung's time is fitted as fixed + per-token cost, and
 reported as a fraction of the roofline: out read and written, y and B once, over the device-to-device
@@ -32,6 +35,8 @@ from kernels.lora_stack import LoRAStack
 from kernels.tuning import ExpandConfig
 
 RUNG_CONFIG = ExpandConfig(32, 128, 4, 4, 3, pipeline=True)  # the H200 table's static expand (again since 2026-11-22)
+STATIONARY_CONFIG = ExpandConfig(64, 128, 1, 4, 3, m_steps=8)
+RUNGS = ("rmw", "product", "atmm", "stationary", "tuned")
 TOKENS = (512, 2048, 4096, 8192)
 
 
@@ -94,7 +99,8 @@ def rung_calls(rung: str, tokens: int, hidden: int, rank: int, device: str) -> l
         return [functools.partial(ladder_rung, outs[c], ys[c, 0, :, 0], stack.b[0], rung == "product", RUNG_CONFIG)
                 for c in range(copies)]
     batch = LoRABatch.build([tokens], [0], device, max_rank=rank)
-    cfg = RUNG_CONFIG if rung == "atmm" else None
+    cfg = {"atmm": RUNG_CONFIG, "stationary": STATIONARY_CONFIG}.get(rung)
+    ys = ys.to(torch.bfloat16)
     return [functools.partial(triton_lora.lora_expand, outs[c], ys[c], stack, batch, cfg) for c in range(copies)]
 
 
@@ -123,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           + f"{'fixed us':>10s}{'marginal frac':>15s}{'vs rmw':>8s}")
     for rank in args.ranks:
         rmw_seconds = None  # the first rung's
-        for rung in ("rmw", "product", "atmm", "tuned"):
+        for rung in RUNGS:
             seconds = [timing.graph_time_s(rung_calls(rung, t, args.hidden, rank, device)) for t in args.tokens]
             fixed, per_token = fit(args.tokens, seconds)
             rmw_seconds = rmw_seconds or seconds
