@@ -35,7 +35,7 @@ from kernels.lora_stack import LoRAStack
 from kernels.tuning import ExpandConfig
 
 RUNG_CONFIG = ExpandConfig(32, 128, 4, 4, 3, pipeline=True)  # the H200 table's static expand (again since 2026-11-22)
-STATIONARY_CONFIG = ExpandConfig(64, 128, 1, 4, 3, m_steps=8)
+STATIONARY_CONFIG = ExpandConfig(64, 256, 1, 8, 3, m_steps=8)
 RUNGS = ("rmw", "product", "atmm", "stationary", "tuned")
 TOKENS = (512, 2048, 4096, 8192)
 

@@ -26,7 +26,8 @@ shared memory, whose programs also multiply only the rank tile their adapter nee
 column tile of B and walks up to m_steps M-tiles of its group (`_stationary_steps`). Column steps
 re-read a [rank, block_n] B tile (from L2) for every M-tile, rank / (2 block_m) times the out bytes;
 past rank 64 that traffic, not HBM, bounds a prefill expand. On an H200, one rank-128 adapter over 8192
-tokens ran 49 us with the best column-step tiles and 42 us B-stationary (bare out += 1: 35 us).
+tokens ran 61 us with the static column-step tiles and 44 us B-stationary (bare out += 1: 36 us;
+benchmarks/expand_ladder.py).
 
 Grids come from host ints only (num_tokens, the batch's capacity, the stack's shape;
 max_group_len only picks the configuration), and every per-step value is read from device
