@@ -375,7 +375,8 @@ def _expand_kernel(
                           RANK_CLASSES, SPLIT, GATHER, DOT_PRECISION, STAGES, PDL)
     else:
         r_mask = offs_r < rank
-        b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
+        b_ptrs = (b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank
+                  + offs_n[None, :] * stride_bn)
         if PREFETCH_B:  # [BLOCK_R, BLOCK_N] tile of stack.b (Bᵀ) of the first step
             b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
         pdl.wait_for_inputs(PDL)
@@ -384,9 +385,9 @@ def _expand_kernel(
                 return
             pdl.start_dependents(PDL)
             _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
-                             n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                             stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES, SPLIT, DOT_PRECISION,
-                             STAGES)
+                             n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot,
+                             stride_b_rank, stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES,
+                             SPLIT, DOT_PRECISION, STAGES)
         else:
             # y and the first out tile do not need the rank: they are requested before branching on it
             # (branching first cost 1 us on 1-32-token expands on an H200).
@@ -401,7 +402,8 @@ def _expand_kernel(
             # Column steps, each next out tile (HBM) requested before this one's B tile (L2) and product.
             if PREFETCH_B:  # the first step, with its B tile
                 nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
-                _add_product(out_ptrs, prev, y, b, m_mask[:, None] & (offs_n < span_end)[None, :], BLOCK_M, DOT_PRECISION)
+                _add_product(out_ptrs, prev, y, b, m_mask[:, None] & (offs_n < span_end)[None, :], BLOCK_M,
+                             DOT_PRECISION)
                 prev = nxt
                 offs_n += BLOCK_N
                 b_ptrs += BLOCK_N * stride_bn

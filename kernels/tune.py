@@ -60,8 +60,9 @@ STAGES = {"shrink": (2, 3, 4), "expand": (1, 2)}
 PIPELINE_STAGES = (2, 3, 4)  # expand's pipelined steps: prefetch depth + 1; stage 1 times the middle one
 SHRINK_BLOCK_M, SHRINK_BLOCK_K, SPLIT_K = (16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16, 32)
 EXPAND_BLOCK_M, BLOCK_N, N_STEPS = (1, 16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 4, 8)
-# B-stationary expand tiles (ExpandConfig.m_steps), for groups of STATIONARY_MIN_GROUP tokens and up
-STATIONARY_TILES, M_STEPS, STATIONARY_MIN_GROUP = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128)), (2, 4, 8), 128
+# B-stationary expand tiles (block_m, block_n), over M_STEPS M-tiles, for groups of STATIONARY_MIN_GROUP tokens and up
+STATIONARY_TILES = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128))
+M_STEPS, STATIONARY_MIN_GROUP = (2, 4, 8), 128
 RANK_BLOCKS, RANK_BLOCKS_FMA, SHRINK_BLOCK_K_FMA = (16, 32), (2, 4, 8, 16), (128, 256, 512)
 Y_PLANES_CAP = 64 * 2**20  # bytes of shrink's partial-sum planes (split_k of them) one call may write
 PROGRAMS = (33, 4224)  # shrink's split-K keeps the programs between ~1/4 and ~32 per SM of an H100/H200
