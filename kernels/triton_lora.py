@@ -175,23 +175,22 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
     tile_starts = [sum(tiles[:s]) for s in range(1, MAX_SLICES)]  # first N-tile of slices 1, 2
     ends = [stack.out_offsets[min(s, len(sizes))] for s in range(1, MAX_SLICES + 1)]  # slices 0, 1, 2
     tile_rows = cfg.block_m * cfg.m_steps  # a program's M span
-    grid = (_m_tile_bound(batch, tile_rows), sum(tiles))[::-1 if cfg.stationary else 1]
+    m_tiles = _m_tile_bound(batch, tile_rows)
     block_r = _block_r(stack, batch)
-    _launcher(_expand_kernel, grid, compile_only)(
-        y, stack.b, out, stack.ranks, batch.starts, batch.lens, batch.slots, _rows_arg(out, batch),
-        batch.capacity, *ends, *tile_starts, cfg.n_steps, stack.max_rank,
-        *y.stride(),
-        *stack.b.stride(),
-        out.stride(0), out.stride(1),
-        stack.ranks.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=y.shape[0],
-        GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, tile_rows),
-        GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(stack.b.dtype),
-        PREFETCH_B=cfg.block_m * block_r <= PREFETCH_B_MAX_TILE and not (cfg.pipeline or cfg.stationary),
-        PIPELINE=cfg.pipeline, M_STEPS=cfg.m_steps, STAGES=cfg.num_stages,
-        RANK_CLASSES=_rank_classes(block_r) if cfg.pipeline or cfg.stationary else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(out.device),
-    )
+    args = (y, stack.b, out, stack.ranks, batch.starts, batch.lens, batch.slots, _rows_arg(out, batch),
+            batch.capacity, *ends, *tile_starts, cfg.n_steps, stack.max_rank,
+            *y.stride(), *stack.b.stride(), out.stride(0), out.stride(1), stack.ranks.stride(0))
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=y.shape[0],
+                  GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=_one_tile_per_group(batch, tile_rows),
+                  GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(stack.b.dtype), STAGES=cfg.num_stages,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(out.device))
+    if cfg.stationary:
+        _launcher(_stationary_kernel, (sum(tiles), m_tiles), compile_only)(
+            *args, M_STEPS=cfg.m_steps, RANK_CLASSES=_rank_classes(block_r), **common)
+    else:
+        _launcher(_expand_kernel, (m_tiles, sum(tiles)), compile_only)(
+            *args, PREFETCH_B=cfg.block_m * block_r <= PREFETCH_B_MAX_TILE and not cfg.pipeline,
+            PIPELINE=cfg.pipeline, RANK_CLASSES=_rank_classes(block_r) if cfg.pipeline else 1, **common)
 
 
 @triton.jit
@@ -339,24 +338,91 @@ def _expand_kernel(
     stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PREFETCH_B: tl.constexpr, PIPELINE: tl.constexpr, M_STEPS: tl.constexpr, STAGES: tl.constexpr,
-    RANK_CLASSES: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_B: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, RANK_CLASSES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # Before the wait: what no kernel of the step writes (batch metadata, ranks, small tiles' first B tile,
-    # B-stationary programs' B tile), so that it is in flight while the previous kernel drains. y and out
-    # come after it.
-    # grid: (M-tile, N-tile), B-stationary (N-tile, M-tile) so that a wave of programs covers a band of rows
-    # across all columns (with M first it took 1.2x longer on an H200); an M-tile spans M_STEPS tiles of BLOCK_M
-    # rows. N-tiles run through slice 0, then 1, then 2, and slice s spans columns [end_{s-1}, end_s) of out
-    # (end_{-1} = 0).
-    if M_STEPS > 1:
-        slot, pos_begin, pos_end = _find_span(tl.program_id(1), starts_ptr, lens_ptr, slots_ptr, num_groups,
-                                              BLOCK_M * M_STEPS, GROUP_BLOCK, ONE_TILE)
-        pid_n = tl.program_id(0)
+    # Before the wait: what no kernel of the step writes (batch metadata, ranks, small tiles' first B tile),
+    # so that it is in flight while the previous kernel drains. y and out come after it.
+    # grid: (M-tile, N-tile)
+    slot, rows, m_mask = _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
+                                    BLOCK_M, GROUP_BLOCK, ONE_TILE, GATHER)
+    slice_idx, offs_n, span_end = _column_span(tl.program_id(1), end0, end1, end2, tile_start1, tile_start2, n_steps,
+                                               BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    # 0 for the grid's slack past the last tile, an empty slot, or an untargeted slice
+    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx, mask=slot >= 0, other=0)
+    r_mask = offs_r < rank
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
+    if PREFETCH_B:  # [BLOCK_R, BLOCK_N] tile of stack.b (Bᵀ) of the first step
+        b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
+    pdl.wait_for_inputs(PDL)
+    if PIPELINE:  # plain column steps: the compiler's pipeliner streams out and B tiles through shared memory
+        if rank == 0:  # out is never written
+            return
+        pdl.start_dependents(PDL)
+        _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
+                         n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                         stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES, SPLIT, DOT_PRECISION,
+                         STAGES)
     else:
-        slot, rows, m_mask = _find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
-                                        BLOCK_M, GROUP_BLOCK, ONE_TILE, GATHER)
-        pid_n = tl.program_id(1)
+        # y and the first out tile do not need the rank: they are requested before branching on it
+        # (branching first cost 1 us on 1-32-token expands on an H200).
+        y = _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym, stride_y_slice,
+                    stride_y_rank, SPLIT, BLOCK_M)
+        out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+        prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
+        if rank == 0:  # out is never written
+            return
+        y = tl.where(r_mask[None, :], y, 0.0)
+        pdl.start_dependents(PDL)
+        # Column steps, each next out tile (HBM) requested before this one's B tile (L2) and product.
+        if PREFETCH_B:  # the first step, with its B tile
+            nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
+            _add_product(out_ptrs, prev, y, b, m_mask[:, None] & (offs_n < span_end)[None, :], BLOCK_M, DOT_PRECISION)
+            prev = nxt
+            offs_n += BLOCK_N
+            b_ptrs += BLOCK_N * stride_bn
+            out_ptrs += BLOCK_N * stride_on
+        for _ in range(1 if PREFETCH_B else 0, n_steps):
+            n_mask = offs_n < span_end
+            nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
+            b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            _add_product(out_ptrs, prev, y, b, m_mask[:, None] & n_mask[None, :], BLOCK_M, DOT_PRECISION)
+            prev = nxt
+            offs_n += BLOCK_N
+            b_ptrs += BLOCK_N * stride_bn
+            out_ptrs += BLOCK_N * stride_on
+
+
+@triton.jit(**_PER_STEP)
+def _stationary_kernel(
+    y_ptr, b_ptr, out_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
+    num_groups, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank,
+    stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
+    stride_b_slot, stride_b_rank, stride_bn,
+    stride_om, stride_on,
+    stride_ranks_slot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
+    GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    M_STEPS: tl.constexpr, STAGES: tl.constexpr, RANK_CLASSES: tl.constexpr, PDL: tl.constexpr,
+):
+    # B-stationary expand (`_stationary_steps`). grid: (N-tile, M-tile of M_STEPS tiles of BLOCK_M rows), so that
+    # a wave of programs covers a band of rows across all columns (M first took 1.02x longer on an H200).
+    slot, pos_begin, pos_end = _find_span(tl.program_id(1), starts_ptr, lens_ptr, slots_ptr, num_groups,
+                                          BLOCK_M * M_STEPS, GROUP_BLOCK, ONE_TILE)
+    slice_idx, offs_n, span_end = _column_span(tl.program_id(0), end0, end1, end2, tile_start1, tile_start2, n_steps,
+                                               BLOCK_N)
+    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx, mask=slot >= 0, other=0)
+    _stationary_steps(y_ptr, b_ptr, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank, offs_n,
+                      span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
+                      stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, M_STEPS, RANK_CLASSES, SPLIT, GATHER,
+                      DOT_PRECISION, STAGES, PDL)
+
+
+@triton.jit
+def _column_span(pid_n, end0, end1, end2, tile_start1, tile_start2, n_steps, BLOCK_N: tl.constexpr):
+    """(slice, first BLOCK_N columns, end column) of N-tile pid_n. N-tiles run through slice 0, then 1, then 2,
+    and slice s spans columns [end_{s-1}, end_s) of out (end_{-1} = 0)."""
     in1 = pid_n >= tile_start1
     in2 = pid_n >= tile_start2
     slice_idx = in1.to(tl.int32) + in2.to(tl.int32)
@@ -364,59 +430,7 @@ def _expand_kernel(
     n_end = tl.where(in2, end2, tl.where(in1, end1, end0))
     span_begin = n_begin + (pid_n - tl.where(in2, tile_start2, tl.where(in1, tile_start1, 0))) * (BLOCK_N * n_steps)
     span_end = tl.minimum(n_end, span_begin + BLOCK_N * n_steps)  # this program's columns
-    offs_n = span_begin + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    # 0 for the grid's slack past the last tile, an empty slot, or an untargeted slice
-    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx, mask=slot >= 0, other=0)
-    if M_STEPS > 1:
-        _stationary_steps(y_ptr, b_ptr, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank, offs_n,
-                          span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot,
-                          stride_b_rank, stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, M_STEPS,
-                          RANK_CLASSES, SPLIT, GATHER, DOT_PRECISION, STAGES, PDL)
-    else:
-        r_mask = offs_r < rank
-        b_ptrs = (b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank
-                  + offs_n[None, :] * stride_bn)
-        if PREFETCH_B:  # [BLOCK_R, BLOCK_N] tile of stack.b (Bᵀ) of the first step
-            b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
-        pdl.wait_for_inputs(PDL)
-        if PIPELINE:  # plain column steps: the compiler's pipeliner streams out and B tiles through shared memory
-            if rank == 0:  # out is never written
-                return
-            pdl.start_dependents(PDL)
-            _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
-                             n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot,
-                             stride_b_rank, stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES,
-                             SPLIT, DOT_PRECISION, STAGES)
-        else:
-            # y and the first out tile do not need the rank: they are requested before branching on it
-            # (branching first cost 1 us on 1-32-token expands on an H200).
-            y = _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym, stride_y_slice,
-                        stride_y_rank, SPLIT, BLOCK_M)
-            out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-            prev = tl.load(out_ptrs, mask=m_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
-            if rank == 0:  # out is never written
-                return
-            y = tl.where(r_mask[None, :], y, 0.0)
-            pdl.start_dependents(PDL)
-            # Column steps, each next out tile (HBM) requested before this one's B tile (L2) and product.
-            if PREFETCH_B:  # the first step, with its B tile
-                nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
-                _add_product(out_ptrs, prev, y, b, m_mask[:, None] & (offs_n < span_end)[None, :], BLOCK_M,
-                             DOT_PRECISION)
-                prev = nxt
-                offs_n += BLOCK_N
-                b_ptrs += BLOCK_N * stride_bn
-                out_ptrs += BLOCK_N * stride_on
-            for _ in range(1 if PREFETCH_B else 0, n_steps):
-                n_mask = offs_n < span_end
-                nxt = _next_out_tile(out_ptrs, offs_n, span_end, m_mask, BLOCK_N, stride_on)
-                b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-                _add_product(out_ptrs, prev, y, b, m_mask[:, None] & n_mask[None, :], BLOCK_M, DOT_PRECISION)
-                prev = nxt
-                offs_n += BLOCK_N
-                b_ptrs += BLOCK_N * stride_bn
-                out_ptrs += BLOCK_N * stride_on
+    return slice_idx, span_begin + tl.arange(0, BLOCK_N), span_end
 
 
 @triton.jit
