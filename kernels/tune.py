@@ -119,20 +119,24 @@ def model_shape(spec: str) -> ModelShape:
         raise ValueError(f"{path} has no {exc.args[0]}") from None
 
 
-def token_groups(tokens: Iterable[int]) -> list[tuple[int, int]]:
-    """(T, G) pairs: G a token point <= T, and at most MAX_GROUPS groups in the representative batch."""
-    return [(t, g) for t in tokens for g in tuning.TOKEN_POINTS if g <= t and len(spread_lens(t, g)) <= MAX_GROUPS]
+def token_groups(tokens: Iterable[int], groups: Iterable[int] = tuning.TOKEN_POINTS) -> list[tuple[int, int]]:
+    """(T, G) pairs: G one of `groups` (token points) <= T, and at most MAX_GROUPS groups in the
+    representative batch."""
+    groups = set(groups)
+    return [(t, g) for t in tokens for g in tuning.TOKEN_POINTS
+            if g in groups and g <= t and len(spread_lens(t, g)) <= MAX_GROUPS]
 
 
 def buckets(models: Sequence[ModelShape], ops: Sequence[str], ranks: Sequence[int],
-            tokens: Sequence[int], names: Sequence[str] = PROJECTIONS, mixed: bool = False) -> list[Bucket]:
+            tokens: Sequence[int], names: Sequence[str] = PROJECTIONS, mixed: bool = False,
+            groups: Sequence[int] = tuning.TOKEN_POINTS) -> list[Bucket]:
     """Every bucket of the models' projections named (shared shapes once): all shrink buckets, then
     all expand buckets (an expand is tuned on the y planes its shrink's tuned split writes).
-    `mixed`: their mixed-rank variants instead (tuning.is_mixed)."""
+    `mixed`: their mixed-rank variants instead (tuning.is_mixed); `groups`: largest-group sizes G kept."""
     projections = dict.fromkeys(shape for name in names for model in models
                                 for shape in [model.projections()[name]])
     return [Bucket(op, k, sizes, r, t, g, mixed) for op in ops for k, sizes in projections for r in ranks
-            for t, g in token_groups(tokens)]
+            for t, g in token_groups(tokens, groups)]
 
 
 def group_lens(bucket: Bucket) -> list[int]:
@@ -204,8 +208,13 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     rounds up to G: a 2048-token prefill of four adapters lands in the same bucket as one of a
     single adapter, and an H200 ran it 1.5x slower on the single adapter's configuration.
 
-    A mixed-rank bucket (tuning.is_mixed) times the spread and random batches on `mixed_ranks` only:
-    its batches are known to mix ranks, which is what lets rank blocks or wider tiles win."""
+    Where several groups of G fit, a last batch holds T / G groups of exactly G tokens: the fewest
+    groups the bucket allows, as decode batches of requests spread evenly over adapters come. The
+    spread and random batches hold 1.6-3x more groups, so more adapter weights per token, and the
+    configurations they chose ran such even batches up to 1.6x slower than the static one on an H200.
+
+    A mixed-rank bucket (tuning.is_mixed) times the spread, random and even batches on `mixed_ranks`
+    only: its batches are known to mix ranks, which is what lets rank blocks or wider tiles win."""
     def ranks(groups: int) -> list[int]:
         return mixed_ranks(bucket.block_r, groups) if bucket.mixed else [bucket.block_r] * groups
 
@@ -223,6 +232,9 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     shapes.append(BatchShape(lens, ranks(len(lens))))
     if not bucket.mixed:  # whether ranks mix is unknown: the same sizes with lower ranks too
         shapes.append(BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))]))
+    if bucket.group < bucket.tokens:
+        even = [bucket.group] * (bucket.tokens // bucket.group)
+        shapes.append(BatchShape(even, ranks(len(even))))
     return shapes
 
 
@@ -710,6 +722,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="rank tiles to tune, of tuning.RANK_POINTS (default: all)")
     parser.add_argument("--tokens", nargs="+", type=int, default=list(tuning.TOKEN_POINTS),
                         help="batch sizes T to tune, of tuning.TOKEN_POINTS (default: all)")
+    parser.add_argument("--groups", nargs="+", type=int, default=list(tuning.TOKEN_POINTS),
+                        help="largest-group sizes G to tune, of tuning.TOKEN_POINTS (default: all)")
     parser.add_argument("--mixed", action="store_true",
                         help="tune the buckets' mixed-rank variants (batches whose mean rank is known to be low)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
@@ -725,8 +739,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not set(args.ranks) <= set(tuning.RANK_POINTS):
         parser.error(f"--ranks must be of tuning.RANK_POINTS {tuning.RANK_POINTS}: lookup rounds to those")
-    if not set(args.tokens) <= set(tuning.TOKEN_POINTS):
-        parser.error(f"--tokens must be of tuning.TOKEN_POINTS {tuning.TOKEN_POINTS}: lookup rounds to those")
+    for name in ("tokens", "groups"):
+        if not set(getattr(args, name)) <= set(tuning.TOKEN_POINTS):
+            parser.error(f"--{name} must be of tuning.TOKEN_POINTS {tuning.TOKEN_POINTS}: lookup rounds to those")
     if args.skip_tuned and not args.merge:
         parser.error("--skip-tuned keeps the table's entries: it needs --merge")
     try:
@@ -740,7 +755,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    todo = buckets(args.models, args.ops, args.ranks, args.tokens, args.projections, args.mixed)
+    todo = buckets(args.models, args.ops, args.ranks, args.tokens, args.projections, args.mixed, args.groups)
     if args.dry_run:  # sizing a continued run needs the table named: without a GPU its name is unknown
         print_plan(untuned(todo, read_table(args.table)) if args.skip_tuned and args.table else todo)
         return 0

@@ -17,7 +17,7 @@ import torch
 
 from kernels import triton_lora, tuning
 from kernels.batch import LoRABatch
-from kernels.tune import (SHORTLIST, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PRESETS, STAGES, WARPS,
+from kernels.tune import (SHORTLIST, BatchShape, MAX_COPIES, MAX_GROUPS, MAX_TILE, MEMORY_CAP, PRESETS, STAGES, WARPS,
                           STATIONARY_MIN_GROUP, Y_PLANES_CAP,
                           BudgetSpent, CheckFailed, ModelShape,
                           Progress, Workload, batch_shapes, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
@@ -61,6 +61,7 @@ def test_token_groups_keep_at_most_max_groups_groups():
     # 8192 tokens in groups of at most 32 take ~400 groups of spread sizes: never one batch.
     assert (8192, 128) in pairs and (8192, 32) not in pairs and (512, 1) not in pairs and (8, 1) in pairs
     assert token_groups([1, 32]) == [(1, 1), (32, 1), (32, 8), (32, 32)]
+    assert token_groups([1, 32, 128], groups=[8, 128]) == [(32, 8), (128, 8), (128, 128)]
 
 
 def test_buckets_cover_each_shape_once():
@@ -112,12 +113,17 @@ def test_random_batch_shape_sums_to_the_tokens_with_the_spread_count_and_unalign
         else:  # the spread batch is one group; the random one has several, the largest just in the bucket
             previous = tuning.TOKEN_POINTS[tuning.TOKEN_POINTS.index(group) - 1]
             assert len(spread) == 1 and rand[0] == max(rand) == previous + 1 and len(rand) >= tokens / (previous + 1)
-        assert len(shapes) == 3 and shapes[2].lens == rand  # the same sizes, ranks equal then mixed
+        assert shapes[2].lens == rand  # the same sizes, ranks equal then mixed
         assert shapes[1].ranks == [16] * len(rand)
         assert shapes[2].ranks[:4] == [16, 8, 4, 2][:len(rand)] and len(shapes[2].ranks) == len(rand)
+        if group < tokens:  # and the fewest groups the bucket allows: every one full
+            assert len(shapes) == 4 and shapes[3] == BatchShape([group] * (tokens // group), [16] * (tokens // group))
+            assert len(shapes[3].lens) < len(spread)
+        else:
+            assert len(shapes) == 3
     # The case that motivated it: 8192 tokens in groups of <= 2048 fill 64-row tiles exactly when
     # spread, not when random.
-    spread, rand, _ = batch_shapes(Bucket("shrink", 64, (32,), 16, 8192, 2048))
+    spread, rand = batch_shapes(Bucket("shrink", 64, (32,), 16, 8192, 2048))[:2]
     assert sum(-(-n // 64) for n in spread.lens) == 128 < sum(-(-n // 64) for n in rand.lens)
 
 
@@ -260,20 +266,21 @@ def test_search_keeps_the_configuration_with_the_least_worst_case_regret_not_the
 @pytest.mark.parametrize("op", ["shrink", "expand"])
 def test_workload_batches_hit_their_bucket_on_disjoint_slots(op):
     bucket = Bucket(op, 64, (32, 16), 16, 32, 8)
-    work = Workload.build(bucket, copies=3, dtype=torch.float32, device="cpu")
-    shapes = batch_shapes(bucket)  # spread 8, 4, 6, 2, 8, 4 of rank 16; random sizes of rank 16, then of ranks 16, 8, 4, 2
+    work = Workload.build(bucket, copies=5, dtype=torch.float32, device="cpu")
+    shapes = batch_shapes(bucket)  # spread 8, 4, 6, 2, 8, 4 of rank 16; random sizes of rank 16, then of ranks 16, 8, 4, 2; 4 x 8
     groups = len(shapes[1].lens)
-    assert len(shapes) == 3 and len(shapes[2].lens) == groups  # 32 - 8 + 1 groups at most: 12
-    assert work.stack.num_slots == 3 * groups and len(work.batches) == 3
+    assert len(shapes) == 4 and len(shapes[2].lens) == groups  # 32 - 8 + 1 groups at most: 12
+    assert shapes[3].lens == [8] * 4  # every group full
+    assert work.stack.num_slots == 5 * groups and len(work.batches) == 5
     slots = [set(b.seg_slots) for b in work.batches]
-    assert [len(s) for s in slots] == [len(shapes[c % 3].lens) for c in range(3)]
+    assert [len(s) for s in slots] == [len(shapes[c % 4].lens) for c in range(5)]
     assert all(min(s) >= c * groups and max(s) < (c + 1) * groups for c, s in enumerate(slots))  # disjoint
     assert all(tuning.bucket_of(op, work.stack, b) == bucket for b in work.batches)
     assert all(b.capacity == groups for b in work.batches)  # one compiled kernel, one grid
     assert [sorted(b.lens.tolist(), reverse=True) for b in work.batches] == [  # copies take the shapes in turn
-        sorted(shapes[c % 3].lens, reverse=True) + [0] * (groups - len(shapes[c % 3].lens)) for c in range(3)]
-    assert work.stack.host_ranks == [[r, r] for c in range(3)
-                                     for r in [*shapes[c % 3].ranks, *[0] * (groups - len(shapes[c % 3].ranks))]]
+        sorted(shapes[c % 4].lens, reverse=True) + [0] * (groups - len(shapes[c % 4].lens)) for c in range(5)]
+    assert work.stack.host_ranks == [[r, r] for c in range(5)
+                                     for r in [*shapes[c % 4].ranks, *[0] * (groups - len(shapes[c % 4].ranks))]]
     assert work.stack.ranks.tolist() == work.stack.host_ranks
 
 
@@ -284,9 +291,9 @@ def test_mixed_rank_buckets_time_only_batches_that_mix_ranks(tokens, group):
     bucket = Bucket("shrink", 64, (32,), 128, tokens, group, mixed=True)
     shapes = batch_shapes(bucket)
     plain = batch_shapes(replace(bucket, mixed=False))
-    assert len(shapes) == (1 if group in (1, tokens) else 2) and len(plain) == (1 if group == 1 else 3)
+    assert len(shapes) == (1 if group in (1, tokens) else 3) and len(plain) == (1 if group == 1 else 3 if group == tokens else 4)
     for shape in shapes:
-        assert len(set(shape.ranks)) == 5 and max(shape.ranks) == 128 and min(shape.ranks) == 8
+        assert len(set(shape.ranks)) == min(5, len(shape.lens)) and max(shape.ranks) == 128 and min(shape.ranks) == 8
         assert shape.mean_rank < tuning.MIXED_MEAN_RANK * 128
         assert shape.lens in [p.lens for p in plain]  # the same group sizes as the unmixed bucket's
     if group < tokens:
@@ -351,11 +358,11 @@ def test_rotation_copies_span_l2_under_the_memory_cap():
     assert allocated == 4096 * 2 + 16 * 4096 * 2 + 4096 * 16 * 2  # x and the whole slot
     assert rotation_copies(decode, 2, needed=lambda n: 3 * 50 * 2**20 // n + 1) == MAX_COPIES  # capped
     assert rotation_copies(decode, 2, needed=lambda n: 7) == 7  # one batch shape (one-token groups)
-    assert rotation_copies(Bucket("shrink", 4096, (4096,), 16, 512, 128), 2, needed=lambda n: 7) == 21  # 3 shapes
+    assert rotation_copies(Bucket("shrink", 4096, (4096,), 16, 512, 128), 2, needed=lambda n: 7) == 28  # 4 shapes
     prefill = Bucket("expand", 18944, (3584,), 128, 8192, 32)  # 256 slots of 128 x (18944 + 3584) each
     copies = rotation_copies(prefill, 2, needed=lambda n: 10**6)
     assert copies == MEMORY_CAP // copy_bytes(prefill, 2)[1] and copies * copy_bytes(prefill, 2)[1] <= MEMORY_CAP
-    assert rotation_copies(prefill, 2, needed=lambda n: 1) == min(3, copies)  # each of its 3 shapes, if it can
+    assert rotation_copies(prefill, 2, needed=lambda n: 1) == min(4, copies)  # each of its 4 shapes, if it can
 
 
 def entry(config, us):
@@ -442,10 +449,15 @@ def test_dry_run_lists_buckets_and_candidate_counts(capsys, tmp_path):
     main(["--model", "llama-7b", "--dry-run", "--ops", "shrink", "--ranks", "16", "--tokens", "1",
           "--skip-tuned", "--table", str(table)])
     assert "n4096+4096+4096|" not in capsys.readouterr().out
+    # --groups keeps the buckets of those largest-group sizes only.
+    main(["--model", "llama-7b", "--dry-run", "--ops", "expand", "--ranks", "64", "--tokens", "8", "32",
+          "--groups", "8", "--projections", "o"])
+    keys = [line.split()[0] for line in capsys.readouterr().out.splitlines()[:-1]]
+    assert keys == ["expand|k4096|n4096|r64|t8|g8", "expand|k4096|n4096|r64|t32|g8"]
 
 
 def test_cli_rejects_untunable_points_and_unknown_models(capsys):
-    for argv in (["--ranks", "32"], ["--tokens", "100"], ["--model", "no-such-model"], ["--no-merge", "--skip-tuned"]):
+    for argv in (["--ranks", "32"], ["--tokens", "100"], ["--groups", "4"], ["--model", "no-such-model"], ["--no-merge", "--skip-tuned"]):
         with pytest.raises(SystemExit) as exc:
             main(["--model", "llama-7b", "--dry-run", *argv])
         assert exc.value.code == 2
