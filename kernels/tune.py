@@ -208,10 +208,14 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     rounds up to G: a 2048-token prefill of four adapters lands in the same bucket as one of a
     single adapter, and an H200 ran it 1.5x slower on the single adapter's configuration.
 
-    Where several groups of G fit, a last batch holds T / G groups of exactly G tokens: the fewest
-    groups the bucket allows, as decode batches of requests spread evenly over adapters come. The
-    spread and random batches hold 1.6-3x more groups, so more adapter weights per token, and the
-    configurations they chose ran such even batches up to 1.6x slower than the static one on an H200.
+    Where several groups of G fit, two even batches bound how many groups the bucket's batches
+    hold (`even_lens`): T / G groups of G tokens, the fewest, and groups of one token more than the
+    token point under G, the most. Decode batches whose requests spread evenly over adapters come
+    so. At a few hundred tokens an expand reads more adapter weights than activations, so its best
+    tiles move with the group count: entries tuned on the spread and random batches alone (1.6-3x
+    T / G groups) ran even batches of T / G groups up to 1.6x slower than the static configuration
+    on an H200, and entries tuned with the fewest-groups batch added but not the most ran 64 groups
+    of 2 tokens 1.3x slower than before.
 
     A mixed-rank bucket (tuning.is_mixed) times the spread, random and even batches on `mixed_ranks`
     only: its batches are known to mix ranks, which is what lets rank blocks or wider tiles win."""
@@ -233,9 +237,17 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     if not bucket.mixed:  # whether ranks mix is unknown: the same sizes with lower ranks too
         shapes.append(BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))]))
     if bucket.group < bucket.tokens:
-        even = [bucket.group] * (bucket.tokens // bucket.group)
-        shapes.append(BatchShape(even, ranks(len(even))))
+        smallest = max(p for p in tuning.TOKEN_POINTS if p < bucket.group) + 1
+        for size in (bucket.group, smallest):
+            lens = even_lens(bucket.tokens, size)
+            shapes.append(BatchShape(lens, ranks(len(lens))))
     return shapes
+
+
+def even_lens(tokens: int, size: int) -> list[int]:
+    """Groups of `size` tokens, the last one what is left, at most MAX_GROUPS (then larger)."""
+    size = max(size, -(-tokens // MAX_GROUPS))
+    return [min(size, tokens - start) for start in range(0, tokens, size)]
 
 
 def segments(lens: Sequence[int]) -> tuple[list[int], list[int]]:

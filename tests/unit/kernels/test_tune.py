@@ -99,6 +99,7 @@ def test_random_batch_shape_sums_to_the_tokens_with_the_spread_count_and_unalign
     for tokens, group in token_groups(tuning.TOKEN_POINTS):
         bucket = Bucket("shrink", 64, (32,), 16, tokens, group)
         shapes = batch_shapes(bucket)
+        previous = tuning.TOKEN_POINTS[tuning.TOKEN_POINTS.index(group) - 1] if group > 1 else 0
         assert shapes[0].lens == group_lens(bucket) and set(shapes[0].ranks) == {16}
         assert batch_shapes(bucket) == shapes  # deterministic
         if group == 1:  # nothing to vary: one-token groups
@@ -111,14 +112,16 @@ def test_random_batch_shape_sums_to_the_tokens_with_the_spread_count_and_unalign
             assert rand[0] == max(rand) == group
             assert len(spread) <= len(rand) <= 2 * len(spread)  # more partial tiles
         else:  # the spread batch is one group; the random one has several, the largest just in the bucket
-            previous = tuning.TOKEN_POINTS[tuning.TOKEN_POINTS.index(group) - 1]
             assert len(spread) == 1 and rand[0] == max(rand) == previous + 1 and len(rand) >= tokens / (previous + 1)
         assert shapes[2].lens == rand  # the same sizes, ranks equal then mixed
         assert shapes[1].ranks == [16] * len(rand)
         assert shapes[2].ranks[:4] == [16, 8, 4, 2][:len(rand)] and len(shapes[2].ranks) == len(rand)
-        if group < tokens:  # and the fewest groups the bucket allows: every one full
-            assert len(shapes) == 4 and shapes[3] == BatchShape([group] * (tokens // group), [16] * (tokens // group))
-            assert len(shapes[3].lens) < len(spread)
+        if group < tokens:  # and even batches of the fewest and the most groups the bucket allows
+            assert len(shapes) == 5 and shapes[3] == BatchShape([group] * (tokens // group), [16] * (tokens // group))
+            fewest, most = shapes[3].lens, shapes[4].lens
+            assert len(fewest) < len(spread) and sum(most) == tokens and len(most) <= MAX_GROUPS
+            assert tuning.round_up(max(most), tuning.TOKEN_POINTS) == group and len(set(most[:-1])) == 1
+            assert len(most) == min(MAX_GROUPS, -(-tokens // (previous + 1))) and shapes[4].ranks == [16] * len(most)
         else:
             assert len(shapes) == 3
     # The case that motivated it: 8192 tokens in groups of <= 2048 fill 64-row tiles exactly when
@@ -266,21 +269,21 @@ def test_search_keeps_the_configuration_with_the_least_worst_case_regret_not_the
 @pytest.mark.parametrize("op", ["shrink", "expand"])
 def test_workload_batches_hit_their_bucket_on_disjoint_slots(op):
     bucket = Bucket(op, 64, (32, 16), 16, 32, 8)
-    work = Workload.build(bucket, copies=5, dtype=torch.float32, device="cpu")
-    shapes = batch_shapes(bucket)  # spread 8, 4, 6, 2, 8, 4 of rank 16; random sizes of rank 16, then of ranks 16, 8, 4, 2; 4 x 8
-    groups = len(shapes[1].lens)
-    assert len(shapes) == 4 and len(shapes[2].lens) == groups  # 32 - 8 + 1 groups at most: 12
-    assert shapes[3].lens == [8] * 4  # every group full
-    assert work.stack.num_slots == 5 * groups and len(work.batches) == 5
+    work = Workload.build(bucket, copies=6, dtype=torch.float32, device="cpu")
+    shapes = batch_shapes(bucket)  # spread 8, 4, 6, 2, 8, 4; random sizes twice; 4 x 8; 16 x 2
+    assert len(shapes) == 5 and len(shapes[1].lens) == len(shapes[2].lens) == 12  # 32 - 8 + 1 groups at most
+    assert shapes[3].lens == [8] * 4 and shapes[4].lens == [2] * 16  # even: the fewest groups, the most
+    groups = 16  # slots a copy takes: the most any shape has
+    assert work.stack.num_slots == 6 * groups and len(work.batches) == 6
     slots = [set(b.seg_slots) for b in work.batches]
-    assert [len(s) for s in slots] == [len(shapes[c % 4].lens) for c in range(5)]
+    assert [len(s) for s in slots] == [len(shapes[c % 5].lens) for c in range(6)]
     assert all(min(s) >= c * groups and max(s) < (c + 1) * groups for c, s in enumerate(slots))  # disjoint
     assert all(tuning.bucket_of(op, work.stack, b) == bucket for b in work.batches)
     assert all(b.capacity == groups for b in work.batches)  # one compiled kernel, one grid
     assert [sorted(b.lens.tolist(), reverse=True) for b in work.batches] == [  # copies take the shapes in turn
-        sorted(shapes[c % 4].lens, reverse=True) + [0] * (groups - len(shapes[c % 4].lens)) for c in range(5)]
-    assert work.stack.host_ranks == [[r, r] for c in range(5)
-                                     for r in [*shapes[c % 4].ranks, *[0] * (groups - len(shapes[c % 4].ranks))]]
+        sorted(shapes[c % 5].lens, reverse=True) + [0] * (groups - len(shapes[c % 5].lens)) for c in range(6)]
+    assert work.stack.host_ranks == [[r, r] for c in range(6)
+                                     for r in [*shapes[c % 5].ranks, *[0] * (groups - len(shapes[c % 5].ranks))]]
     assert work.stack.ranks.tolist() == work.stack.host_ranks
 
 
@@ -291,7 +294,7 @@ def test_mixed_rank_buckets_time_only_batches_that_mix_ranks(tokens, group):
     bucket = Bucket("shrink", 64, (32,), 128, tokens, group, mixed=True)
     shapes = batch_shapes(bucket)
     plain = batch_shapes(replace(bucket, mixed=False))
-    assert len(shapes) == (1 if group in (1, tokens) else 3) and len(plain) == (1 if group == 1 else 3 if group == tokens else 4)
+    assert len(shapes) == (1 if group in (1, tokens) else 4) and len(plain) == (1 if group == 1 else 3 if group == tokens else 5)
     for shape in shapes:
         assert len(set(shape.ranks)) == min(5, len(shape.lens)) and max(shape.ranks) == 128 and min(shape.ranks) == 8
         assert shape.mean_rank < tuning.MIXED_MEAN_RANK * 128
@@ -358,11 +361,11 @@ def test_rotation_copies_span_l2_under_the_memory_cap():
     assert allocated == 4096 * 2 + 16 * 4096 * 2 + 4096 * 16 * 2  # x and the whole slot
     assert rotation_copies(decode, 2, needed=lambda n: 3 * 50 * 2**20 // n + 1) == MAX_COPIES  # capped
     assert rotation_copies(decode, 2, needed=lambda n: 7) == 7  # one batch shape (one-token groups)
-    assert rotation_copies(Bucket("shrink", 4096, (4096,), 16, 512, 128), 2, needed=lambda n: 7) == 28  # 4 shapes
+    assert rotation_copies(Bucket("shrink", 4096, (4096,), 16, 512, 128), 2, needed=lambda n: 7) == 35  # 5 shapes
     prefill = Bucket("expand", 18944, (3584,), 128, 8192, 32)  # 256 slots of 128 x (18944 + 3584) each
     copies = rotation_copies(prefill, 2, needed=lambda n: 10**6)
     assert copies == MEMORY_CAP // copy_bytes(prefill, 2)[1] and copies * copy_bytes(prefill, 2)[1] <= MEMORY_CAP
-    assert rotation_copies(prefill, 2, needed=lambda n: 1) == min(4, copies)  # each of its 4 shapes, if it can
+    assert rotation_copies(prefill, 2, needed=lambda n: 1) == min(5, copies)  # each of its 5 shapes, if it can
 
 
 def entry(config, us):
