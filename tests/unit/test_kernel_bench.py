@@ -236,6 +236,18 @@ def test_summary_targets_pass_and_miss():
     assert slower.value == 0 and slower.status == "PASS"
 
 
+def test_pair_speedups_sum_both_ops_of_cases_where_either_config_differs():
+    rows = [
+        _row(8, "shrink", 2e-6, 8e-6, 1, 1), _row(8, "expand", 4e-6, 3e-6, 1, 1),         # (8 + 3) / (2 + 4)
+        _row(32, "shrink", 3e-6, 3e-6, 1, 1, differ=False), _row(32, "expand", 2e-6, 4e-6, 1, 1),  # 7 / 5
+        _row(128, "shrink", 1e-6, 1e-6, 1, 1, differ=False), _row(128, "expand", 1e-6, 2e-6, 1, 1, differ=False),
+        _row(512, "shrink", 1e-6, 9e-6, 1, 1),                                              # no expand: no pair
+    ]
+    assert kb.pair_speedups(rows) == pytest.approx([11 / 6, 7 / 5])
+    assert kb.format_pairs(kb.pair_speedups(rows)).endswith("(2 cases): 1.62")
+    assert kb.format_pairs([]).endswith("(0 cases): -")
+
+
 def test_report_lines_and_json(tmp_path):
     rows = [_row(8, op, 2e-6, 3e-6, 4e-6, 5e-6) for op in kb.OPS]
     targets = kb.summarize(rows, 1e9)
@@ -249,6 +261,7 @@ def test_report_lines_and_json(tmp_path):
     assert payload["rows"][0]["us"]["atmm_tuned"] == pytest.approx(2.0)
     assert payload["rows"][0]["fraction"]["atmm_tuned"] == pytest.approx(0.5)
     assert len(payload["summary"]) == 4 * len(kb.OPS)
+    assert payload["pair_static_over_tuned"] == {"median": pytest.approx(1.5), "cases": 1}  # (3 + 3) / (2 + 2)
 
 
 def test_quick_and_explicit_flags():
