@@ -338,8 +338,7 @@ def variants(op: str, best: Iterable[Config]) -> list[Config]:
 
 
 def search(bucket: Bucket, measure: Callable[[Config], Sequence[float]], deadline: float,
-           on_failure: Callable[[Config, Exception], None],
-           surcharge: Callable[[Config], Sequence[float]] | None = None) -> dict:
+           on_failure: Callable[[Config, Exception], None]) -> dict:
     """The bucket's table entry: the chosen configuration's fields, its mean time over the batch
     shapes ("us", likewise "heuristic_us"), its time on each ("shape_us") and its "regret".
 
@@ -348,10 +347,6 @@ def search(bucket: Bucket, measure: Callable[[Config], Sequence[float]], deadlin
     that shape, is least (`regrets`): one configuration serves every batch of the bucket. A
     configuration `measure` fails on (out of shared memory, ...) is reported and skipped. Raises
     BudgetSpent once time.monotonic() passes `deadline`.
-
-    surcharge(config) -> seconds per shape that choosing `config` costs elsewhere (a shrink's K
-    split: the expand's time on its y planes, `plane_costs`), added to its own for the ranking;
-    the entry then also records the winner's ("surcharge_us").
     """
     heuristic = tuning.heuristic_config(bucket)
     seconds: dict[Config, tuple[float, ...]] = {}
@@ -369,15 +364,9 @@ def search(bucket: Bucket, measure: Callable[[Config], Sequence[float]], deadlin
                 failed.add(config)
                 on_failure(config, exc)
 
-    def costs() -> dict[Config, tuple[float, ...]]:
-        if surcharge is None:
-            return seconds
-        return {c: tuple(a + b for a, b in zip(t, surcharge(c))) for c, t in seconds.items()}
-
     def ranked(configs: Iterable[Config]) -> list[Config]:
-        cost = costs()
-        regret = regrets(cost)
-        return sorted((c for c in configs if c in seconds), key=lambda c: (regret[c], statistics.fmean(cost[c])))
+        regret = regrets(seconds)
+        return sorted((c for c in configs if c in seconds), key=lambda c: (regret[c], statistics.fmean(seconds[c])))
 
     stage1 = tile_shapes(bucket)
     time_all([heuristic, *stage1])
@@ -385,13 +374,10 @@ def search(bucket: Bucket, measure: Callable[[Config], Sequence[float]], deadlin
         raise CheckFailed(f"{bucket.key}: the heuristic {heuristic} could not be timed")
     time_all(variants(bucket.op, ranked(stage1)[:SHORTLIST]))
     winner = ranked(seconds)[0]
-    entry = {**tuning.config_dict(winner), "us": round(statistics.fmean(seconds[winner]) * 1e6, 3),
-             "heuristic_us": round(statistics.fmean(seconds[heuristic]) * 1e6, 3),
-             "regret": round(regrets(costs())[winner], 3),
-             "shape_us": [round(t * 1e6, 3) for t in seconds[winner]]}
-    if surcharge is not None:
-        entry["surcharge_us"] = round(statistics.fmean(surcharge(winner)) * 1e6, 3)
-    return entry
+    return {**tuning.config_dict(winner), "us": round(statistics.fmean(seconds[winner]) * 1e6, 3),
+            "heuristic_us": round(statistics.fmean(seconds[heuristic]) * 1e6, 3),
+            "regret": round(regrets(seconds)[winner], 3),
+            "shape_us": [round(t * 1e6, 3) for t in seconds[winner]]}
 
 
 def regrets(seconds: dict[Config, tuple[float, ...]]) -> dict[Config, float]:
@@ -399,25 +385,6 @@ def regrets(seconds: dict[Config, tuple[float, ...]]) -> dict[Config, float]:
     configuration took on that shape. Example: times (10, 30) and (12, 24) -> regrets 1.25, 1.2."""
     best = [min(times) for times in zip(*seconds.values())]
     return {config: max(t / b for t, b in zip(times, best)) for config, times in seconds.items()}
-
-
-def plane_costs(bucket: Bucket, splits: Iterable[int], table: dict, dtype: torch.dtype,
-                device: torch.device | str) -> dict[int, tuple[float, ...]]:
-    """Per K split of a shrink bucket: the seconds per batch shape that the expand of the same
-    shape takes on the y planes that split writes (one plane in the model's dtype when unsplit,
-    else float32 planes), on the expand configuration the table gives it now. A shrink ranked on
-    its own time splits K wherever that pays for the shrink alone; the expand then sums the planes
-    on every y tile: on an H200 the static expand configuration ran 16 groups of 32 tokens
-    (rank 64, 512 tokens) in 6.9 µs on one bf16 plane and in 10.2 µs on four float32 planes."""
-    expand = replace(bucket, op="expand")
-    config = tuning.lookup(expand, table)
-    elem_size = torch.empty((), dtype=dtype).element_size()
-    costs = {}
-    for s in sorted(set(splits)):
-        work = Workload.build(expand, rotation_copies(expand, elem_size, s), dtype, device, splits=s)
-        costs[s] = work.seconds(config)
-        del work
-    return costs
 
 
 def shrink_splits(bucket: Bucket, old: dict | None, new: dict[str, dict]) -> int:
@@ -687,15 +654,7 @@ def tune(args: argparse.Namespace, todo: list[Bucket], command: str) -> int:
         work = Workload.build(bucket, rotation_copies(bucket, elem_size, splits), dtype, device, splits=splits)
         try:
             work.check(tuning.heuristic_config(bucket))  # a broken kernel is never tuned
-            surcharge = None
-            if bucket.op == "shrink" and args.pair:
-                candidates = [tuning.heuristic_config(bucket), *tile_shapes(bucket)]  # stage 2 keeps their splits
-                table = {"configs": {**(old or {}).get("configs", {}), **new}}
-                planes = plane_costs(bucket, [c.split_k for c in candidates], table, dtype, device)
-
-                def surcharge(config: ShrinkConfig) -> tuple[float, ...]:
-                    return planes[config.split_k]
-            new[bucket.key] = search(bucket, work.seconds, deadline, on_failure, surcharge)
+            new[bucket.key] = search(bucket, work.seconds, deadline, on_failure)
         except CheckFailed as exc:
             broken.append(bucket.key)
             progress.note(f"NOT TUNED {exc}")
@@ -780,9 +739,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--mixed", action="store_true",
                         help="tune the buckets' mixed-rank variants (batches whose mean rank is known to be low)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    parser.add_argument("--pair", action=argparse.BooleanOptionalAction, default=True,
-                        help="rank shrink configurations by their time plus the expand's on their y planes "
-                             "(default: on)")
     parser.add_argument("--merge", action=argparse.BooleanOptionalAction, default=True,
                         help="keep the table's entries of other buckets (default: on)")
     parser.add_argument("--skip-tuned", action="store_true", help="leave buckets the table has alone")

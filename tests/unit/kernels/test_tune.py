@@ -21,7 +21,7 @@ from kernels.tune import (SHORTLIST, BatchShape, MAX_COPIES, MAX_GROUPS, MAX_TIL
                           STATIONARY_MIN_GROUP, Y_PLANES_CAP,
                           BudgetSpent, CheckFailed, ModelShape,
                           Progress, Workload, batch_shapes, buckets, copy_bytes, group_lens, main, merged_table, model_shape,
-                          expands_on_heuristic_splits, PIPELINE_STAGES, plane_costs, rotation_copies, regrets, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
+                          expands_on_heuristic_splits, PIPELINE_STAGES, rotation_copies, regrets, search, segments, shrink_splits, static_configs, tile_shapes, token_groups, variants,
                           write_table)
 from kernels.tuning import Bucket, ExpandConfig, ShrinkConfig
 
@@ -264,42 +264,6 @@ def test_search_keeps_the_configuration_with_the_least_worst_case_regret_not_the
     assert tuning.config_from("shrink", entry) == robust
     assert entry["regret"] == 1.2 and entry["us"] == round(8.4 * 1e6, 3) and entry["heuristic_us"] == 30e6
     assert entry["shape_us"] == [12e6, 4.8e6]
-
-
-def test_search_ranks_shrinks_by_their_time_plus_the_expands_on_their_planes():
-    # The shrink gains 0.01 s a split; the expand pays 0.05 s a plane past one.
-    bucket = Bucket("shrink", 4096, (4096,), 64, 8, 1)
-    splits = {c.split_k for c in tile_shapes(bucket)}
-    assert len(splits) > 1
-
-    def own(config):
-        return (1.0 - 0.01 * config.split_k,)
-
-    on_its_own = search(bucket, own, math.inf, lambda c, e: None)
-    paired = search(bucket, own, math.inf, lambda c, e: None, surcharge=lambda c: (0.05 * (c.split_k - 1),))
-    assert on_its_own["split_k"] == max(splits) and "surcharge_us" not in on_its_own
-    assert paired["split_k"] == 1 == min(splits) and paired["surcharge_us"] == 0
-    assert paired["us"] == round(0.99 * 1e6, 3) and paired["regret"] == 1.0  # its own time recorded
-
-
-def test_plane_costs_time_the_tables_expand_on_each_splits_planes(monkeypatch):
-    bucket = Bucket("shrink", 64, (32, 16), 16, 32, 8)
-    expand = replace(bucket, op="expand")
-    chosen = ExpandConfig(16, 64, 2, 4, 2)
-    timed = []
-
-    def seconds(work, config):  # y: [splits, T, slices, r], float32 planes past one
-        timed.append((config, work.inputs[0].shape[0], work.inputs[0].dtype))
-        return (1.0 * work.inputs[0].shape[0],)
-
-    monkeypatch.setattr(Workload, "seconds", seconds)
-    monkeypatch.setattr("kernels.tune.rotation_copies", lambda *args, **kwargs: 2)  # sizes L2 on a GPU
-    costs = plane_costs(bucket, [4, 1, 4, 2], {"configs": {expand.key: tuning.config_dict(chosen)}},
-                        torch.float16, "cpu")
-    assert costs == {1: (1.0,), 2: (2.0,), 4: (4.0,)}
-    assert timed == [(chosen, 1, torch.float16), (chosen, 2, torch.float32), (chosen, 4, torch.float32)]
-    assert plane_costs(bucket, [1], {"configs": {}}, torch.float16, "cpu") == {1: (1.0,)}
-    assert timed[-1][0] == tuning.heuristic_config(expand)  # no entry: the heuristic's
 
 
 @pytest.mark.parametrize("op", ["shrink", "expand"])
