@@ -212,10 +212,10 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     hold (`even_lens`): T / G groups of G tokens, the fewest, and groups of one token more than the
     token point under G, the most. Decode batches whose requests spread evenly over adapters come
     so. At a few hundred tokens an expand reads more adapter weights than activations, so its best
-    tiles move with the group count: entries tuned on the spread and random batches alone (1.6-3x
-    T / G groups) ran even batches of T / G groups up to 1.6x slower than the static configuration
-    on an H200, and entries tuned with the fewest-groups batch added but not the most ran 64 groups
-    of 2 tokens 1.3x slower than before.
+    tiles move with the group count. On an H200, entries tuned on the spread and random batches
+    alone (1.6-3x T / G groups; by earlier kernels too) ran the kernel benchmark's even decode
+    batches up to 1.6x slower than the static configuration, and entries tuned with the
+    fewest-groups batch added but not the most ran 64 groups of 2 tokens 1.3x slower than before.
 
     A mixed-rank bucket (tuning.is_mixed) times the spread, random and even batches on `mixed_ranks`
     only: its batches are known to mix ranks, which is what lets rank blocks or wider tiles win."""
