@@ -227,25 +227,24 @@ def batch_shapes(bucket: Bucket) -> list[BatchShape]:
     shapes = [BatchShape(spread, ranks(len(spread)))] if len(spread) > 1 or not bucket.mixed else []
     if bucket.group == 1:  # one-token groups: nothing to vary
         return shapes
+    smallest = max(p for p in tuning.TOKEN_POINTS if p < bucket.group) + 1  # the least largest group of G
     if bucket.group < bucket.tokens:
         largest, count = bucket.group, 2 * len(spread)
     else:
-        largest = max(p for p in tuning.TOKEN_POINTS if p < bucket.group) + 1
-        count = len(spread_lens(bucket.tokens, largest))
+        largest, count = smallest, len(spread_lens(bucket.tokens, smallest))
     lens = random_lens(bucket.tokens, largest, min(count, MAX_GROUPS, bucket.tokens - largest + 1))
     shapes.append(BatchShape(lens, ranks(len(lens))))
     if not bucket.mixed:  # whether ranks mix is unknown: the same sizes with lower ranks too
         shapes.append(BatchShape(lens, [max(1, bucket.block_r >> (g % 4)) for g in range(len(lens))]))
     if bucket.group < bucket.tokens:
-        smallest = max(p for p in tuning.TOKEN_POINTS if p < bucket.group) + 1
         for size in (bucket.group, smallest):
-            lens = even_lens(bucket.tokens, size)
-            shapes.append(BatchShape(lens, ranks(len(lens))))
+            even = even_lens(bucket.tokens, size)
+            shapes.append(BatchShape(even, ranks(len(even))))
     return shapes
 
 
 def even_lens(tokens: int, size: int) -> list[int]:
-    """Groups of `size` tokens, the last one what is left, at most MAX_GROUPS (then larger)."""
+    """Groups of `size` tokens, the last one what is left; larger ones if that makes over MAX_GROUPS."""
     size = max(size, -(-tokens // MAX_GROUPS))
     return [min(size, tokens - start) for start in range(0, tokens, size)]
 
