@@ -217,10 +217,10 @@ def test_pipelined_expand_steps_compute_the_reference():
 def test_stationary_expand_steps_compute_the_reference():
     """B-stationary expands in bf16: every tile the tuner tries, each M span, on y as float32 planes
     and as one bf16 plane, on groups of several programs each (300 and 221 tokens) and in each rank class."""
-    from kernels.tune import M_STEPS, PIPELINE_STAGES, STATIONARY_TILES
+    from kernels.tune import MAX_TILE, M_STEPS, PIPELINE_STAGES, STATIONARY_TILES
     from kernels.tuning import ExpandConfig, ShrinkConfig
     from tests.unit.kernels.test_lora_triton import RANK_CLASS_BATCH, rank_class_stack
-    configs = [("expand", ExpandConfig(m, n, 1, 8 if m * n >= 16384 else 4, stages, m_steps=k))
+    configs = [("expand", ExpandConfig(m, n, 1, 8 if m * n >= MAX_TILE else 4, stages, m_steps=k))  # as tile_shapes
                for m, n in STATIONARY_TILES for k in M_STEPS for stages in PIPELINE_STAGES[:2]]
     long_groups = (300, 1, 5, 1, 200, 3, 1), (0, 1, 4, NO_SLOT, 1, 0, 2)
     for split in (1, 2):
