@@ -82,6 +82,19 @@ class Bucket:
         mixed = "|mixed" if self.mixed else ""
         return f"{self.op}|k{self.in_features}|n{out}|r{self.block_r}|t{self.tokens}|g{self.group}{mixed}"
 
+    @staticmethod
+    def from_key(key: str) -> Bucket:
+        """The bucket whose `key` is `key` (a table's entry name)."""
+        try:
+            op, k, n, r, t, g, *mixed = key.split("|")
+            bucket = Bucket(op, int(k.removeprefix("k")), tuple(int(size) for size in n.removeprefix("n").split("+")),
+                            int(r.removeprefix("r")), int(t.removeprefix("t")), int(g.removeprefix("g")), bool(mixed))
+        except ValueError:
+            bucket = None
+        if bucket is None or op not in CONFIG_TYPES or bucket.key != key:
+            raise ValueError(f"not a bucket key: {key!r}")
+        return bucket
+
 
 def round_up(value: int, points: tuple[int, ...]) -> int:
     """The smallest point >= value (the last one past the end)."""

@@ -36,6 +36,20 @@ def test_bucket_of_rounds_shape_rank_tokens_and_group():
     assert tuning.bucket_of("shrink", stack(), batch([5], [NO_SLOT])).group == 1
 
 
+@pytest.mark.parametrize("bucket", [Bucket("shrink", 4096, (4096, 1024, 1024), 64, 32, 1),
+                                    Bucket("expand", 3584, (18944, 18944), 128, 8192, 512, mixed=True)])
+def test_a_key_names_its_bucket(bucket):
+    assert Bucket.from_key(bucket.key) == bucket
+
+
+@pytest.mark.parametrize("key", ["shrink|k4096|n4096|r64|t32", "merge|k4096|n4096|r64|t32|g1",
+                                 "expand|k4096|nfoo|r64|t32|g1", "expand|k4096|n4096|r64|t32|g1|mixd",
+                                 "expand|4096|n4096|r64|t32|g1"])
+def test_a_malformed_key_is_refused(key):
+    with pytest.raises(ValueError, match="not a bucket key"):
+        Bucket.from_key(key)
+
+
 def test_lookup_prefers_the_table_and_falls_back_to_the_heuristic():
     bucket = Bucket("shrink", 4096, (4096,), 64, 32, 1)
     tuned = ShrinkConfig(block_m=16, block_k=256, split_k=16, num_warps=8, num_stages=4)
