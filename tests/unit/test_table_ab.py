@@ -24,7 +24,7 @@ def test_shapes_differ_when_either_op_or_only_one_table_has_an_entry():
 
 def test_the_pair_ratio_sums_both_ops_of_each_table(monkeypatch: pytest.MonkeyPatch):
     old, new = {"configs": {}}, {"configs": {"x": 1}}
-    seconds = {("shrink", 0): 4e-6, ("expand", 0): 6e-6, ("shrink", 1): 3e-6, ("expand", 1): 2e-6}
+    seconds = {("shrink", False): 4e-6, ("expand", False): 6e-6, ("shrink", True): 3e-6, ("expand", True): 2e-6}
     asked = []
 
     def fake(bucket: Bucket, table: dict) -> float:
