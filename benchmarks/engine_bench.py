@@ -169,7 +169,8 @@ def decode_step_seconds(parts: EngineParts, seqs: list[Sequence], steps: int) ->
         run_step(parts, seqs, [1] * len(seqs))
     times = []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        if parts.model.lm_head.weight.is_cuda:
+            torch.cuda.synchronize()
         started = time.perf_counter()
         run_step(parts, seqs, [1] * len(seqs))  # sampling syncs: the tokens are on the host
         times.append(time.perf_counter() - started)

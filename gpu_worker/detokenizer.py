@@ -12,14 +12,27 @@ last prompt tokens so tokenizers that drop a leading space decode the first outp
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PROMPT_CONTEXT_TOKENS = 5
 
 
+def ids_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
+    """ids -> text without special tokens and without clean-up. For a fast tokenizer that keeps
+    transformers' own decoding, that is the Rust tokenizer's decode called directly: the same text
+    at a fifth of the cost (transformers' wrapper converts and checks its arguments at every call,
+    and the engine decodes twice a token)."""
+    if type(tokenizer)._decode is PreTrainedTokenizerFast._decode:
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
-        self._tokenizer = tokenizer
+        self._decode_ids = ids_decoder(tokenizer)
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -77,4 +90,4 @@ class IncrementalDetokenizer:
         return best
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._decode_ids(ids)

@@ -61,6 +61,7 @@ class Sequence:
         # reaches an image token, dropped once every image token is cached (remade after preemption).
         self.image_features: torch.Tensor | None = None
         self.output_token_ids: list[int] = []
+        self._decoded = 0                   # leading output tokens the detokenizer has seen
         self.params = params
         self.adapter = adapter
         self.detokenizer = detokenizer
@@ -111,9 +112,19 @@ class Sequence:
         return list(range(start, end)) if mrope is None else mrope.positions_in(start, end)
 
     def append(self, token_id: int, eos_token_id: int | None) -> None:
+        """Add a sampled token and decide whether the request finishes. Its text waits for
+        `decode_text` unless stop strings need it now: the engine decodes while the device runs the
+        next step."""
         self.output_token_ids.append(token_id)
-        self.detokenizer.append(token_id)
+        if self.params.stop:
+            self.decode_text()
         if token_id == eos_token_id or token_id in self.params.stop_token_ids or self.detokenizer.stopped:
             self.finish_reason = FinishReason.STOP
         elif len(self.output_token_ids) >= self.params.max_tokens:
             self.finish_reason = FinishReason.LENGTH
+
+    def decode_text(self) -> None:
+        """Feed the detokenizer the output tokens it has not seen yet."""
+        for token_id in self.output_token_ids[self._decoded:]:
+            self.detokenizer.append(token_id)
+        self._decoded = len(self.output_token_ids)

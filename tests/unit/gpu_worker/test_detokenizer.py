@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
-from gpu_worker.detokenizer import IncrementalDetokenizer
+from gpu_worker.detokenizer import IncrementalDetokenizer, ids_decoder
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +59,25 @@ def test_generation_ending_inside_a_character_flushes_like_decode(tokenizer):
         streamed += detok.take_delta(final=True)
         expected = tokenizer.decode(ids[:cut], skip_special_tokens=True)
         assert detok.text == streamed == expected
+
+
+def test_direct_decoding_gives_transformers_text(tokenizer):
+    """The Rust tokenizer called directly decodes as tokenizer.decode does (special tokens skipped, no
+    clean-up), on random ids that include special tokens and bytes of split characters."""
+    rng = random.Random(0)
+    decode = ids_decoder(tokenizer)
+    ids = list(range(len(tokenizer)))
+    for _ in range(200):
+        sample = [rng.choice(ids) for _ in range(rng.randint(1, 12))]
+        assert decode(sample) == tokenizer.decode(sample, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_tokenizer_with_its_own_decoding_keeps_it(tokenizer):
+    class Shouting(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs) -> str:
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    ids = tokenizer("quiet words", add_special_tokens=False)["input_ids"]
+    assert ids_decoder(shouting)(ids) == "QUIET WORDS"

@@ -1,0 +1,171 @@
+"""What the engine's own loop adds to a decode step: scheduling, incremental detokenization, streaming
+each token to the caller's asyncio loop, stats. One device, one run.
+
+For each batch size and adapter case it measures, on one model:
+  - bare step: engine_bench's `run_step` (grow blocks, forward, sample, append the token ids), the
+    median wall clock of a decode step: the device's work and the least host work a step needs;
+  - engine loop: the same batch submitted as requests to a running Engine (its thread; outputs drained
+    by an asyncio loop in this thread, as the gRPC servicer does), the median time between the ends of
+    two consecutive decode steps that ran the whole batch (StepRecord);
+and prints loop / bare, and the host time the loop adds a step and a sequence.
+
+On CUDA the model is 7B-shaped (engine_bench's Llama-2-7B config, random bf16 weights, CUDA graphs on),
+with the locally trained demo tokenizer (its vocabulary replaces Llama-2's 32000, so that every sampled
+id decodes). On CPU it is a tiny Llama of the same tokenizer (float32): there the step is host work too.
+
+    python3 benchmarks/engine_loop_bench.py [--batches 1 8 32] [--new-tokens 48] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, PreTrainedTokenizerBase
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench import LLAMA2_7B, RANK, TARGETS, decode_step_seconds, new_sequences, prefill, release  # noqa: E402
+
+from gpu_worker.builder import EngineParts, assemble_parts  # noqa: E402
+from gpu_worker.engine import Engine, GenerationRequest, StepRecord  # noqa: E402
+from gpu_worker.lora.loader import AdapterRef  # noqa: E402
+from gpu_worker.models.random_weights import random_llama  # noqa: E402
+from gpu_worker.profile import random_adapters  # noqa: E402
+from gpu_worker.sequence import SamplingParams  # noqa: E402
+from services.config import WorkerConfig  # noqa: E402
+from services.demo_assets import build_tokenizer  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=4096, rms_norm_eps=1e-5)
+BASE_MODEL = "bench"
+PROMPT_TOKENS = 128
+PROMPT_WORDS = "the engine schedules every request on its adapter and streams each token as it comes".split()
+CASES = ("a_base", "c_own_adapters")  # engine_bench's names: no adapter; each request its own rank-64 adapter
+
+
+@dataclass(frozen=True)
+class LoopRow:
+    batch: int
+    case: str
+    bare_ms: float         # run_step's median decode step
+    loop_ms: float         # median time between consecutive full-batch decode steps of the running engine
+    loop_steps: int        # how many such step pairs were timed
+
+    @property
+    def host_ms(self) -> float:
+        """What the loop adds to a step."""
+        return self.loop_ms - self.bare_ms
+
+    def line(self) -> str:
+        return (f"batch {self.batch:3d} {self.case:15s} bare {self.bare_ms:7.3f} ms  loop {self.loop_ms:7.3f} ms  "
+                f"loop/bare {self.loop_ms / self.bare_ms:5.3f}  host +{self.host_ms:6.3f} ms a step, "
+                f"{self.host_ms / self.batch * 1e3:6.1f} us a sequence  ({self.loop_steps} steps)")
+
+
+def adapter_names(case: str, batch: int) -> list[str | None]:
+    return [None] if case == "a_base" else [f"own-{i}" for i in range(batch)]
+
+
+def build(device: torch.device, max_batch: int, tokenizer: PreTrainedTokenizerBase) -> EngineParts:
+    shape = LLAMA2_7B if device.type == "cuda" else TINY
+    config = LlamaConfig(**{**shape, "vocab_size": len(tokenizer)})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_llama(config, device=device, dtype=dtype)
+    worker = WorkerConfig(device=str(device), dtype=str(dtype).removeprefix("torch."), base_model=BASE_MODEL,
+                          max_num_seqs=max_batch, max_batch_tokens=max(2048, max_batch * PROMPT_TOKENS),
+                          adapter_slots=max_batch, max_lora_rank=RANK, lora_targets=TARGETS,
+                          kv_cache_tokens=max_batch * 512 + 64, enable_prefix_caching=False)
+    return assemble_parts(model, worker, Path("/nonexistent"), load=random_adapters(config, TARGETS, device, dtype))
+
+
+def prompt_text(i: int) -> str:
+    """A distinct prompt of about PROMPT_TOKENS tokens (the demo tokenizer's words run 1-3 tokens)."""
+    return f"request {i}: " + " ".join(PROMPT_WORDS[(i + k) % len(PROMPT_WORDS)] for k in range(PROMPT_TOKENS // 2))
+
+
+def bare_step_ms(parts: EngineParts, batch: int, case: str, steps: int) -> float:
+    gen = torch.Generator().manual_seed(batch)
+    seqs = new_sequences(parts, batch, PROMPT_TOKENS, adapter_names(case, batch), gen)
+    prefill(parts, seqs, parts.scheduler.limits.max_batch_tokens)
+    seconds = decode_step_seconds(parts, seqs, steps)
+    release(parts, seqs)
+    return seconds * 1e3
+
+
+def loop_step_ms(engine: Engine, records: list[tuple[float, StepRecord]], batch: int, case: str,
+                 new_tokens: int) -> tuple[float, int]:
+    """Runs `batch` requests of `new_tokens` through the engine; (median full-batch step period, steps timed)."""
+    names = adapter_names(case, batch)
+    records.clear()
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        handles = []
+        for i in range(batch):
+            name = names[i % len(names)]
+            adapter = AdapterRef(name, BASE_MODEL, RANK, "", "") if name else None
+            request = GenerationRequest(f"{case}-{batch}-{i}", prompt_text(i), SamplingParams(max_tokens=new_tokens),
+                                        adapter)
+            handles.append(engine.submit(request, loop))
+
+        async def drain(handle) -> None:
+            async for _ in handle:
+                pass
+        await asyncio.gather(*map(drain, handles))
+
+    asyncio.run(run())
+    periods = [later - earlier for (earlier, a), (later, b) in zip(records, records[1:])
+               if a.num_prefills == b.num_prefills == 0 and len(a.request_ids) == len(b.request_ids) == batch]
+    periods = periods[2:]  # the first steps after the prefill settle allocations
+    return statistics.median(periods) * 1e3, len(periods)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--cases", choices=CASES, nargs="+", default=list(CASES))
+    parser.add_argument("--new-tokens", type=int, default=48, help="tokens each request generates in the loop")
+    parser.add_argument("--steps", type=int, default=30, help="timed bare steps")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = run(torch.device(args.device), args.batches, args.cases, args.new_tokens, args.steps)
+    if args.json:
+        args.json.write_text(json.dumps([{**vars(row), "host_ms": row.host_ms} for row in rows], indent=1))
+
+
+def run(device: torch.device, batches: list[int], cases: list[str], new_tokens: int, steps: int) -> list[LoopRow]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"device: {name}; torch {torch.__version__}; prompt {PROMPT_TOKENS} tokens, {new_tokens} new", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = build_tokenizer(Path(tmp) / "tokenizer")
+    tokenizer.eos_token = None  # requests run to max_tokens, as engine_bench's do, whatever random weights sample
+    parts = build(device, max(batches), tokenizer)
+    bare = {(b, c): bare_step_ms(parts, b, c, steps) for b in batches for c in cases}
+    records: list[tuple[float, StepRecord]] = []
+    engine = Engine(base_model=BASE_MODEL, runner=parts.runner, scheduler=parts.scheduler, adapters=parts.adapters,
+                    tokenizer=tokenizer, max_context=parts.model.max_context, max_lora_rank=RANK,
+                    on_step=lambda record: records.append((time.perf_counter(), record)))
+    engine.start()
+    rows = []
+    try:
+        for b in batches:
+            for c in cases:
+                loop_ms, timed = loop_step_ms(engine, records, b, c, new_tokens)
+                rows.append(LoopRow(b, c, bare[(b, c)], loop_ms, timed))
+                print(rows[-1].line(), flush=True)
+    finally:
+        engine.stop()
+    return rows
+
+
+if __name__ == "__main__":
+    main()
