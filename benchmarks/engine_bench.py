@@ -30,8 +30,9 @@ import torch
 from transformers import LlamaConfig
 
 from gpu_worker.builder import EngineParts, assemble_parts
-from gpu_worker.lora.loader import AdapterRef, LoRAWeights
+from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
+from gpu_worker.profile import random_adapters
 from gpu_worker.sampler import sample
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
@@ -91,22 +92,6 @@ def matmul_flops() -> float:
 
 
 # --- Tessera ----------------------------------------------------------------------------------
-
-def random_adapter(config: LlamaConfig) -> Callable[[AdapterRef], LoRAWeights]:
-    """A loader that makes a random rank-64 q,k,v,o adapter (bf16 on the GPU) for any name."""
-    head_dim = config.hidden_size // config.num_attention_heads
-    out = {"q_proj": config.num_attention_heads * head_dim, "k_proj": config.num_key_value_heads * head_dim,
-           "v_proj": config.num_key_value_heads * head_dim, "o_proj": config.hidden_size}
-    inp = {"q_proj": config.hidden_size, "k_proj": config.hidden_size, "v_proj": config.hidden_size,
-           "o_proj": config.num_attention_heads * head_dim}
-
-    def load(ref: AdapterRef) -> LoRAWeights:
-        modules = {(layer, t): (torch.randn(RANK, inp[t], device="cuda", dtype=torch.bfloat16) * 0.01,
-                                torch.randn(out[t], RANK, device="cuda", dtype=torch.bfloat16) * 0.01)
-                   for layer in range(config.num_hidden_layers) for t in TARGETS}
-        return LoRAWeights(ref.name, RANK, 2.0, modules)
-    return load
-
 
 def adapter_bytes(config: LlamaConfig) -> int:
     """One rank-64 q,k,v,o adapter at its true size, bf16."""
@@ -191,7 +176,8 @@ def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_fl
                           adapter_slots=max_batch, max_lora_rank=RANK, lora_targets=TARGETS,
                           kv_cache_tokens=max(max_batch * 256, 4 * PREFILL_LEN + 64))
     started = time.perf_counter()
-    parts = assemble_parts(model, worker, Path("/nonexistent"), load=random_adapter(config))
+    load = random_adapters(config, TARGETS, torch.device("cuda"), torch.bfloat16)
+    parts = assemble_parts(model, worker, Path("/nonexistent"), load=load)
     print(f"engine ready in {time.perf_counter() - started:.1f} s (CUDA graphs captured)", flush=True)
     base_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     one_adapter = adapter_bytes(config)

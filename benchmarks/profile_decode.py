@@ -18,11 +18,12 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench import (DECODE_CONTEXT, LLAMA2_7B, RANK, TARGETS, cuda_time_s, decode_step_seconds,  # noqa: E402
-                          new_sequences, prefill, random_adapter)
+                          new_sequences, prefill)
 from transformers import LlamaConfig  # noqa: E402
 
 from gpu_worker.builder import assemble_parts  # noqa: E402
 from gpu_worker.models.random_weights import random_llama  # noqa: E402
+from gpu_worker.profile import random_adapters  # noqa: E402
 from gpu_worker.cuda_graphs import lora_mode  # noqa: E402
 from gpu_worker.step_inputs import build_step_inputs  # noqa: E402
 from gpu_worker.scheduler import ScheduledSeq  # noqa: E402
@@ -42,7 +43,8 @@ def main() -> None:
     worker = WorkerConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch), max_batch_tokens=8192,
                           adapter_slots=max(args.batch), max_lora_rank=RANK, lora_targets=TARGETS,
                           kv_cache_tokens=max(args.batch) * 256 + 64)
-    parts = assemble_parts(model, worker, Path("/nonexistent"), load=random_adapter(config))
+    load = random_adapters(config, TARGETS, torch.device("cuda"), torch.bfloat16)
+    parts = assemble_parts(model, worker, Path("/nonexistent"), load=load)
     graphs = parts.runner.graphs
     gen = torch.Generator().manual_seed(0)
     for batch in args.batch:

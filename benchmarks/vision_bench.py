@@ -37,7 +37,7 @@ import json
 import math
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -56,10 +56,11 @@ from benchmarks.engine_bench import LLAMA2_7B, RANK, TARGETS, Report
 from gpu_worker.builder import assemble_parts
 from gpu_worker.device_kind import device_name
 from gpu_worker.engine import Engine, EngineStats, GenerationRequest, RequestHandle
-from gpu_worker.lora.loader import AdapterRef, LoRAWeights
+from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.families import ServedModel
 from gpu_worker.models.llama import resolve_dtype
 from gpu_worker.models.llava import LlavaImageEncoder
+from gpu_worker.profile import random_adapters
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.prompts import ChatMessage, ImagePart
 from gpu_worker.sequence import SamplingParams
@@ -134,22 +135,6 @@ def random_llava(config: LlavaConfig, device: torch.device, dtype: torch.dtype) 
     return ServedModel(language, encoder.to(dtype).eval(), LLAVA_LAYOUT)
 
 
-def random_adapter(config: LlamaConfig, rank: int, device: torch.device,
-                   dtype: torch.dtype) -> Callable[[AdapterRef], LoRAWeights]:
-    """A loader that makes a random q,k,v,o adapter of `rank` on the device for any name."""
-    head_dim = config.hidden_size // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    in_out = {"q_proj": (config.hidden_size, q), "k_proj": (config.hidden_size, kv),
-              "v_proj": (config.hidden_size, kv), "o_proj": (q, config.hidden_size)}
-
-    def load(ref: AdapterRef) -> LoRAWeights:
-        modules = {(layer, t): (torch.randn(rank, n_in, device=device, dtype=dtype) * 0.01,
-                                torch.randn(n_out, rank, device=device, dtype=dtype) * 0.01)
-                   for layer in range(config.num_hidden_layers) for t, (n_in, n_out) in in_out.items()}
-        return LoRAWeights(ref.name, rank, 2.0, modules)
-    return load
-
-
 def word_processor(config: LlavaConfig) -> LlavaProcessor:
     """A processor over the model's whole vocabulary: token i is the word "w{i}" (a few are special),
     the image token is "<image>"; no EOS, so nothing stops a request before max_tokens."""
@@ -175,7 +160,7 @@ def start_engine(setup: Setup, worker: WorkerConfig, processor: LlavaProcessor) 
     dtype = resolve_dtype(worker.dtype, device)
     served = random_llava(setup.config, device, dtype)
     parts = assemble_parts(served.language_model, worker, Path("/nonexistent"),
-                           load=random_adapter(setup.config.text_config, setup.rank, device, dtype),
+                           load=random_adapters(setup.config.text_config, TARGETS, device, dtype),
                            image_encoder=served.image_encoder, adapter_layout=served.adapter_layout)
     engine = Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
                     adapters=parts.adapters, tokenizer=processor.tokenizer, max_context=parts.model.max_context,
