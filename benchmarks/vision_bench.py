@@ -60,8 +60,8 @@ from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.families import ServedModel
 from gpu_worker.models.llama import resolve_dtype
 from gpu_worker.models.llava import LlavaImageEncoder
-from gpu_worker.profile import random_adapters
 from gpu_worker.models.random_weights import random_llama
+from gpu_worker.profile import random_adapters
 from gpu_worker.prompts import ChatMessage, ImagePart
 from gpu_worker.sequence import SamplingParams
 from services.adapter_layout import LLAVA_LAYOUT

@@ -32,7 +32,7 @@ def ids_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
-        self._decode_ids = ids_decoder(tokenizer)
+        self._decode = ids_decoder(tokenizer)
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -88,6 +88,3 @@ class IncrementalDetokenizer:
                     best = k
                     break
         return best
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._decode_ids(ids)
