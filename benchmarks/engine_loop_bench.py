@@ -13,7 +13,7 @@ On CUDA the model is 7B-shaped (engine_bench's Llama-2-7B config, random bf16 we
 with the locally trained demo tokenizer (its vocabulary replaces Llama-2's 32000, so that every sampled
 id decodes). On CPU it is a tiny Llama of the same tokenizer (float32): there the step is host work too.
 
-    python3 benchmarks/engine_loop_bench.py [--batches 1 8 32] [--new-tokens 48] [--json OUT.json]
+    PYTHONPATH=.:protos python3 -m benchmarks.engine_loop_bench [--batches 1 8 32] [--new-tokens 48] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -31,17 +30,15 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, PreTrainedTokenizerBase
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_bench import LLAMA2_7B, RANK, TARGETS, decode_step_seconds, new_sequences, prefill, release  # noqa: E402
-
-from gpu_worker.builder import EngineParts, assemble_parts  # noqa: E402
-from gpu_worker.engine import Engine, GenerationRequest, StepRecord  # noqa: E402
-from gpu_worker.lora.loader import AdapterRef  # noqa: E402
-from gpu_worker.models.random_weights import random_llama  # noqa: E402
-from gpu_worker.profile import random_adapters  # noqa: E402
-from gpu_worker.sequence import SamplingParams  # noqa: E402
-from services.config import WorkerConfig  # noqa: E402
-from services.demo_assets import build_tokenizer  # noqa: E402
+from benchmarks.engine_bench import LLAMA2_7B, RANK, TARGETS, decode_step_seconds, new_sequences, prefill, release
+from gpu_worker.builder import EngineParts, assemble_parts
+from gpu_worker.engine import Engine, GenerationRequest, RequestHandle, StepRecord
+from gpu_worker.lora.loader import AdapterRef
+from gpu_worker.models.random_weights import random_llama
+from gpu_worker.profile import random_adapters
+from gpu_worker.sequence import SamplingParams
+from services.config import WorkerConfig
+from services.demo_assets import build_tokenizer
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=4096, rms_norm_eps=1e-5)
@@ -116,7 +113,7 @@ def loop_step_ms(engine: Engine, records: list[tuple[float, StepRecord]], batch:
                                         adapter)
             handles.append(engine.submit(request, loop))
 
-        async def drain(handle) -> None:
+        async def drain(handle: RequestHandle) -> None:
             async for _ in handle:
                 pass
         await asyncio.gather(*map(drain, handles))
