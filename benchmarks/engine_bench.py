@@ -128,7 +128,7 @@ def run_step(parts: EngineParts, seqs: list[Sequence], num_new: list[int]) -> No
         parts.scheduler.blocks.grow(seq, n)
         items.append(ScheduledSeq(seq, n, seq.num_cached + n == seq.num_tokens))
     sampling, logits = parts.runner.run(items)
-    tokens, _ = sample(logits, sampling)
+    tokens, _ = sample(logits, sampling).result()
     for seq, token in zip(sampling, tokens):
         seq.output_token_ids.append(token)
 

@@ -6,8 +6,10 @@ For each batch size and adapter case it measures, on one model:
     median wall clock of a decode step: the device's work and the least host work a step needs;
   - engine loop: the same batch submitted as requests to a running Engine (its thread; outputs drained
     by an asyncio loop in this thread, as the gRPC servicer does), the median time between the ends of
-    two consecutive decode steps that ran the whole batch (StepRecord);
-and prints loop / bare, and the host time the loop adds a step and a sequence.
+    two consecutive decode steps that ran the whole batch (StepRecord), once with async scheduling
+    (the default: the next decode step is launched before this one's tokens reach the host) and once
+    without (one step at a time, the baseline);
+and prints loop / bare for both, and the host time each loop adds a step and a sequence.
 
 On CUDA the model is 7B-shaped (engine_bench's Llama-2-7B config, random bf16 weights, CUDA graphs on),
 with the locally trained demo tokenizer (its vocabulary replaces Llama-2's 32000, so that every sampled
@@ -55,6 +57,8 @@ class LoopRow:
     bare_ms: float         # run_step's median decode step
     loop_ms: float         # median time between consecutive full-batch decode steps of the running engine
     loop_steps: int        # how many such step pairs were timed
+    sync_ms: float         # the same without async scheduling
+    sync_steps: int
 
     @property
     def host_ms(self) -> float:
@@ -62,9 +66,12 @@ class LoopRow:
         return self.loop_ms - self.bare_ms
 
     def line(self) -> str:
-        return (f"batch {self.batch:3d} {self.case:15s} bare {self.bare_ms:7.3f} ms  loop {self.loop_ms:7.3f} ms  "
-                f"loop/bare {self.loop_ms / self.bare_ms:5.3f}  host +{self.host_ms:6.3f} ms a step, "
-                f"{self.host_ms / self.batch * 1e3:6.1f} us a sequence  ({self.loop_steps} steps)")
+        sync_host_ms = self.sync_ms - self.bare_ms
+        return (f"batch {self.batch:3d} {self.case:15s} bare {self.bare_ms:7.3f} ms  "
+                f"loop {self.loop_ms:7.3f} ms ({self.loop_ms / self.bare_ms:5.3f}x bare, host +{self.host_ms:6.3f} ms, "
+                f"{self.host_ms / self.batch * 1e3:6.1f} us a sequence; {self.loop_steps} steps)  "
+                f"sync loop {self.sync_ms:7.3f} ms ({self.sync_ms / self.bare_ms:5.3f}x bare, host +{sync_host_ms:6.3f} ms; "
+                f"{self.sync_steps} steps)  sync/async {self.sync_ms / self.loop_ms:5.3f}")
 
 
 def adapter_names(case: str, batch: int) -> list[str | None]:
@@ -148,19 +155,23 @@ def run(device: torch.device, batches: list[int], cases: list[str], new_tokens: 
     parts = build(device, max(batches), tokenizer)
     bare = {(b, c): bare_step_ms(parts, b, c, steps) for b in batches for c in cases}
     records: list[tuple[float, StepRecord]] = []
-    engine = Engine(base_model=BASE_MODEL, runner=parts.runner, scheduler=parts.scheduler, adapters=parts.adapters,
-                    tokenizer=tokenizer, max_context=parts.model.max_context, max_lora_rank=RANK,
-                    on_step=lambda record: records.append((time.perf_counter(), record)))
-    engine.start()
+    engines = {mode: Engine(base_model=BASE_MODEL, runner=parts.runner, scheduler=parts.scheduler,
+                            adapters=parts.adapters, tokenizer=tokenizer, max_context=parts.model.max_context,
+                            max_lora_rank=RANK, on_step=lambda record: records.append((time.perf_counter(), record)),
+                            async_scheduling=mode)
+               for mode in (True, False)}
+    for engine in engines.values():  # one runs at a time: the other waits on its empty inbox
+        engine.start()
     rows = []
     try:
         for b in batches:
             for c in cases:
-                loop_ms, timed = loop_step_ms(engine, records, b, c, new_tokens)
-                rows.append(LoopRow(b, c, bare[(b, c)], loop_ms, timed))
+                loop = {mode: loop_step_ms(engine, records, b, c, new_tokens) for mode, engine in engines.items()}
+                rows.append(LoopRow(b, c, bare[(b, c)], *loop[True], *loop[False]))
                 print(rows[-1].line(), flush=True)
     finally:
-        engine.stop()
+        for engine in engines.values():
+            engine.stop()
     return rows
 
 

@@ -59,7 +59,8 @@ def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, wor
                            adapter_layout=served.adapter_layout)
     return Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
                   adapters=parts.adapters, tokenizer=tokenizer, max_context=parts.model.max_context,
-                  max_lora_rank=worker.max_lora_rank, on_step=on_step, processor=served.processor)
+                  max_lora_rank=worker.max_lora_rank, on_step=on_step, processor=served.processor,
+                  async_scheduling=worker.async_scheduling)
 
 
 def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store: Path,

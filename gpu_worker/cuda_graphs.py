@@ -66,12 +66,15 @@ class DecodeGraphs:
         self.max_context = max_context
         device = model.lm_head.weight.device
         width = -(-max_context // kv_cache.block_size)  # block-table entries per sequence
-        # The graph's inputs live in two device tensors (one per dtype) with a pinned host twin
-        # each, so a replay costs two host-to-device copies whatever the batch holds.
-        self._host_i64 = torch.zeros(3, max_batch, dtype=torch.long).pin_memory()
-        self._host_i32 = torch.zeros(4 + width, max_batch, dtype=torch.int32).pin_memory()
-        self._dev_i64 = torch.zeros_like(self._host_i64, device=device)
-        self._dev_i32 = torch.zeros_like(self._host_i32, device=device)
+        # The graph's inputs live in two device tensors (one per dtype), staged in pinned host
+        # memory, so a replay costs two host-to-device copies whatever the batch holds. Two sets of
+        # staging buffers take turns: with async scheduling the next step is staged while the copy
+        # of the step before may still wait behind the device's work.
+        self._staging = [(torch.zeros(3, max_batch, dtype=torch.long).pin_memory(),
+                          torch.zeros(4 + width, max_batch, dtype=torch.int32).pin_memory()) for _ in range(2)]
+        self._replays = 0
+        self._dev_i64 = torch.zeros_like(self._staging[0][0], device=device)
+        self._dev_i32 = torch.zeros_like(self._staging[0][1], device=device)
         self._input_ids, self._positions, self._slot_mapping = self._dev_i64
         self._seq_lens, self._seg_starts, self._seg_lens, self._seg_slots = self._dev_i32[:4]
         self._block_tables = self._dev_i32[4:].view(max_batch, width)  # row-major [max_batch, width]
@@ -127,11 +130,14 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured %d decode graphs for batch buckets %s", len(self._graphs), self.buckets)
 
-    def replay(self, inputs: StepInputs) -> torch.Tensor:
-        """Decode-only `inputs` -> float32 logits [batch, vocab] (a view into the graph's output)."""
+    def replay(self, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode-only `inputs` -> float32 logits [batch, vocab] (a view into the graph's output).
+        `input_ids` (on the device) replace the inputs' host token ids."""
         n, num_segs = len(inputs.items), len(inputs.seg_lens)
         bucket = self._bucket(n)
-        i64, i32 = self._host_i64.numpy(), self._host_i32.numpy()
+        host_i64, host_i32 = self._staging[self._replays % 2]
+        self._replays += 1
+        i64, i32 = host_i64.numpy(), host_i32.numpy()
         i64[0, :n], i64[1, :n], i64[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
         i64[2, n:bucket] = SCRATCH_BLOCK * self.kv_cache.block_size
         i32[0, :n], i32[0, n:bucket] = inputs.seq_lens, 1
@@ -143,8 +149,10 @@ class DecodeGraphs:
         for row, table in enumerate(inputs.block_tables):  # entries past a table's end are never read
             tables[row * width:row * width + len(table)] = table
         tables[n * width:bucket * width:width] = SCRATCH_BLOCK
-        self._dev_i64.copy_(self._host_i64, non_blocking=True)
-        self._dev_i32.copy_(self._host_i32, non_blocking=True)
+        self._dev_i64.copy_(host_i64, non_blocking=True)
+        self._dev_i32.copy_(host_i32, non_blocking=True)
+        if input_ids is not None:
+            self._input_ids[:n].copy_(input_ids)
         mode = lora_mode(inputs.seg_lens, inputs.seg_slots)  # one sequence: never GROUPED
         context_bound = next(c for c in self._context_bounds if c >= max(inputs.seq_lens))
         graph, logits = self._graphs[(bucket, mode, context_bound)]

@@ -32,9 +32,9 @@ from gpu_worker.lora.adapter_pool import AdapterPool
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.prompts import Prompt, PromptEncoder
-from gpu_worker.sampler import TokenLogprobs, sample
-from gpu_worker.scheduler import Scheduler
-from gpu_worker.sequence import FinishReason, SamplingParams, Sequence
+from gpu_worker.sampler import SampledTokens, TokenLogprobs, sample
+from gpu_worker.scheduler import ScheduledBatch, Scheduler
+from gpu_worker.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from gpu_worker.vision.image_cache import ImageFeatureCache
 from services.errors import AlreadyExists, Internal, InvalidArgument, TesseraError
 
@@ -109,6 +109,14 @@ class EngineStats:
     waiting_load: tuple[SeqLoad, ...] = ()
 
 
+@dataclass(frozen=True)
+class _LaunchedStep:
+    batch: ScheduledBatch
+    sampled: SampledTokens
+    started: float
+    merged_adapter: str | None  # folded into the base weights for this step
+
+
 class RequestHandle:
     """Async iterator over a request's outputs; raises the engine's error if the request failed."""
 
@@ -149,7 +157,8 @@ def _put_all(puts: list[tuple[asyncio.Queue, RequestOutput | TesseraError]]) -> 
 class Engine:
     def __init__(self, *, base_model: str, runner: ModelRunner, scheduler: Scheduler,
                  adapters: AdapterPool, tokenizer: PreTrainedTokenizerBase, max_context: int, max_lora_rank: int,
-                 on_step: Callable[[StepRecord], None] | None = None, processor: ProcessorMixin | None = None) -> None:
+                 on_step: Callable[[StepRecord], None] | None = None, processor: ProcessorMixin | None = None,
+                 async_scheduling: bool = True) -> None:
         self.base_model = base_model
         self._runner = runner
         self._scheduler = scheduler
@@ -170,6 +179,8 @@ class Engine:
         self._generated_total = 0
         # Sampled tokens whose outputs are not sent yet (`_send_outputs`): (sequence, token, log-probabilities).
         self._unsent: list[tuple[Sequence, int, TokenLogprobs | None]] = []
+        self._async_scheduling = async_scheduling
+        self._launched: _LaunchedStep | None = None  # the step on the device whose tokens are not taken yet
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -226,19 +237,23 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            idle = not self._scheduler.has_work()
+            idle = self._launched is None and not self._scheduler.has_work()
             if idle:
                 self._send_outputs()
             if not self._drain_inbox(block=idle):
                 return
-            if self._scheduler.has_work():
+            if self._launched is not None or self._scheduler.has_work():
                 try:
                     self.step()
                 except Exception:
                     log.exception("engine step failed; failing its requests")
+                    self._launched = None
                     self._send_outputs()  # tokens sampled before the failure still reach their clients
                     for seq in list(self._scheduler.running):
-                        self._fail(seq, Internal("the engine failed while running this request"))
+                        if self._seqs.get(seq.request_id) is seq:
+                            self._fail(seq, Internal("the engine failed while running this request"))
+                        else:  # its final output is sent; only a step in flight still held it
+                            self._scheduler.finish(seq, seq.finish_reason)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued submits/aborts; False when asked to stop."""
@@ -246,7 +261,7 @@ class Engine:
             message = self._inbox.get(block=block)
         except queue.Empty:
             return True
-        self._send_outputs()  # aborts and shutdown then find every request as its last step left it
+        self._settle()  # aborts and shutdown then find every request as its last step left it
         while True:
             if message is None:
                 for seq in list(self._seqs.values()):
@@ -265,7 +280,32 @@ class Engine:
                 self._publish_stats()
                 return True
 
+    def _settle(self) -> None:
+        """Finish the step in flight, if any, and send every pending output."""
+        if self._launched is not None:
+            launched, self._launched = self._launched, None
+            self._complete(launched)
+        self._send_outputs()
+
     def step(self) -> None:
+        """Launch a step, and finish the one before it while the device runs it where the scheduler
+        can tell the new step without that one's tokens (`Scheduler.schedule_ahead`). Otherwise
+        the step before finishes first and the scheduler decides on settled state."""
+        previous = self._launched
+        ahead = None
+        if previous is not None and self._async_scheduling:
+            ahead = self._scheduler.schedule_ahead(previous.sampled.seqs)
+        if ahead is not None:
+            self._launched = self._launch(ahead, previous.sampled)
+            self._complete(previous)
+            self._publish_blocks(ahead)  # its block hashes cover the tokens just appended
+            self._send_outputs()
+            return
+        if previous is not None:
+            self._launched = None
+            self._complete(previous)
+            if not self._scheduler.has_work():
+                return  # that step finished every request: the loop sends their outputs and idles
         batch = self._scheduler.schedule()
         for seq, error in batch.failed:
             self._fail(seq, error)
@@ -274,25 +314,53 @@ class Engine:
             self._publish_stats()
             time.sleep(0.001)  # everything waits for an adapter slot; let aborts arrive
             return
-        started = time.perf_counter()
-        sampling, logits = self._runner.run(batch.items)
+        launched = self._launch(batch, None)
+        self._publish_blocks(batch)
         self._send_outputs()  # the previous step's, while the device runs this one
+        if self._async_scheduling:
+            self._launched = launched
+        else:
+            self._complete(launched)
+
+    def _launch(self, batch: ScheduledBatch, previous: SampledTokens | None) -> _LaunchedStep:
+        """Run `batch` and sample on the device; the tokens reach the host in `_complete`."""
+        started = time.perf_counter()
+        sampling, logits = self._runner.run(batch.items, previous)
+        for seq in sampling:
+            seq.num_in_flight += 1
+        return _LaunchedStep(batch, sample(logits, sampling), started, self._runner.merged_adapter)
+
+    def _publish_blocks(self, batch: ScheduledBatch) -> None:
         for item in batch.items:
             self._blocks.publish(item.seq)  # before retiring: a finished prompt's blocks stay reusable
-        tokens, logprobs = sample(logits, sampling)
-        for seq, token, token_logprobs in zip(sampling, tokens, logprobs):
+
+    def _complete(self, launched: _LaunchedStep) -> None:
+        """Take a step's tokens: append them, decide which requests finished and free those that no
+        launched step still runs. Streaming waits for `_send_outputs`."""
+        tokens, logprobs = launched.sampled.result()
+        for seq, token, token_logprobs in zip(launched.sampled.seqs, tokens, logprobs):
+            seq.num_in_flight -= 1
+            if seq.finish_reason is not None:  # it finished a step earlier; this token ran ahead of that
+                self._release(seq)
+                continue
             seq.append(token, self._eos)
             self._generated_total += 1
             if seq.finish_reason is not None:
-                self._scheduler.finish(seq, seq.finish_reason)  # its blocks serve the next step already
+                self._release(seq)  # its blocks serve the next step already
             self._unsent.append((seq, token, token_logprobs))
         self._step += 1
         if self._on_step is not None:
-            seqs = [item.seq for item in batch.items]
+            batch, seqs = launched.batch, [item.seq for item in launched.batch.items]
             self._on_step(StepRecord(
                 self._step, tuple(s.request_id for s in seqs), tuple(s.adapter.name if s.adapter else None for s in seqs),
                 sum(1 for item in batch.items if item.num_new > 1 or not item.samples), batch.num_tokens,
-                len(batch.preempted), time.perf_counter() - started, self._runner.merged_adapter))
+                len(batch.preempted), time.perf_counter() - launched.started, launched.merged_adapter))
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a finished request's blocks and adapter pin, unless a launched step still runs it
+        (its last token there is dropped, and that step's completion frees it)."""
+        if seq.num_in_flight == 0 and seq.status is not SequenceStatus.FINISHED:
+            self._scheduler.finish(seq, seq.finish_reason)
 
     def _send_outputs(self) -> None:
         """Detokenize the unsent tokens and stream them; close the requests they finished."""

@@ -1,7 +1,9 @@
 """Runs one packed forward pass for a step and returns the next-token logits of the sequences
 that sample. Decode-only steps on CUDA replay a captured graph when one fits the batch. Prefill
 chunks over image tokens get the image features as their embeddings; each sequence's images go
-through the image encoder once, at the first chunk that needs them."""
+through the image encoder once, at the first chunk that needs them. A decode step scheduled before
+the previous step's tokens reached the host (async scheduling) takes its input ids from those
+tokens on the device."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from gpu_worker.forward_context import ForwardContext, forward_context
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.lora.merged_mode import MergedMode
 from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.sampler import SampledTokens
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import Sequence
 from gpu_worker.step_inputs import StepInputs, build_step_inputs
@@ -37,15 +40,18 @@ class ModelRunner:
         return self.merged.merged_adapter if self.merged else None
 
     @torch.inference_mode()
-    def run(self, items: list[ScheduledSeq]) -> tuple[list[Sequence], torch.Tensor]:
-        """-> (the sequences that sample, their float32 logits [len(them), vocab])."""
+    def run(self, items: list[ScheduledSeq], previous: SampledTokens | None = None
+            ) -> tuple[list[Sequence], torch.Tensor]:
+        """-> (the sequences that sample, their float32 logits [len(them), vocab]). With `previous`,
+        every item is a decode whose input token is its token in `previous`, still on the device."""
         inputs = build_step_inputs(items, self.kv_cache.block_size)
         if self.merged is not None:
             inputs = self.merged.prepare(inputs)
+        input_ids = self._tokens_in_flight(inputs, previous) if previous is not None else None
         if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(len(items)):
-            logits = self.graphs.replay(inputs)
+            logits = self.graphs.replay(inputs, input_ids)
         else:
-            logits = self._run_eager(inputs)
+            logits = self._run_eager(inputs, input_ids)
         merged = self.merged_adapter is not None
         for item in items:
             seq = item.seq
@@ -58,7 +64,16 @@ class ModelRunner:
     def _device_tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
+    def _tokens_in_flight(self, inputs: StepInputs, previous: SampledTokens) -> torch.Tensor:
+        """The step's input ids [num_tokens]: each sequence's token in `previous`, on the device."""
+        row_of = {id(seq): row for row, seq in enumerate(previous.seqs)}
+        assert inputs.is_decode_only and all(id(item.seq) in row_of for item in inputs.items)
+        rows = [row_of[id(item.seq)] for item in inputs.items]
+        if rows == list(range(len(rows))):  # the same sequences, or the first ones: no gather
+            return previous.tokens[:len(rows)]
+        return previous.tokens[self._device_tensor(rows, torch.long)]
+
+    def _run_eager(self, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         width = max(len(table) for table in inputs.block_tables)
         query_start_loc = [0]
         for n in inputs.query_lens:
@@ -71,7 +86,8 @@ class ModelRunner:
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens))
         lora = LoRABatch.build(inputs.seg_lens, inputs.seg_slots, self.device, max_rank=inputs.max_lora_rank,
                                mean_rank=inputs.mean_lora_rank)
-        input_ids = self._device_tensor(inputs.input_ids, torch.long)
+        if input_ids is None:
+            input_ids = self._device_tensor(inputs.input_ids, torch.long)
         embeds = self._input_embeddings(inputs, input_ids)
         with forward_context(ForwardContext(attention, self.kv_cache, lora)):
             hidden = self.model(input_ids, self._device_tensor(inputs.positions, torch.long), embeds)

@@ -152,7 +152,7 @@ class Profiler:
             torch.cuda.synchronize(self._device)
         started = time.perf_counter()
         sampling, logits = self._parts.runner.run(items)
-        tokens, _ = sample(logits, sampling)
+        tokens, _ = sample(logits, sampling).result()
         seconds = time.perf_counter() - started
         for seq, token in zip(sampling, tokens):
             seq.output_token_ids.append(token)

@@ -3,8 +3,9 @@
 Greedy rows take the argmax. Sampled rows are filtered together (temperature, then top-k, then
 top-p, each row with its own values) over one descending sort, and drawn by the exponential race
 (argmax of p / E with E ~ Exp(1)) with noise from the sequence's own torch.Generator, so a seeded
-request gives the same tokens however it is batched. One host transfer per step returns the
-tokens (and, where asked, log-probabilities).
+request gives the same tokens however it is batched. The tokens stay on the device, where the next
+step can take them as its input ids before the host has them (the engine's async scheduling); one
+asynchronous copy per step brings them (and, where asked, log-probabilities) to the host.
 """
 
 from __future__ import annotations
@@ -27,8 +28,49 @@ def _is_greedy(seq: Sequence) -> bool:
     return seq.params.temperature == 0 or seq.params.top_k == 1
 
 
-def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: float32 [num_seqs, vocab] -> (one token id per sequence, its log-probabilities if asked)."""
+class SampledTokens:
+    """One step's sampled tokens: on the device at once, on the host at `result()`."""
+
+    def __init__(self, seqs: Seq[Sequence], tokens: torch.Tensor, logprobs: _LogprobTensors | None) -> None:
+        self.seqs = list(seqs)      # the sequences that sampled, in row order
+        self.tokens = tokens        # [len(seqs)] int64 on the logits' device
+        self._host = [_to_host(t) for t in (tokens, *(logprobs.tensors if logprobs else ()))]
+        self._wanted = logprobs.rows if logprobs else []
+        self._ready: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """(one token id per sequence, its log-probabilities if asked); waits for the device."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, *rest = (t.tolist() for t in self._host)
+        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+        if rest:
+            chosen, top_values, top_ids = rest
+            for i, row in enumerate(self._wanted):
+                count = self.seqs[row].params.logprobs
+                logprobs[row] = TokenLogprobs(chosen[i], tuple(zip(top_ids[i][:count], top_values[i][:count])))
+        return tokens, logprobs
+
+
+@dataclass(frozen=True)
+class _LogprobTensors:
+    rows: list[int]        # the rows that asked for log-probabilities
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # chosen [w], top values [w, k], top ids [w, k]
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy into pinned host memory (CUDA); the tensor itself elsewhere."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> SampledTokens:
+    """logits: float32 [num_seqs, vocab] -> one token id per sequence (and its log-probabilities if asked)."""
     assert logits.shape[0] == len(seqs)
     tokens = logits.argmax(dim=-1)
     sampled_rows = [row for row, seq in enumerate(seqs) if not _is_greedy(seq)]
@@ -36,11 +78,8 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> tuple[list[int], list[T
         rows = torch.tensor(sampled_rows, device=logits.device)
         tokens[rows] = _sample_rows(logits[rows], [seqs[row] for row in sampled_rows])
     wanted = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
-    logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
-    if wanted:
-        for row, entry in zip(wanted, _logprobs(logits, tokens, wanted, [seqs[r].params.logprobs for r in wanted])):
-            logprobs[row] = entry
-    return tokens.tolist(), logprobs
+    logprobs = _logprobs(logits, tokens, wanted, [seqs[r].params.logprobs for r in wanted]) if wanted else None
+    return SampledTokens(seqs, tokens, logprobs)
 
 
 def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -72,12 +111,10 @@ def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
     return seq.generator
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], counts: list[int]) -> list[TokenLogprobs]:
-    """Log-probabilities of the chosen tokens and the top-`count` alternatives of `rows`."""
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], counts: list[int]) -> _LogprobTensors:
+    """Log-probabilities of the chosen tokens and the top max(`counts`) alternatives of `rows`."""
     index = torch.tensor(rows, device=logits.device)
     logp = torch.log_softmax(logits[index], dim=-1)
-    chosen = logp.gather(1, tokens[index][:, None]).squeeze(1).tolist()
+    chosen = logp.gather(1, tokens[index][:, None]).squeeze(1)
     top_values, top_ids = logp.topk(max(max(counts), 1), dim=-1)
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    return [TokenLogprobs(chosen[i], tuple(zip(top_ids[i][:count], top_values[i][:count])))
-            for i, count in enumerate(counts)]
+    return _LogprobTensors(rows, (chosen, top_values, top_ids))

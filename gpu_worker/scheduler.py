@@ -9,6 +9,10 @@ its prefill after them. A prompt longer than the remaining budget is prefilled i
 several steps. When a running sequence needs a block and none is free, the newest running
 sequence is preempted: its blocks are freed and it goes back to the head of the queue, to be
 recomputed (prompt and outputs so far) when blocks free up.
+
+`schedule_ahead` builds the next decode step while the current one still runs, from what is known
+before its tokens reach the host (async scheduling): only when that step is plain decoding of the
+same sequences, so admission and preemption always see settled state.
 """
 
 from __future__ import annotations
@@ -83,6 +87,27 @@ class Scheduler:
             index += 1
         if not batch.preempted:  # blocks are short: admitting more would only preempt again
             self._admit_waiting(batch, budget)
+        return batch
+
+    def schedule_ahead(self, sampling: list[Sequence]) -> ScheduledBatch | None:
+        """The decode step after one whose `sampling` sequences have a token each in flight, or None
+        when the next step needs the scheduler's decisions: requests are waiting, a running sequence
+        did not sample in that step (a prefill chunk), or blocks are short. Sequences whose in-flight
+        token is their last (max_tokens) are left out; one that stops on the token in flight (EOS,
+        stop ids or strings) runs one token more, which the engine drops; one known to have finished
+        is left out."""
+        if self.waiting or len(sampling) != len(self.running):
+            return None
+        batch = ScheduledBatch()
+        for seq in sampling:
+            assert seq.status is SequenceStatus.RUNNING and seq.num_pending == 1, (seq.status, seq.num_pending)
+            if seq.finish_reason is None and len(seq.output_token_ids) + seq.num_in_flight < seq.params.max_tokens:
+                batch.add(seq, 1)
+        needed = sum(self.blocks.blocks_needed(item.seq, 1) for item in batch.items)
+        if not batch.items or needed > self.blocks.num_free_blocks:
+            return None
+        for item in batch.items:
+            self.blocks.grow(item.seq, 1)
         return batch
 
     def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:

@@ -15,6 +15,7 @@ from kernels import NO_SLOT
 
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+IN_FLIGHT_ID = 0   # host placeholder for a token id that is still on the device
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ class Sequence:
         # reaches an image token, dropped once every image token is cached (remade after preemption).
         self.image_features: torch.Tensor | None = None
         self.output_token_ids: list[int] = []
+        # Tokens sampled by launched steps that have not reached the host yet (async scheduling: a
+        # decode step may run while the previous one's token is still on the device). They count in
+        # num_tokens, so the next step schedules and grows blocks for them.
+        self.num_in_flight = 0
         self._decoded = 0                   # leading output tokens the detokenizer has seen
         self.params = params
         self.adapter = adapter
@@ -86,7 +91,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_in_flight
 
     @property
     def num_pending(self) -> int:
@@ -95,8 +100,10 @@ class Sequence:
 
     def pending_token_ids(self, count: int) -> list[int]:
         """The next `count` tokens to run: a prompt chunk (or, after preemption, the recomputed
-        prompt and outputs), or the last sampled token when decoding."""
-        return self.token_ids_in(self.num_cached, self.num_cached + count)
+        prompt and outputs), or the last sampled token when decoding. A token still in flight reads
+        as IN_FLIGHT_ID: the model runner takes it from the device."""
+        known = self.token_ids_in(self.num_cached, self.num_cached + count)
+        return known + [IN_FLIGHT_ID] * (count - len(known))
 
     def token_ids_in(self, start: int, end: int) -> list[int]:
         """Positions [start, end) of the prompt followed by the outputs."""

@@ -107,6 +107,9 @@ class WorkerConfig:
     kv_cache_tokens: int = 0
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True  # replay captured decode steps on CUDA
+    # Async scheduling: launch the next decode step before the current one's tokens reach the host
+    # (they feed it on the device), so the host's work between steps overlaps the device's.
+    async_scheduling: bool = True
     # On CUDA, compile every LoRA kernel variant the limits above allow before serving (seconds at
     # the first start, Triton's disk cache after), so no request waits on a compile.
     warm_up_kernels: bool = True
