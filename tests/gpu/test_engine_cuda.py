@@ -89,7 +89,8 @@ def test_async_scheduling_on_cuda_gives_what_one_step_at_a_time_gives(tiny_asset
     requests = mixed_requests(tiny_assets.adapters)
     results = {}
     for mode in (False, True):
-        engine = make_engine(tiny_assets, device="cuda", dtype="float32", async_scheduling=mode, max_batch_tokens=48)
+        engine = make_engine(tiny_assets, device="cuda", dtype="float32", async_scheduling=mode, max_batch_tokens=48,
+                             kv_cache_tokens=1024)  # a fixed pool: the engine before may not be collected yet
         try:
             results[mode] = run_all(engine, requests)
         finally:
