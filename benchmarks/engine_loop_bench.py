@@ -11,6 +11,11 @@ For each batch size and adapter case it measures, on one model:
     without (one step at a time, the baseline);
 and prints loop / bare for both, and the host time each loop adds a step and a sequence.
 
+Then, with churn: 4x the largest batch of requests submitted at once, of random lengths (a third to
+five thirds of --new-tokens), at most the largest batch running: requests finish and others are
+admitted (their prefills joining the decodes) in most steps. It prints generated tokens per second
+through each engine, async and one step at a time.
+
 On CUDA the model is 7B-shaped (engine_bench's Llama-2-7B config, random bf16 weights, CUDA graphs on),
 with the locally trained demo tokenizer (its vocabulary replaces Llama-2's 32000, so that every sampled
 id decodes). On CPU it is a tiny Llama of the same tokenizer (float32): there the step is host work too.
@@ -23,11 +28,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 from transformers import LlamaConfig, PreTrainedTokenizerBase
@@ -47,7 +54,23 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 BASE_MODEL = "bench"
 PROMPT_TOKENS = 128
 PROMPT_WORDS = "the engine schedules every request on its adapter and streams each token as it comes".split()
-CASES = ("a_base", "c_own_adapters")  # engine_bench's names: no adapter; each request its own rank-64 adapter
+CASES = ("a_base", "c_own_adapters")
+T = TypeVar("T")  # engine_bench's names: no adapter; each request its own rank-64 adapter
+
+
+@dataclass(frozen=True)
+class ChurnRow:
+    case: str
+    requests: int
+    running: int           # at most this many at once
+    tokens: int            # generated in all
+    async_tokens_per_s: float
+    sync_tokens_per_s: float
+
+    def line(self) -> str:
+        return (f"churn {self.case:15s} {self.requests} requests, {self.tokens} tokens, <= {self.running} running: "
+                f"async {self.async_tokens_per_s:8.1f} tok/s  sync {self.sync_tokens_per_s:8.1f} tok/s  "
+                f"async/sync {self.async_tokens_per_s / self.sync_tokens_per_s:5.3f}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +155,36 @@ def loop_step_ms(engine: Engine, records: list[tuple[float, StepRecord]], batch:
     return statistics.median(periods) * 1e3, len(periods)
 
 
+def churn_lengths(count: int, new_tokens: int) -> list[int]:
+    rng = random.Random(count)
+    return [rng.randint(max(1, new_tokens // 3), 5 * new_tokens // 3) for _ in range(count)]
+
+
+def churn_tokens_per_s(engine: Engine, case: str, running: int, new_tokens: int) -> tuple[float, int]:
+    """4 x `running` requests of churn_lengths through `engine` (its max_num_seqs is `running`);
+    (generated tokens per second, tokens)."""
+    lengths = churn_lengths(4 * running, new_tokens)
+    names = adapter_names(case, running)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        handles = []
+        for i, length in enumerate(lengths):
+            name = names[i % len(names)]
+            adapter = AdapterRef(name, BASE_MODEL, RANK, "", "") if name else None
+            handles.append(engine.submit(GenerationRequest(f"churn-{case}-{i}", prompt_text(i),
+                                                           SamplingParams(max_tokens=length), adapter), loop))
+
+        async def drain(handle: RequestHandle) -> None:
+            async for _ in handle:
+                pass
+        await asyncio.gather(*map(drain, handles))
+
+    started = time.perf_counter()
+    asyncio.run(run())
+    return sum(lengths) / (time.perf_counter() - started), sum(lengths)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -141,12 +194,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    rows = run(torch.device(args.device), args.batches, args.cases, args.new_tokens, args.steps)
+    rows, churn = run(torch.device(args.device), args.batches, args.cases, args.new_tokens, args.steps)
     if args.json:
-        args.json.write_text(json.dumps([{**vars(row), "host_ms": row.host_ms} for row in rows], indent=1))
+        args.json.write_text(json.dumps({"steps": [{**vars(row), "host_ms": row.host_ms} for row in rows],
+                                         "churn": [vars(row) for row in churn]}, indent=1))
 
 
-def run(device: torch.device, batches: list[int], cases: list[str], new_tokens: int, steps: int) -> list[LoopRow]:
+def run(device: torch.device, batches: list[int], cases: list[str], new_tokens: int,
+        steps: int) -> tuple[list[LoopRow], list[ChurnRow]]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"device: {name}; torch {torch.__version__}; prompt {PROMPT_TOKENS} tokens, {new_tokens} new", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,24 +210,32 @@ def run(device: torch.device, batches: list[int], cases: list[str], new_tokens: 
     parts = build(device, max(batches), tokenizer)
     bare = {(b, c): bare_step_ms(parts, b, c, steps) for b in batches for c in cases}
     records: list[tuple[float, StepRecord]] = []
-    engines = {mode: Engine(base_model=BASE_MODEL, runner=parts.runner, scheduler=parts.scheduler,
-                            adapters=parts.adapters, tokenizer=tokenizer, max_context=parts.model.max_context,
-                            max_lora_rank=RANK, on_step=lambda record: records.append((time.perf_counter(), record)),
-                            async_scheduling=mode)
-               for mode in (True, False)}
-    for engine in engines.values():  # one runs at a time: the other waits on its empty inbox
+
+    def timed(mode: bool, measure: Callable[[Engine], T]) -> T:
+        """`measure` on a fresh engine over `parts`, stopped after: two running engines would share a scheduler."""
+        engine = Engine(base_model=BASE_MODEL, runner=parts.runner, scheduler=parts.scheduler, adapters=parts.adapters,
+                        tokenizer=tokenizer, max_context=parts.model.max_context, max_lora_rank=RANK,
+                        on_step=lambda record: records.append((time.perf_counter(), record)), async_scheduling=mode)
         engine.start()
-    rows = []
-    try:
-        for b in batches:
-            for c in cases:
-                loop = {mode: loop_step_ms(engine, records, b, c, new_tokens) for mode, engine in engines.items()}
-                rows.append(LoopRow(b, c, bare[(b, c)], *loop[True], *loop[False]))
-                print(rows[-1].line(), flush=True)
-    finally:
-        for engine in engines.values():
+        try:
+            return measure(engine)
+        finally:
             engine.stop()
-    return rows
+
+    rows = []
+    for b in batches:
+        for c in cases:
+            loop = {mode: timed(mode, lambda engine: loop_step_ms(engine, records, b, c, new_tokens))
+                    for mode in (True, False)}
+            rows.append(LoopRow(b, c, bare[(b, c)], *loop[True], *loop[False]))
+            print(rows[-1].line(), flush=True)
+    churn = []
+    for c in cases:
+        (fast, tokens), (slow, _) = (timed(mode, lambda engine: churn_tokens_per_s(engine, c, max(batches), new_tokens))
+                                     for mode in (True, False))
+        churn.append(ChurnRow(c, 4 * max(batches), max(batches), tokens, fast, slow))
+        print(churn[-1].line(), flush=True)
+    return rows, churn
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from gpu_worker.block_manager import SCRATCH_BLOCK
 from gpu_worker.forward_context import ForwardContext, forward_context
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.models.llama import LlamaForCausalLM
-from gpu_worker.step_inputs import StepInputs
+from gpu_worker.step_inputs import InFlightIds, StepInputs
 from kernels import NO_SLOT, LoRABatch
 from kernels.attention import AttentionMetadata
 
@@ -130,9 +130,9 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured %d decode graphs for batch buckets %s", len(self._graphs), self.buckets)
 
-    def replay(self, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def replay(self, inputs: StepInputs, in_flight: InFlightIds | None = None) -> torch.Tensor:
         """Decode-only `inputs` -> float32 logits [batch, vocab] (a view into the graph's output).
-        `input_ids` (on the device) replace the inputs' host token ids."""
+        `in_flight` replaces the host's placeholders for ids still on the device."""
         n, num_segs = len(inputs.items), len(inputs.seg_lens)
         bucket = self._bucket(n)
         host_i64, host_i32 = self._staging[self._replays % 2]
@@ -151,8 +151,8 @@ class DecodeGraphs:
         tables[n * width:bucket * width:width] = SCRATCH_BLOCK
         self._dev_i64.copy_(host_i64, non_blocking=True)
         self._dev_i32.copy_(host_i32, non_blocking=True)
-        if input_ids is not None:
-            self._input_ids[:n].copy_(input_ids)
+        if in_flight is not None:
+            in_flight.write_into(self._input_ids[:n])
         mode = lora_mode(inputs.seg_lens, inputs.seg_slots)  # one sequence: never GROUPED
         context_bound = next(c for c in self._context_bounds if c >= max(inputs.seq_lens))
         graph, logits = self._graphs[(bucket, mode, context_bound)]

@@ -247,13 +247,19 @@ class Engine:
                     self.step()
                 except Exception:
                     log.exception("engine step failed; failing its requests")
-                    self._launched = None
-                    self._send_outputs()  # tokens sampled before the failure still reach their clients
-                    for seq in list(self._scheduler.running):
-                        if self._seqs.get(seq.request_id) is seq:
-                            self._fail(seq, Internal("the engine failed while running this request"))
-                        else:  # its final output is sent; only a step in flight still held it
-                            self._scheduler.finish(seq, seq.finish_reason)
+                    self._fail_step()
+
+    def _fail_step(self) -> None:
+        """After a failed step: fail every running request, and every preempted one whose token was in
+        flight (that token is lost); the others wait on."""
+        self._launched = None
+        self._send_outputs()  # tokens sampled before the failure still reach their clients
+        lost = [seq for seq in self._scheduler.waiting if seq.num_in_flight]
+        for seq in list(self._scheduler.running) + lost:
+            if self._seqs.get(seq.request_id) is seq:
+                self._fail(seq, Internal("the engine failed while running this request"))
+            else:  # its final output is sent; only a step in flight still held it
+                self._scheduler.finish(seq, seq.finish_reason)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued submits/aborts; False when asked to stop."""
@@ -261,8 +267,9 @@ class Engine:
             message = self._inbox.get(block=block)
         except queue.Empty:
             return True
-        self._settle()  # aborts and shutdown then find every request as its last step left it
         while True:
+            if message is None or message[0] != "add":
+                self._settle()  # aborts and shutdown find every request as its last step left it
             if message is None:
                 for seq in list(self._seqs.values()):
                     self._abort(seq)
@@ -288,44 +295,36 @@ class Engine:
         self._send_outputs()
 
     def step(self) -> None:
-        """Launch a step, and finish the one before it while the device runs it where the scheduler
-        can tell the new step without that one's tokens (`Scheduler.schedule_ahead`). Otherwise
-        the step before finishes first and the scheduler decides on settled state."""
-        previous = self._launched
-        ahead = None
-        if previous is not None and self._async_scheduling:
-            ahead = self._scheduler.schedule_ahead(previous.sampled.seqs)
-        if ahead is not None:
-            self._launched = self._launch(ahead, previous.sampled)
-            self._complete(previous)
-            self._publish_blocks(ahead)  # its block hashes cover the tokens just appended
-            self._send_outputs()
-            return
-        if previous is not None:
-            self._launched = None
-            self._complete(previous)
-            if not self._scheduler.has_work():
-                return  # that step finished every request: the loop sends their outputs and idles
+        """Schedule and launch a step. With async scheduling, the step before is still on the device:
+        its tokens are taken after this one is launched (the new step reads them on the device), and
+        this step stays in flight until the next call."""
+        previous, self._launched = self._launched, None
         batch = self._scheduler.schedule()
         for seq, error in batch.failed:
             self._fail(seq, error)
         if not batch.items:
+            if previous is not None:  # its requests may have sampled their last tokens
+                self._complete(previous)
+                self._send_outputs()
+                return
             self._send_outputs()
             self._publish_stats()
             time.sleep(0.001)  # everything waits for an adapter slot; let aborts arrive
             return
-        launched = self._launch(batch, None)
-        self._publish_blocks(batch)
-        self._send_outputs()  # the previous step's, while the device runs this one
+        launched = self._launch(batch, previous)
+        if previous is not None:
+            self._complete(previous)
+        self._publish_blocks(batch)  # after the step before's tokens: its block hashes may cover them
+        self._send_outputs()  # the step before's outputs, while the device runs this one
         if self._async_scheduling:
             self._launched = launched
         else:
             self._complete(launched)
 
-    def _launch(self, batch: ScheduledBatch, previous: SampledTokens | None) -> _LaunchedStep:
+    def _launch(self, batch: ScheduledBatch, previous: _LaunchedStep | None) -> _LaunchedStep:
         """Run `batch` and sample on the device; the tokens reach the host in `_complete`."""
         started = time.perf_counter()
-        sampling, logits = self._runner.run(batch.items, previous)
+        sampling, logits = self._runner.run(batch.items, previous.sampled if previous is not None else None)
         for seq in sampling:
             seq.num_in_flight += 1
         return _LaunchedStep(batch, sample(logits, sampling), started, self._runner.merged_adapter)

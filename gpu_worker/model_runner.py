@@ -1,9 +1,9 @@
 """Runs one packed forward pass for a step and returns the next-token logits of the sequences
 that sample. Decode-only steps on CUDA replay a captured graph when one fits the batch. Prefill
 chunks over image tokens get the image features as their embeddings; each sequence's images go
-through the image encoder once, at the first chunk that needs them. A decode step scheduled before
-the previous step's tokens reached the host (async scheduling) takes its input ids from those
-tokens on the device."""
+through the image encoder once, at the first chunk that needs them. A step scheduled before the
+previous step's tokens reached the host (async scheduling) takes those of its input ids from the
+device."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.sampler import SampledTokens
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import Sequence
-from gpu_worker.step_inputs import StepInputs, build_step_inputs
+from gpu_worker.step_inputs import InFlightIds, StepInputs, build_step_inputs
 from gpu_worker.vision.image_cache import CachedImageEncoder
 from kernels import LoRABatch
 from kernels.attention import AttentionMetadata
@@ -42,16 +42,17 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], previous: SampledTokens | None = None
             ) -> tuple[list[Sequence], torch.Tensor]:
-        """-> (the sequences that sample, their float32 logits [len(them), vocab]). With `previous`,
-        every item is a decode whose input token is its token in `previous`, still on the device."""
+        """-> (the sequences that sample, their float32 logits [len(them), vocab]). A sequence with a
+        token in flight decodes it: its input id is its token in `previous`, still on the device."""
         inputs = build_step_inputs(items, self.kv_cache.block_size)
         if self.merged is not None:
             inputs = self.merged.prepare(inputs)
-        input_ids = self._tokens_in_flight(inputs, previous) if previous is not None else None
+        in_flight = InFlightIds.of(inputs, previous.seqs, previous.tokens) if previous is not None else None
+        assert in_flight is not None or not any(item.seq.num_in_flight for item in items)
         if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(len(items)):
-            logits = self.graphs.replay(inputs, input_ids)
+            logits = self.graphs.replay(inputs, in_flight)
         else:
-            logits = self._run_eager(inputs, input_ids)
+            logits = self._run_eager(inputs, in_flight)
         merged = self.merged_adapter is not None
         for item in items:
             seq = item.seq
@@ -64,16 +65,7 @@ class ModelRunner:
     def _device_tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _tokens_in_flight(self, inputs: StepInputs, previous: SampledTokens) -> torch.Tensor:
-        """The step's input ids [num_tokens]: each sequence's token in `previous`, on the device."""
-        row_of = {id(seq): row for row, seq in enumerate(previous.seqs)}
-        assert inputs.is_decode_only and all(id(item.seq) in row_of for item in inputs.items)
-        rows = [row_of[id(item.seq)] for item in inputs.items]
-        if rows == list(range(len(rows))):  # the same sequences, or the first ones: no gather
-            return previous.tokens[:len(rows)]
-        return previous.tokens[self._device_tensor(rows, torch.long)]
-
-    def _run_eager(self, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_eager(self, inputs: StepInputs, in_flight: InFlightIds | None = None) -> torch.Tensor:
         width = max(len(table) for table in inputs.block_tables)
         query_start_loc = [0]
         for n in inputs.query_lens:
@@ -86,8 +78,9 @@ class ModelRunner:
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens))
         lora = LoRABatch.build(inputs.seg_lens, inputs.seg_slots, self.device, max_rank=inputs.max_lora_rank,
                                mean_rank=inputs.mean_lora_rank)
-        if input_ids is None:
-            input_ids = self._device_tensor(inputs.input_ids, torch.long)
+        input_ids = self._device_tensor(inputs.input_ids, torch.long)
+        if in_flight is not None:
+            in_flight.write_into(input_ids)
         embeds = self._input_embeddings(inputs, input_ids)
         with forward_context(ForwardContext(attention, self.kv_cache, lora)):
             hidden = self.model(input_ids, self._device_tensor(inputs.positions, torch.long), embeds)

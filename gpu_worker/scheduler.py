@@ -10,9 +10,10 @@ several steps. When a running sequence needs a block and none is free, the newes
 sequence is preempted: its blocks are freed and it goes back to the head of the queue, to be
 recomputed (prompt and outputs so far) when blocks free up.
 
-`schedule_ahead` builds the next decode step while the current one still runs, from what is known
-before its tokens reach the host (async scheduling): only when that step is plain decoding of the
-same sequences, so admission and preemption always see settled state.
+With async scheduling the engine calls `schedule` while the step before still runs on the device:
+only the token counts matter here, and a token still in flight counts (`Sequence.num_in_flight`).
+A sequence that has sampled every token it may produce (its finish is known, or its last token is
+in flight) is not scheduled again; the engine releases it once that step completes.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.sampled_all:
+                index += 1
+                continue
             num_new = min(seq.num_pending, budget)
             if not self._make_room(seq, num_new, batch):
                 break  # `seq` itself was preempted, and so was everything after it
@@ -87,27 +91,6 @@ class Scheduler:
             index += 1
         if not batch.preempted:  # blocks are short: admitting more would only preempt again
             self._admit_waiting(batch, budget)
-        return batch
-
-    def schedule_ahead(self, sampling: list[Sequence]) -> ScheduledBatch | None:
-        """The decode step after one whose `sampling` sequences have a token each in flight, or None
-        when the next step needs the scheduler's decisions: requests are waiting, a running sequence
-        did not sample in that step (a prefill chunk), or blocks are short. Sequences whose in-flight
-        token is their last (max_tokens) are left out; one that stops on the token in flight (EOS,
-        stop ids or strings) runs one token more, which the engine drops; one known to have finished
-        is left out."""
-        if self.waiting or len(sampling) != len(self.running):
-            return None
-        batch = ScheduledBatch()
-        for seq in sampling:
-            assert seq.status is SequenceStatus.RUNNING and seq.num_pending == 1, (seq.status, seq.num_pending)
-            if seq.finish_reason is None and len(seq.output_token_ids) + seq.num_in_flight < seq.params.max_tokens:
-                batch.add(seq, 1)
-        needed = sum(self.blocks.blocks_needed(item.seq, 1) for item in batch.items)
-        if not batch.items or needed > self.blocks.num_free_blocks:
-            return None
-        for item in batch.items:
-            self.blocks.grow(item.seq, 1)
         return batch
 
     def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:

@@ -94,6 +94,13 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_in_flight
 
     @property
+    def sampled_all(self) -> bool:
+        """Every token this request will produce is sampled, the last perhaps still in flight: its
+        finish is known, or it has max_tokens tokens counting those in flight."""
+        return self.finish_reason is not None or \
+            len(self.output_token_ids) + self.num_in_flight >= self.params.max_tokens
+
+    @property
     def num_pending(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
         return self.num_tokens - self.num_cached

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import Sequence
 
@@ -58,6 +60,39 @@ class StepInputs:
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens) and len(self.sampling) == len(self.items) \
             and not self.image_rows
+
+
+@dataclass(frozen=True)
+class InFlightIds:
+    """A step's input ids that are still on the device (async scheduling): packed row `rows[i]` takes
+    `tokens[sources[i]]`, the token its sequence sampled in the step before."""
+    tokens: torch.Tensor   # that step's sampled tokens [its sampling sequences], int64 on the device
+    rows: list[int]
+    sources: list[int]
+
+    @classmethod
+    def of(cls, inputs: StepInputs, sampled: list[Sequence], tokens: torch.Tensor) -> InFlightIds | None:
+        """The rows of `inputs` whose token is in flight, `sampled` being the sequences behind `tokens`;
+        None when there are none. A sequence with a token in flight runs just that token (a decode)."""
+        source_of = {id(seq): source for source, seq in enumerate(sampled)}
+        rows, sources, row = [], [], 0
+        for item in inputs.items:
+            if item.seq.num_in_flight:
+                assert item.num_new == 1 and id(item.seq) in source_of, (item.num_new, item.seq.request_id)
+                rows.append(row)
+                sources.append(source_of[id(item.seq)])
+            row += item.num_new
+        return cls(tokens, rows, sources) if rows else None
+
+    def write_into(self, input_ids: torch.Tensor) -> None:
+        """Overwrite the in-flight rows of the step's device ids [num_tokens] (stream-ordered after
+        the step before, which produced them)."""
+        count = len(self.rows)
+        if self.rows == self.sources == list(range(count)):  # a decode of the same sequences: no gather
+            input_ids[:count].copy_(self.tokens[:count])
+            return
+        index = torch.tensor([self.rows, self.sources]).to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]))
 
 
 def build_step_inputs(items: list[ScheduledSeq], block_size: int) -> StepInputs:

@@ -13,7 +13,7 @@ from gpu_worker.engine import GenerationRequest
 from gpu_worker.sequence import SamplingParams
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels, assert_same_greedy
-from tests.unit.gpu_worker.test_async_scheduling import assert_same_outputs, count_scheduled_ahead, mixed_requests
+from tests.unit.gpu_worker.test_async_scheduling import assert_same_outputs, count_launched_ahead, mixed_requests, run_arriving
 from tests.unit.gpu_worker.conftest import make_engine, run_all, tiny_assets, tokens_of  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -83,18 +83,20 @@ def test_bfloat16_on_cuda_serves_mixed_batches(tiny_assets):
 
 
 def test_async_scheduling_on_cuda_gives_what_one_step_at_a_time_gives(tiny_assets, monkeypatch):
-    """Decode steps launched ahead take their input ids from the device (CUDA graphs and eager):
-    greedy, seeded and logprob requests come out as from the synchronous engine."""
-    ahead = count_scheduled_ahead(monkeypatch)
+    """Steps launched ahead take their in-flight input ids from the device (CUDA graphs, and eager
+    steps that mix them with arrivals): greedy, seeded and logprob requests come out as from the
+    synchronous engine."""
+    ahead = count_launched_ahead(monkeypatch)
     requests = mixed_requests(tiny_assets.adapters)
     results = {}
     for mode in (False, True):
         engine = make_engine(tiny_assets, device="cuda", dtype="float32", async_scheduling=mode, max_batch_tokens=48,
                              kv_cache_tokens=1024)  # a fixed pool: the engine before may not be collected yet
         try:
-            results[mode] = run_all(engine, requests)
+            results[mode] = run_arriving(engine, requests) if mode else run_all(engine, requests)
         finally:
             engine.stop()
-    assert sum(ahead) > 0
+    assert any(step.decodes_in_flight and step.prefill_tokens for step in ahead)
+    assert any(step.decodes_in_flight and not step.prefill_tokens for step in ahead)
     for request, want, have in zip(requests, results[False], results[True]):
         assert_same_outputs(have, want, request.request_id)

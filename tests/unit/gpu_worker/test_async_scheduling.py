@@ -1,15 +1,17 @@
-"""Async scheduling: a decode step is launched before the previous step's tokens reach the host
-(they feed it on the device). It must change nothing a client sees: the same tokens, stops,
-log-probabilities and finals as one step at a time, and every block back at the end."""
+"""Async scheduling: a step is launched before the previous step's tokens reach the host (they feed
+it on the device), whatever else it holds: arrivals, prefill chunks, requests about to finish. It
+must change nothing a client sees: the same tokens, stops, log-probabilities and finals as one step
+at a time, and every block back at the end."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import pytest
 
 from gpu_worker.engine import GenerationRequest
-from gpu_worker.scheduler import Scheduler
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sequence import FinishReason, SamplingParams
 from services.errors import Internal
 
@@ -34,18 +36,25 @@ def mixed_requests(adapters) -> list[GenerationRequest]:
     return requests
 
 
-def count_scheduled_ahead(monkeypatch) -> list[int]:
-    """Counts the decode steps the scheduler built ahead (a step still in flight)."""
-    counts: list[int] = []
-    schedule_ahead = Scheduler.schedule_ahead
+@dataclass(frozen=True)
+class LaunchedAhead:
+    """A step launched while the one before was in flight."""
+    decodes_in_flight: int   # sequences whose input token was still on the device
+    prefill_tokens: int      # prompt tokens in the same step (arrivals, chunks)
 
-    def counted(self, sampling):
-        batch = schedule_ahead(self, sampling)
-        if batch is not None:
-            counts.append(len(batch.items))
-        return batch
-    monkeypatch.setattr(Scheduler, "schedule_ahead", counted)
-    return counts
+
+def count_launched_ahead(monkeypatch) -> list[LaunchedAhead]:
+    """Records every step the model runner ran with the step before still in flight."""
+    launched: list[LaunchedAhead] = []
+    run = ModelRunner.run
+
+    def recorded(self, items, previous=None):
+        if previous is not None:
+            launched.append(LaunchedAhead(sum(1 for item in items if item.seq.num_in_flight),
+                                          sum(item.num_new for item in items if item.num_new > 1)))
+        return run(self, items, previous)
+    monkeypatch.setattr(ModelRunner, "run", recorded)
+    return launched
 
 
 def assert_same_outputs(have, want, request_id: str) -> None:
@@ -61,8 +70,19 @@ def assert_same_outputs(have, want, request_id: str) -> None:
             assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4), request_id
 
 
+def run_arriving(engine, requests: list[GenerationRequest], gap_s: float = 0.004) -> list[list]:
+    """Submit request i after i * gap_s seconds (so arrivals meet steps in flight); collect each one's outputs."""
+    async def one(i: int, request: GenerationRequest):
+        await asyncio.sleep(i * gap_s)
+        return await collect(engine, request)
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(one(i, r) for i, r in enumerate(requests))), timeout=120)
+    return asyncio.run(main())
+
+
 def test_async_steps_give_what_one_step_at_a_time_gives(engine_factory, tiny_assets, monkeypatch):
-    ahead = count_scheduled_ahead(monkeypatch)
+    ahead = count_launched_ahead(monkeypatch)
     sync = engine_factory(async_scheduling=False, kv_cache_tokens=KV_TOKENS, max_batch_tokens=48)
     (free,) = run_all(sync, [GenerationRequest("free", PROMPTS[0], SamplingParams(max_tokens=20))])
     stop_text = free[-1].full_text[6:9]
@@ -71,11 +91,13 @@ def test_async_steps_give_what_one_step_at_a_time_gives(engine_factory, tiny_ass
         GenerationRequest("stop-text", PROMPTS[0], SamplingParams(max_tokens=20, stop=(stop_text,))),
         GenerationRequest("stop-id", PROMPTS[0], SamplingParams(max_tokens=20, stop_token_ids=(tokens_of(free)[3],)))]
     expected = run_all(sync, requests)
-    assert not ahead, "the synchronous engine never schedules ahead"
+    assert not ahead, "the synchronous engine never launches a step ahead"
 
     engine = engine_factory(kv_cache_tokens=KV_TOKENS, max_batch_tokens=48)
-    got = run_all(engine, requests)
-    assert sum(ahead) > 0, "decode steps were meant to run ahead"
+    got = run_arriving(engine, requests)
+    assert any(step.decodes_in_flight for step in ahead), "decodes were meant to read their ids on the device"
+    assert any(step.decodes_in_flight and step.prefill_tokens for step in ahead), \
+        "arrivals and chunks were meant to join steps launched ahead"
     for request, want, have in zip(requests, expected, got):
         assert_same_outputs(have, want, request.request_id)
     assert any(o.logprobs for outputs in got for o in outputs)
@@ -88,7 +110,7 @@ def test_async_steps_give_what_one_step_at_a_time_gives(engine_factory, tiny_ass
 
 
 def test_preemption_under_async_scheduling_still_matches(engine_factory, tiny_assets, monkeypatch):
-    ahead = count_scheduled_ahead(monkeypatch)
+    ahead = count_launched_ahead(monkeypatch)
     requests = [GenerationRequest(f"p{i}", PROMPTS[i % len(PROMPTS)] * 3, SamplingParams(max_tokens=24),
                                   (None, *tiny_assets.adapters.values())[i % 3]) for i in range(6)]
     steps_sync, steps_async = [], []
@@ -97,7 +119,7 @@ def test_preemption_under_async_scheduling_still_matches(engine_factory, tiny_as
     engine = engine_factory(steps_async, kv_cache_tokens=128, kv_block_size=16)
     got = run_all(engine, requests)
     assert sum(s.num_preempted for s in steps_async) > 0, "the pool was meant to force preemption"
-    assert sum(ahead) > 0
+    assert any(step.decodes_in_flight for step in ahead)
     assert [tokens_of(o) for o in got] == [tokens_of(o) for o in expected]
     assert idle_stats(engine).free_kv_tokens == 128
 
