@@ -72,7 +72,7 @@ class StepRecord:
     num_prefills: int      # sequences that ran prompt tokens (a whole prompt or a chunk)
     num_tokens: int
     num_preempted: int     # sequences preempted to make room in this step
-    duration_s: float
+    duration_s: float      # launch to tokens on the host (async scheduling launches the next step in between)
     merged_adapter: str | None = None  # the adapter folded into the base weights for this step
 
 
