@@ -26,21 +26,23 @@ from gpu_worker.vision.image_cache import CachedImageEncoder, ImageFeatureCache
 from gpu_worker.vision.images import ImageEncoder
 from kernels import NO_SLOT
 from services.adapter_layout import TEXT_LAYOUT, AdapterLayout
-from services.config import WorkerConfig
+from services.config import ConfigError, WorkerConfig
 from services.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_TOKENS = 16384
+ASYNC_SCHEDULING = ("cuda", "always", "never")
 
 
 def build_engine(checkpoint_dir: Path, worker: WorkerConfig, adapter_store: Path,
                  on_step: Callable[[StepRecord], None] | None = None) -> Engine:
     device = torch.device(worker.device)
+    async_scheduling = async_scheduling_on(worker.async_scheduling, device)  # a bad setting fails before the load
     dtype = resolve_dtype(worker.dtype, device)
     served = load_served_model(checkpoint_dir, device=device, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
-    return assemble_engine(served, tokenizer, worker, adapter_store, on_step)
+    return assemble_engine(served, tokenizer, worker, adapter_store, on_step, async_scheduling)
 
 
 @dataclass(frozen=True)
@@ -53,14 +55,23 @@ class EngineParts:
 
 
 def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, worker: WorkerConfig,
-                    adapter_store: Path, on_step: Callable[[StepRecord], None] | None = None) -> Engine:
+                    adapter_store: Path, on_step: Callable[[StepRecord], None] | None = None,
+                    async_scheduling: bool = False) -> Engine:
     """An engine around an already loaded model (a vision-language model's processor included)."""
     parts = assemble_parts(served.language_model, worker, adapter_store, image_encoder=served.image_encoder,
                            adapter_layout=served.adapter_layout)
     return Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
                   adapters=parts.adapters, tokenizer=tokenizer, max_context=parts.model.max_context,
                   max_lora_rank=worker.max_lora_rank, on_step=on_step, processor=served.processor,
-                  async_scheduling=worker.async_scheduling)
+                  async_scheduling=async_scheduling)
+
+
+def async_scheduling_on(setting: str, device: torch.device) -> bool:
+    """worker.async_scheduling for `device`. "cuda" keeps it to devices that run apart from the host:
+    a CPU computes a step as it is launched, so running one ahead would only delay each token."""
+    if setting not in ASYNC_SCHEDULING:
+        raise ConfigError(f"worker.async_scheduling: expected one of {', '.join(ASYNC_SCHEDULING)}, got {setting!r}")
+    return setting == "always" or (setting == "cuda" and device.type == "cuda")
 
 
 def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store: Path,

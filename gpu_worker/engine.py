@@ -157,8 +157,8 @@ def _put_all(puts: list[tuple[asyncio.Queue, RequestOutput | TesseraError]]) -> 
 class Engine:
     def __init__(self, *, base_model: str, runner: ModelRunner, scheduler: Scheduler,
                  adapters: AdapterPool, tokenizer: PreTrainedTokenizerBase, max_context: int, max_lora_rank: int,
-                 on_step: Callable[[StepRecord], None] | None = None, processor: ProcessorMixin | None = None,
-                 async_scheduling: bool = True) -> None:
+                 async_scheduling: bool, on_step: Callable[[StepRecord], None] | None = None,
+                 processor: ProcessorMixin | None = None) -> None:
         self.base_model = base_model
         self._runner = runner
         self._scheduler = scheduler

@@ -107,9 +107,11 @@ class WorkerConfig:
     kv_cache_tokens: int = 0
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True  # replay captured decode steps on CUDA
-    # Async scheduling: launch the next decode step before the current one's tokens reach the host
-    # (they feed it on the device), so the host's work between steps overlaps the device's.
-    async_scheduling: bool = True
+    # Async scheduling: launch each step before the step before it has brought its tokens to the host
+    # (they feed it on the device), so the host's work between steps overlaps the device's. "cuda": on
+    # CUDA devices only (on a CPU the step launched ahead runs at once, holding each token back a step);
+    # "always"; "never".
+    async_scheduling: str = "cuda"
     # On CUDA, compile every LoRA kernel variant the limits above allow before serving (seconds at
     # the first start, Triton's disk cache after), so no request waits on a compile.
     warm_up_kernels: bool = True

@@ -89,14 +89,14 @@ def test_async_scheduling_on_cuda_gives_what_one_step_at_a_time_gives(tiny_asset
     ahead = count_launched_ahead(monkeypatch)
     requests = mixed_requests(tiny_assets.adapters)
     results = {}
-    for mode in (False, True):
+    for mode in ("never", "cuda"):
         engine = make_engine(tiny_assets, device="cuda", dtype="float32", async_scheduling=mode, max_batch_tokens=48,
                              kv_cache_tokens=1024)  # a fixed pool: the engine before may not be collected yet
         try:
-            results[mode] = run_arriving(engine, requests) if mode else run_all(engine, requests)
+            results[mode] = run_arriving(engine, requests) if mode == "cuda" else run_all(engine, requests)
         finally:
             engine.stop()
     assert any(step.decodes_in_flight and step.prefill_tokens for step in ahead)
     assert any(step.decodes_in_flight and not step.prefill_tokens for step in ahead)
-    for request, want, have in zip(requests, results[False], results[True]):
+    for request, want, have in zip(requests, results["never"], results["cuda"]):
         assert_same_outputs(have, want, request.request_id)

@@ -9,10 +9,13 @@ import asyncio
 from dataclasses import dataclass
 
 import pytest
+import torch
 
+from gpu_worker.builder import async_scheduling_on, build_engine
 from gpu_worker.engine import GenerationRequest
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sequence import FinishReason, SamplingParams
+from services.config import ConfigError, WorkerConfig
 from services.errors import Internal
 
 from .conftest import collect, idle_stats, run_all, tokens_of
@@ -83,7 +86,7 @@ def run_arriving(engine, requests: list[GenerationRequest], gap_s: float = 0.004
 
 def test_async_steps_give_what_one_step_at_a_time_gives(engine_factory, tiny_assets, monkeypatch):
     ahead = count_launched_ahead(monkeypatch)
-    sync = engine_factory(async_scheduling=False, kv_cache_tokens=KV_TOKENS, max_batch_tokens=48)
+    sync = engine_factory(async_scheduling="never", kv_cache_tokens=KV_TOKENS, max_batch_tokens=48)
     (free,) = run_all(sync, [GenerationRequest("free", PROMPTS[0], SamplingParams(max_tokens=20))])
     stop_text = free[-1].full_text[6:9]
     # Two that stop inside the free-running output: on a stop string, and on its fourth token's id.
@@ -93,7 +96,7 @@ def test_async_steps_give_what_one_step_at_a_time_gives(engine_factory, tiny_ass
     expected = run_all(sync, requests)
     assert not ahead, "the synchronous engine never launches a step ahead"
 
-    engine = engine_factory(kv_cache_tokens=KV_TOKENS, max_batch_tokens=48)
+    engine = engine_factory(async_scheduling="always", kv_cache_tokens=KV_TOKENS, max_batch_tokens=48)
     got = run_arriving(engine, requests)
     assert any(step.decodes_in_flight for step in ahead), "decodes were meant to read their ids on the device"
     assert any(step.decodes_in_flight and step.prefill_tokens for step in ahead), \
@@ -114,9 +117,9 @@ def test_preemption_under_async_scheduling_still_matches(engine_factory, tiny_as
     requests = [GenerationRequest(f"p{i}", PROMPTS[i % len(PROMPTS)] * 3, SamplingParams(max_tokens=24),
                                   (None, *tiny_assets.adapters.values())[i % 3]) for i in range(6)]
     steps_sync, steps_async = [], []
-    expected = run_all(engine_factory(steps_sync, async_scheduling=False, kv_cache_tokens=128, kv_block_size=16),
+    expected = run_all(engine_factory(steps_sync, async_scheduling="never", kv_cache_tokens=128, kv_block_size=16),
                        requests)
-    engine = engine_factory(steps_async, kv_cache_tokens=128, kv_block_size=16)
+    engine = engine_factory(steps_async, async_scheduling="always", kv_cache_tokens=128, kv_block_size=16)
     got = run_all(engine, requests)
     assert sum(s.num_preempted for s in steps_async) > 0, "the pool was meant to force preemption"
     assert any(step.decodes_in_flight for step in ahead)
@@ -125,7 +128,7 @@ def test_preemption_under_async_scheduling_still_matches(engine_factory, tiny_as
 
 
 def test_abort_while_a_step_is_in_flight_frees_everything(engine_factory):
-    engine = engine_factory(kv_cache_tokens=KV_TOKENS)
+    engine = engine_factory(async_scheduling="always", kv_cache_tokens=KV_TOKENS)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -149,7 +152,7 @@ def test_abort_while_a_step_is_in_flight_frees_everything(engine_factory):
 def test_a_failed_step_fails_the_running_requests_and_frees_their_blocks(engine_factory, monkeypatch):
     """The fault hits a step launched ahead while a request that already ended (its final sent)
     is still held by the step in flight: the others fail, that one keeps its final, nothing leaks."""
-    engine = engine_factory(kv_cache_tokens=KV_TOKENS)
+    engine = engine_factory(async_scheduling="always", kv_cache_tokens=KV_TOKENS)
     (free,) = run_all(engine, [GenerationRequest("free", PROMPTS[0], SamplingParams(max_tokens=8))])
     stop_id = tokens_of(free)[1]
     runner, scheduler = engine._runner, engine._scheduler
@@ -184,3 +187,15 @@ def test_a_failed_step_fails_the_running_requests_and_frees_their_blocks(engine_
     assert stats.running_requests == 0 and stats.free_kv_tokens == KV_TOKENS and stats.pinned_adapters == 0
     (after,) = run_all(engine, [GenerationRequest("after", PROMPTS[0], SamplingParams(max_tokens=4))])
     assert len(tokens_of(after)) == 4  # the engine serves on
+
+
+@pytest.mark.parametrize(("setting", "device", "expected"), [
+    ("cuda", "cuda", True), ("cuda", "cpu", False), ("always", "cpu", True), ("never", "cuda", False)])
+def test_the_setting_keeps_async_scheduling_to_devices_apart_from_the_host(setting, device, expected):
+    assert async_scheduling_on(setting, torch.device(device)) is expected
+
+
+def test_a_bad_setting_fails_before_the_model_loads(tiny_assets, tmp_path):
+    with pytest.raises(ConfigError, match="worker.async_scheduling: expected one of cuda, always, never, got 'on'"):
+        build_engine(tmp_path / "no-model-here", WorkerConfig(base_model=tiny_assets.name, async_scheduling="on"),
+                     tiny_assets.store)

@@ -28,7 +28,7 @@ def _random_request(rng: random.Random, index: int, adapters) -> GenerationReque
 def test_soak_random_traffic_with_cancellations(engine_factory, tiny_assets):
     steps = []
     engine = engine_factory(steps=steps, kv_cache_tokens=KV_TOKENS, max_num_seqs=16, max_batch_tokens=64,
-                            adapter_slots=2)
+                            adapter_slots=2, async_scheduling="always")  # the path with steps in flight
     rng = random.Random(1234)
     requests = [_random_request(rng, i, tiny_assets.adapters) for i in range(NUM_REQUESTS)]
     cancel_after = {r.request_id: rng.randint(0, 3) for r in requests if rng.random() < 0.25}
