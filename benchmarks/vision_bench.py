@@ -53,7 +53,7 @@ from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, Lla
                           PreTrainedTokenizerFast)
 
 from benchmarks.engine_bench import LLAMA2_7B, RANK, TARGETS, Report
-from gpu_worker.builder import assemble_parts
+from gpu_worker.builder import assemble_parts, async_scheduling_on
 from gpu_worker.device_kind import device_name
 from gpu_worker.engine import Engine, EngineStats, GenerationRequest, RequestHandle
 from gpu_worker.lora.loader import AdapterRef
@@ -164,7 +164,8 @@ def start_engine(setup: Setup, worker: WorkerConfig, processor: LlavaProcessor) 
                            image_encoder=served.image_encoder, adapter_layout=served.adapter_layout)
     engine = Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
                     adapters=parts.adapters, tokenizer=processor.tokenizer, max_context=parts.model.max_context,
-                    max_lora_rank=worker.max_lora_rank, processor=processor)
+                    max_lora_rank=worker.max_lora_rank, processor=processor,
+                    async_scheduling=async_scheduling_on(worker.async_scheduling, device))
     engine.start()
     return engine
 
