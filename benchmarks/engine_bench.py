@@ -10,9 +10,12 @@ Measures in one run, on the device it names:
      adapter the step uses) over the copy bandwidth;
   3. prefill throughput of 2048-token prompts against the matmul rate;
   4. end-to-end generation throughput against the naive alternative: transformers + PEFT
-     `generate` with `adapter_names`, on the same requests (32 distinct adapters, and one).
+     `generate` with `adapter_names`, on the same requests (32 distinct adapters, and one). Tessera's
+     is measured twice: as served (requests through a running Engine with the worker's default
+     scheduling, their text detokenized and streamed; the demo tokenizer padded to the vocabulary),
+     and as a loop of bare steps (`run_step`, no engine thread: the figure of earlier sessions).
 
-    python3 benchmarks/engine_bench.py [--quick] [--json OUT.json]
+    PYTHONPATH=.:protos python3 -m benchmarks.engine_bench [--quick] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-from gpu_worker.builder import EngineParts, assemble_parts
+from benchmarks.serving import BENCH_TOKEN_PREFIX, bench_request, bench_tokenizer, running_engine, serve
+from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.profile import random_adapters
@@ -46,6 +50,7 @@ DECODE_BATCHES = (1, 8, 32, 64)
 DECODE_CONTEXT = 128       # prompt tokens cached before the timed decode steps
 PREFILL_LEN = 2048
 E2E_BATCH, E2E_PROMPT, E2E_NEW = 32, 128, 32
+E2E_CASES = (("distinct", [f"own-{i}" for i in range(E2E_BATCH)]), ("one", ["shared"]))
 
 
 @dataclass
@@ -162,6 +167,15 @@ def decode_step_seconds(parts: EngineParts, seqs: list[Sequence], steps: int) ->
     return statistics.median(times)
 
 
+def e2e_prompt(tokenizer: PreTrainedTokenizerFast, fillers: list[str], generator: torch.Generator) -> str:
+    """A random prompt of exactly E2E_PROMPT tokens: BOS, then `fillers` (the bench tokenizer's added
+    tokens, one token each) drawn at random."""
+    picks = torch.randint(0, len(fillers), (E2E_PROMPT - 1,), generator=generator).tolist()
+    text = "".join(fillers[i] for i in picks)
+    assert len(tokenizer(text)["input_ids"]) == E2E_PROMPT, text[:80]
+    return text
+
+
 def kv_bytes_per_token(config: LlamaConfig) -> int:
     """Bytes of K and V one cached token holds over all layers, bf16: what decode attention reads."""
     head_dim = config.hidden_size // config.num_attention_heads
@@ -232,7 +246,17 @@ def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_fl
 
     print(f"end to end: {E2E_BATCH} requests x ({E2E_PROMPT} prompt + {E2E_NEW} new tokens):", flush=True)
     results["e2e"] = {}
-    for case, adapters in (("distinct", [f"own-{i}" for i in range(E2E_BATCH)]), ("one", ["shared"])):
+    tokenizer = bench_tokenizer(config.vocab_size)
+    fillers = [token for token in tokenizer.get_added_vocab() if token.startswith(BENCH_TOKEN_PREFIX)]
+    served_async = async_scheduling_on(WorkerConfig().async_scheduling, torch.device("cuda"))
+    with running_engine(parts, tokenizer, RANK, served_async) as engine:
+        for case, adapters in E2E_CASES:
+            requests = [bench_request(f"e2e-{case}-{i}", e2e_prompt(tokenizer, fillers, gen), E2E_NEW, adapters[i % len(adapters)],
+                                      RANK) for i in range(E2E_BATCH)]
+            results["e2e"][case] = E2E_BATCH * E2E_NEW / serve(engine, requests)
+            report.add(kind="e2e_tessera", adapters=case, tokens_per_s=results["e2e"][case], served=True,
+                       async_scheduling=served_async)
+    for case, adapters in E2E_CASES:
         seqs = new_sequences(parts, E2E_BATCH, E2E_PROMPT, adapters, gen)
         torch.cuda.synchronize()
         started = time.perf_counter()
@@ -241,8 +265,7 @@ def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_fl
             run_step(parts, seqs, [1] * len(seqs))
         seconds = time.perf_counter() - started
         release(parts, seqs)
-        results["e2e"][case] = E2E_BATCH * E2E_NEW / seconds
-        report.add(kind="e2e_tessera", adapters=case, tokens_per_s=results["e2e"][case])
+        report.add(kind="e2e_tessera_steps", adapters=case, tokens_per_s=E2E_BATCH * E2E_NEW / seconds)
     del parts, model
     gc.collect()
     torch.cuda.empty_cache()

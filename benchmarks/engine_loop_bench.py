@@ -26,36 +26,29 @@ id decodes). On CPU it is a tiny Llama of the same tokenizer (float32): there th
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
 
 import torch
 from transformers import LlamaConfig, PreTrainedTokenizerBase
 
 from benchmarks.engine_bench import LLAMA2_7B, RANK, TARGETS, decode_step_seconds, new_sequences, prefill, release
+from benchmarks.serving import BASE_MODEL, bench_request, bench_tokenizer, running_engine, serve
 from gpu_worker.builder import EngineParts, assemble_parts
-from gpu_worker.engine import Engine, GenerationRequest, RequestHandle, StepRecord
-from gpu_worker.lora.loader import AdapterRef
+from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.profile import random_adapters
-from gpu_worker.sequence import SamplingParams
 from services.config import WorkerConfig
-from services.demo_assets import build_tokenizer
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=4096, rms_norm_eps=1e-5)
-BASE_MODEL = "bench"
 PROMPT_TOKENS = 128
 PROMPT_WORDS = "the engine schedules every request on its adapter and streams each token as it comes".split()
-CASES = ("a_base", "c_own_adapters")
-T = TypeVar("T")  # engine_bench's names: no adapter; each request its own rank-64 adapter
+CASES = ("a_base", "c_own_adapters")  # engine_bench's names: no adapter; each request its own rank-64 adapter
 
 
 @dataclass(frozen=True)
@@ -132,23 +125,8 @@ def loop_step_ms(engine: Engine, records: list[tuple[float, StepRecord]], batch:
     """Runs `batch` requests of `new_tokens` through the engine; (median full-batch step period, steps timed)."""
     names = adapter_names(case, batch)
     records.clear()
-
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        handles = []
-        for i in range(batch):
-            name = names[i % len(names)]
-            adapter = AdapterRef(name, BASE_MODEL, RANK, "", "") if name else None
-            request = GenerationRequest(f"{case}-{batch}-{i}", prompt_text(i), SamplingParams(max_tokens=new_tokens),
-                                        adapter)
-            handles.append(engine.submit(request, loop))
-
-        async def drain(handle: RequestHandle) -> None:
-            async for _ in handle:
-                pass
-        await asyncio.gather(*map(drain, handles))
-
-    asyncio.run(run())
+    serve(engine, [bench_request(f"{case}-{batch}-{i}", prompt_text(i), new_tokens, names[i % len(names)], RANK)
+                   for i in range(batch)])
     periods = [later - earlier for (earlier, a), (later, b) in zip(records, records[1:])
                if a.num_prefills == b.num_prefills == 0 and len(a.request_ids) == len(b.request_ids) == batch]
     periods = periods[2:]  # the first steps after the prefill settle allocations
@@ -165,24 +143,9 @@ def churn_tokens_per_s(engine: Engine, case: str, running: int, new_tokens: int)
     (generated tokens per second, tokens)."""
     lengths = churn_lengths(4 * running, new_tokens)
     names = adapter_names(case, running)
-
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        handles = []
-        for i, length in enumerate(lengths):
-            name = names[i % len(names)]
-            adapter = AdapterRef(name, BASE_MODEL, RANK, "", "") if name else None
-            handles.append(engine.submit(GenerationRequest(f"churn-{case}-{i}", prompt_text(i),
-                                                           SamplingParams(max_tokens=length), adapter), loop))
-
-        async def drain(handle: RequestHandle) -> None:
-            async for _ in handle:
-                pass
-        await asyncio.gather(*map(drain, handles))
-
-    started = time.perf_counter()
-    asyncio.run(run())
-    return sum(lengths) / (time.perf_counter() - started), sum(lengths)
+    seconds = serve(engine, [bench_request(f"churn-{case}-{i}", prompt_text(i), length, names[i % len(names)], RANK)
+                             for i, length in enumerate(lengths)])
+    return sum(lengths) / seconds, sum(lengths)
 
 
 def main() -> None:
@@ -204,35 +167,30 @@ def run(device: torch.device, batches: list[int], cases: list[str], new_tokens: 
         steps: int) -> tuple[list[LoopRow], list[ChurnRow]]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"device: {name}; torch {torch.__version__}; prompt {PROMPT_TOKENS} tokens, {new_tokens} new", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = build_tokenizer(Path(tmp) / "tokenizer")
-    tokenizer.eos_token = None  # requests run to max_tokens, as engine_bench's do, whatever random weights sample
+    tokenizer = bench_tokenizer()  # no EOS: requests run to max_tokens, as engine_bench's do
     parts = build(device, max(batches), tokenizer)
     bare = {(b, c): bare_step_ms(parts, b, c, steps) for b in batches for c in cases}
     records: list[tuple[float, StepRecord]] = []
 
-    def timed(mode: bool, measure: Callable[[Engine], T]) -> T:
-        """`measure` on a fresh engine over `parts`, stopped after: two running engines would share a scheduler."""
-        engine = Engine(base_model=BASE_MODEL, runner=parts.runner, scheduler=parts.scheduler, adapters=parts.adapters,
-                        tokenizer=tokenizer, max_context=parts.model.max_context, max_lora_rank=RANK,
-                        on_step=lambda record: records.append((time.perf_counter(), record)), async_scheduling=mode)
-        engine.start()
-        try:
-            return measure(engine)
-        finally:
-            engine.stop()
+    def engine(mode: bool):
+        return running_engine(parts, tokenizer, RANK, mode, on_step=lambda r: records.append((time.perf_counter(), r)))
 
     rows = []
     for b in batches:
         for c in cases:
-            loop = {mode: timed(mode, lambda engine: loop_step_ms(engine, records, b, c, new_tokens))
-                    for mode in (True, False)}
+            loop = {}
+            for mode in (True, False):
+                with engine(mode) as running:
+                    loop[mode] = loop_step_ms(running, records, b, c, new_tokens)
             rows.append(LoopRow(b, c, bare[(b, c)], *loop[True], *loop[False]))
             print(rows[-1].line(), flush=True)
     churn = []
     for c in cases:
-        (fast, tokens), (slow, _) = (timed(mode, lambda engine: churn_tokens_per_s(engine, c, max(batches), new_tokens))
-                                     for mode in (True, False))
+        throughput = {}
+        for mode in (True, False):
+            with engine(mode) as running:
+                throughput[mode] = churn_tokens_per_s(running, c, max(batches), new_tokens)
+        (fast, tokens), (slow, _) = throughput[True], throughput[False]
         churn.append(ChurnRow(c, 4 * max(batches), max(batches), tokens, fast, slow))
         print(churn[-1].line(), flush=True)
     return rows, churn

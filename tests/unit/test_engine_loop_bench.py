@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import engine_loop_bench as bench
+from benchmarks.serving import bench_tokenizer
 
 
 def test_rows_time_every_decode_step_of_the_whole_batch():
@@ -27,8 +28,8 @@ def test_rows_time_every_decode_step_of_the_whole_batch():
     assert min(lengths) >= new_tokens // 3 and max(lengths) <= 5 * new_tokens // 3 and len(set(lengths)) > 1
 
 
-def test_prompts_differ_and_run_about_the_prompt_length(tmp_path):
-    tokenizer = bench.build_tokenizer(tmp_path / "tokenizer")
+def test_prompts_differ_and_run_about_the_prompt_length():
+    tokenizer = bench_tokenizer()
     prompts = [bench.prompt_text(i) for i in range(4)]
     assert len(set(prompts)) == 4
     lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]

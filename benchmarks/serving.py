@@ -1,0 +1,69 @@
+"""Benchmark requests through a running Engine, as the gRPC servicer sends them: submitted from an
+asyncio loop in the caller's thread, every stream drained to its end."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerFast
+
+from gpu_worker.builder import EngineParts
+from gpu_worker.engine import Engine, GenerationRequest, RequestHandle, StepRecord
+from gpu_worker.lora.loader import AdapterRef
+from gpu_worker.sequence import SamplingParams
+from services.demo_assets import build_tokenizer
+
+BASE_MODEL = "bench"
+BENCH_TOKEN_PREFIX = "<bench_"  # the added tokens that pad bench_tokenizer's vocabulary
+
+
+def bench_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """The locally trained demo tokenizer, padded with added tokens to `vocab_size` (so that every id a
+    random model of that vocabulary samples decodes), without EOS: requests run to max_tokens."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = build_tokenizer(Path(tmp) / "tokenizer")
+    if vocab_size is not None:
+        assert vocab_size >= len(tokenizer), (vocab_size, len(tokenizer))
+        tokenizer.add_tokens([f"{BENCH_TOKEN_PREFIX}{i}>" for i in range(vocab_size - len(tokenizer))])
+    tokenizer.eos_token = None
+    return tokenizer
+
+
+def bench_request(request_id: str, prompt: str, max_tokens: int, adapter: str | None, rank: int) -> GenerationRequest:
+    ref = AdapterRef(adapter, BASE_MODEL, rank, "", "") if adapter else None
+    return GenerationRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens), ref)
+
+
+@contextmanager
+def running_engine(parts: EngineParts, tokenizer: PreTrainedTokenizerFast, max_lora_rank: int, async_scheduling: bool,
+                   on_step: Callable[[StepRecord], None] | None = None) -> Iterator[Engine]:
+    """An engine over `parts`, stopped on exit. One at a time: two running engines would share a scheduler."""
+    engine = Engine(base_model=BASE_MODEL, runner=parts.runner, scheduler=parts.scheduler, adapters=parts.adapters,
+                    tokenizer=tokenizer, max_context=parts.model.max_context, max_lora_rank=max_lora_rank,
+                    async_scheduling=async_scheduling, on_step=on_step)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def serve(engine: Engine, requests: list[GenerationRequest]) -> float:
+    """Submit every request at once and drain each stream; seconds until the last one ended."""
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        handles = [engine.submit(request, loop) for request in requests]
+
+        async def drain(handle: RequestHandle) -> None:
+            async for _ in handle:
+                pass
+        await asyncio.gather(*map(drain, handles))
+
+    started = time.perf_counter()
+    asyncio.run(run())
+    return time.perf_counter() - started
