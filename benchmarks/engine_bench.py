@@ -251,8 +251,8 @@ def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_fl
     served_async = async_scheduling_on(WorkerConfig().async_scheduling, torch.device("cuda"))
     with running_engine(parts, tokenizer, RANK, served_async) as engine:
         for case, adapters in E2E_CASES:
-            requests = [bench_request(f"e2e-{case}-{i}", e2e_prompt(tokenizer, fillers, gen), E2E_NEW, adapters[i % len(adapters)],
-                                      RANK) for i in range(E2E_BATCH)]
+            requests = [bench_request(f"e2e-{case}-{i}", e2e_prompt(tokenizer, fillers, gen), E2E_NEW,
+                                      adapters[i % len(adapters)], RANK) for i in range(E2E_BATCH)]
             results["e2e"][case] = E2E_BATCH * E2E_NEW / serve(engine, requests)
             report.add(kind="e2e_tessera", adapters=case, tokens_per_s=results["e2e"][case], served=True,
                        async_scheduling=served_async)
