@@ -86,8 +86,8 @@ class LoopRow:
         return (f"batch {self.batch:3d} {self.case:15s} bare {self.bare_ms:7.3f} ms  "
                 f"loop {self.loop_ms:7.3f} ms ({self.loop_ms / self.bare_ms:5.3f}x bare, host {self.host_ms:+6.3f} ms, "
                 f"{self.host_ms / self.batch * 1e3:6.1f} us a sequence; {self.loop_steps} steps)  "
-                f"sync loop {self.sync_ms:7.3f} ms ({self.sync_ms / self.bare_ms:5.3f}x bare, host {sync_host_ms:+6.3f} ms; "
-                f"{self.sync_steps} steps)  sync/async {self.sync_ms / self.loop_ms:5.3f}")
+                f"sync loop {self.sync_ms:7.3f} ms ({self.sync_ms / self.bare_ms:5.3f}x bare, "
+                f"host {sync_host_ms:+6.3f} ms; {self.sync_steps} steps)  sync/async {self.sync_ms / self.loop_ms:5.3f}")
 
 
 def adapter_names(case: str, batch: int) -> list[str | None]:

@@ -12,8 +12,8 @@ from gpu_worker.engine import Engine, StepRecord
 from services.metrics import LATENCY_BUCKETS
 
 GENERATED_TOKENS = Counter("tessera_worker_generated_tokens_total", "Tokens sampled by the engine")
-STEP_SECONDS = Histogram("tessera_worker_step_seconds", "Time from an engine step's launch to its sampled tokens on the host",
-                         buckets=LATENCY_BUCKETS)
+STEP_SECONDS = Histogram("tessera_worker_step_seconds",
+                         "Time from an engine step's launch to its sampled tokens on the host", buckets=LATENCY_BUCKETS)
 BATCH_TOKENS = Histogram("tessera_worker_step_tokens", "Packed tokens per engine step",
                          buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
 # Distinct models (each adapter, and the base model) sharing one forward pass.
