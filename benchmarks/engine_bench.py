@@ -34,6 +34,7 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from benchmarks.serving import BENCH_TOKEN_PREFIX, bench_request, bench_tokenizer, running_engine, serve
 from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
+from gpu_worker.engine import StepRecord
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.profile import random_adapters
@@ -249,13 +250,17 @@ def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_fl
     tokenizer = bench_tokenizer(config.vocab_size)
     fillers = [token for token in tokenizer.get_added_vocab() if token.startswith(BENCH_TOKEN_PREFIX)]
     served_async = async_scheduling_on(WorkerConfig().async_scheduling, torch.device("cuda"))
-    with running_engine(parts, tokenizer, RANK, served_async) as engine:
+    steps: list[StepRecord] = []
+    with running_engine(parts, tokenizer, RANK, served_async, on_step=steps.append) as engine:
         for case, adapters in E2E_CASES:
             requests = [bench_request(f"e2e-{case}-{i}", e2e_prompt(tokenizer, fillers, gen), E2E_NEW,
                                       adapters[i % len(adapters)], RANK) for i in range(E2E_BATCH)]
+            steps.clear()
             results["e2e"][case] = E2E_BATCH * E2E_NEW / serve(engine, requests)
             report.add(kind="e2e_tessera", adapters=case, tokens_per_s=results["e2e"][case], served=True,
-                       async_scheduling=served_async)
+                       async_scheduling=served_async, steps=len(steps),
+                       steps_with_prefill=sum(1 for step in steps if step.num_prefills),
+                       merged_steps=sum(1 for step in steps if step.merged_adapter))
     for case, adapters in E2E_CASES:
         seqs = new_sequences(parts, E2E_BATCH, E2E_PROMPT, adapters, gen)
         torch.cuda.synchronize()
