@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-from benchmarks.serving import BENCH_TOKEN_PREFIX, bench_request, bench_tokenizer, running_engine, serve
+from benchmarks.serving import BASE_MODEL, BENCH_TOKEN_PREFIX, bench_request, bench_tokenizer, running_engine, serve
 from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
 from gpu_worker.engine import StepRecord
 from gpu_worker.lora.loader import AdapterRef
@@ -114,7 +114,7 @@ def new_sequences(parts: EngineParts, count: int, prompt_len: int, adapters: lis
         seq = Sequence(f"bench-{i}", ids, SamplingParams(max_tokens=4096), None, None)
         name = adapters[i % len(adapters)]
         if name is not None:
-            seq.adapter = AdapterRef(name, "bench", RANK, "", "")
+            seq.adapter = AdapterRef(name, BASE_MODEL, RANK, "", "")
             seq.slot = parts.adapters.acquire(seq.adapter)
         seqs.append(seq)
     return seqs

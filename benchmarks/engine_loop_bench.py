@@ -30,8 +30,10 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import LlamaConfig, PreTrainedTokenizerBase
@@ -49,6 +51,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 PROMPT_TOKENS = 128
 PROMPT_WORDS = "the engine schedules every request on its adapter and streams each token as it comes".split()
 CASES = ("a_base", "c_own_adapters")  # engine_bench's names: no adapter; each request its own rank-64 adapter
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ class LoopRow:
                 f"loop {self.loop_ms:7.3f} ms ({self.loop_ms / self.bare_ms:5.3f}x bare, host {self.host_ms:+6.3f} ms, "
                 f"{self.host_ms / self.batch * 1e3:6.1f} us a sequence; {self.loop_steps} steps)  "
                 f"sync loop {self.sync_ms:7.3f} ms ({self.sync_ms / self.bare_ms:5.3f}x bare, "
-                f"host {sync_host_ms:+6.3f} ms; {self.sync_steps} steps)  sync/async {self.sync_ms / self.loop_ms:5.3f}")
+                f"host {sync_host_ms:+6.3f} ms; {self.sync_steps} steps)  "
+                f"sync/async {self.sync_ms / self.loop_ms:5.3f}")
 
 
 def adapter_names(case: str, batch: int) -> list[str | None]:
@@ -172,25 +176,25 @@ def run(device: torch.device, batches: list[int], cases: list[str], new_tokens: 
     bare = {(b, c): bare_step_ms(parts, b, c, steps) for b in batches for c in cases}
     records: list[tuple[float, StepRecord]] = []
 
-    def engine(mode: bool):
-        return running_engine(parts, tokenizer, RANK, mode, on_step=lambda r: records.append((time.perf_counter(), r)))
+    def async_then_sync(measure: Callable[[Engine], T]) -> tuple[T, T]:
+        """`measure` on an engine with async scheduling, then on one without (one engine at a time)."""
+        results = []
+        for mode in (True, False):
+            with running_engine(parts, tokenizer, RANK, mode,
+                                on_step=lambda record: records.append((time.perf_counter(), record))) as engine:
+                results.append(measure(engine))
+        return results[0], results[1]
 
     rows = []
     for b in batches:
         for c in cases:
-            loop = {}
-            for mode in (True, False):
-                with engine(mode) as running:
-                    loop[mode] = loop_step_ms(running, records, b, c, new_tokens)
-            rows.append(LoopRow(b, c, bare[(b, c)], *loop[True], *loop[False]))
+            fast, slow = async_then_sync(lambda engine: loop_step_ms(engine, records, b, c, new_tokens))
+            rows.append(LoopRow(b, c, bare[(b, c)], *fast, *slow))
             print(rows[-1].line(), flush=True)
     churn = []
     for c in cases:
-        throughput = {}
-        for mode in (True, False):
-            with engine(mode) as running:
-                throughput[mode] = churn_tokens_per_s(running, c, max(batches), new_tokens)
-        (fast, tokens), (slow, _) = throughput[True], throughput[False]
+        (fast, tokens), (slow, _) = async_then_sync(lambda engine: churn_tokens_per_s(engine, c, max(batches),
+                                                                                       new_tokens))
         churn.append(ChurnRow(c, 4 * max(batches), max(batches), tokens, fast, slow))
         print(churn[-1].line(), flush=True)
     return rows, churn

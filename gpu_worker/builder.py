@@ -42,7 +42,7 @@ def build_engine(checkpoint_dir: Path, worker: WorkerConfig, adapter_store: Path
     dtype = resolve_dtype(worker.dtype, device)
     served = load_served_model(checkpoint_dir, device=device, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
-    return assemble_engine(served, tokenizer, worker, adapter_store, on_step, async_scheduling)
+    return assemble_engine(served, tokenizer, worker, adapter_store, on_step, async_scheduling=async_scheduling)
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class EngineParts:
 
 
 def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, worker: WorkerConfig,
-                    adapter_store: Path, on_step: Callable[[StepRecord], None] | None = None,
-                    async_scheduling: bool = False) -> Engine:
+                    adapter_store: Path, on_step: Callable[[StepRecord], None] | None, *,
+                    async_scheduling: bool) -> Engine:
     """An engine around an already loaded model (a vision-language model's processor included)."""
     parts = assemble_parts(served.language_model, worker, adapter_store, image_encoder=served.image_encoder,
                            adapter_layout=served.adapter_layout)
@@ -70,7 +70,8 @@ def async_scheduling_on(setting: str, device: torch.device) -> bool:
     """worker.async_scheduling for `device`. "cuda" keeps it to devices that run apart from the host:
     a CPU computes a step as it is launched, so running one ahead would only delay each token."""
     if setting not in ASYNC_SCHEDULING:
-        raise ConfigError(f"worker.async_scheduling: expected one of {', '.join(ASYNC_SCHEDULING)}, got {setting!r}")
+        raise ConfigError(f"worker.async_scheduling: expected one of {', '.join(ASYNC_SCHEDULING)}, "
+                          f"got {setting!r}")
     return setting == "always" or (setting == "cuda" and device.type == "cuda")
 
 

@@ -305,11 +305,10 @@ class Engine:
         if not batch.items:
             if previous is not None:  # its requests may have sampled their last tokens
                 self._complete(previous)
-                self._send_outputs()
-                return
             self._send_outputs()
-            self._publish_stats()
-            time.sleep(0.001)  # everything waits for an adapter slot; let aborts arrive
+            if previous is None:
+                self._publish_stats()
+                time.sleep(0.001)  # everything waits for an adapter slot; let aborts arrive
             return
         launched = self._launch(batch, previous)
         if previous is not None:
