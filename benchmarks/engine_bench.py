@@ -41,6 +41,7 @@ from gpu_worker.profile import random_adapters
 from gpu_worker.sampler import sample
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
+from kernels import tuning
 from services.config import WorkerConfig
 
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -322,7 +323,9 @@ def main() -> None:
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     report = Report(device=torch.cuda.get_device_name())
-    print(f"device: {report.device}; torch {torch.__version__}; decode context {args.context}", flush=True)
+    tables = tuning.table_for(torch.device("cuda"))["sources"]  # where the LoRA kernels' tiles come from
+    print(f"device: {report.device}; torch {torch.__version__}; decode context {args.context}; "
+          f"LoRA tile tables: {', '.join(tables) or 'none (heuristics)'}", flush=True)
     bandwidth, peak = copy_bandwidth(), matmul_flops()
     report.add(kind="ceiling", copy_tb_per_s=bandwidth / 1e12, bf16_matmul_tflops=peak / 1e12)
     config = LlamaConfig(**LLAMA2_7B)
@@ -330,7 +333,8 @@ def main() -> None:
     if not args.skip_peft:
         bench_peft(report, config, tessera, args.quick)
     if args.json:
-        args.json.write_text(json.dumps({"device": report.device, "rows": report.rows}, indent=1))
+        args.json.write_text(json.dumps({"device": report.device, "lora_tables": tables, "rows": report.rows},
+                                        indent=1))
 
 
 if __name__ == "__main__":

@@ -538,8 +538,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     bandwidth = timing.copy_bandwidth()
     header = {"device": torch.cuda.get_device_name(), "date": datetime.now().isoformat(timespec="seconds"),
               "command": shlex.join(sys.orig_argv), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bandwidth_Bps": bandwidth}
-    print(f"{header['device']}  {header['date']}  torch {torch.__version__}  triton {triton.__version__}")
+              "copy_bandwidth_Bps": bandwidth, "tables": tuning.table_for(torch.device(DEVICE))["sources"]}
+    print(f"{header['device']}  {header['date']}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"tables: {', '.join(header['tables']) or 'none (heuristics)'}")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {len(cases)} cases x {len(OPS)} ops")
     print(format_header(), flush=True)
     rows: list[Row] = []

@@ -634,7 +634,8 @@ def tune(args: argparse.Namespace, todo: list[Bucket], command: str) -> int:
     if heuristic_splits := expands_on_heuristic_splits(todo, old):
         print(f"note: {len(heuristic_splits)} expand buckets have no shrink entry in {path}: they are timed on the "
               "heuristic shrink's K split; merge this table whole, not entry by entry", file=sys.stderr)
-    header = {"gpu": gpu, "triton": triton.__version__, "torch": torch.__version__,
+    header = {"gpu": gpu, "capability": tuning.capability_of(torch.cuda.current_device()),  # kin GPUs use it
+              "triton": triton.__version__, "torch": torch.__version__,
               "date": date.today().isoformat(), "command": command}
     dtype = getattr(torch, args.dtype)
     elem_size = torch.empty((), dtype=dtype).element_size()

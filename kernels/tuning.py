@@ -3,8 +3,10 @@
 `python -m kernels.tune` times candidate configurations for each shape bucket of a model on the
 local GPU and writes `kernels/tables/<gpu>.json`. At run time a call's bucket key is built from
 host ints only (the projection's shape, the padded rank, the batch's token count and its largest
-group, each rounded up to a tuned point) and looked up in a dict. Shapes or GPUs without a table
-get the heuristics below, measured on an H200 before the tuner existed.
+group, each rounded up to a tuned point) and looked up in a dict. A GPU's buckets missing from its
+own table come from tables tuned on GPUs of its architecture (an H100 runs an H200's entries: the
+same SMs, shared memory and instructions); what no such table has gets the heuristics below,
+measured on an H200 before the tuner existed.
 """
 
 from __future__ import annotations
@@ -133,23 +135,39 @@ def gpu_slug(name: str) -> str:
 
 
 @functools.cache
-def load_table(gpu_name: str) -> dict:
-    """The table tuned on this GPU model, or an empty one."""
-    path = TABLE_DIR / f"{gpu_slug(gpu_name)}.json"
-    if not path.exists():
-        return {"gpu": gpu_name, "configs": {}, "static": {}}
-    return json.loads(path.read_text())
+def load_table(gpu_name: str, capability: str | None = None) -> dict:
+    """The entries to run on this GPU model: its own table's over those of the tables tuned on
+    other GPUs of its compute capability ("9.0"), each bucket from the first table that has it;
+    `sources` names the tables used, own first. The static configuration is the own table's if it
+    has one (its configurations were timed here), else a sibling's. No table: empty."""
+    own_path = TABLE_DIR / f"{gpu_slug(gpu_name)}.json"
+    layers = [json.loads(own_path.read_text())] if own_path.exists() else []
+    if capability is not None:  # sorted: the same GPU always gets the same entries
+        layers += [table for path in sorted(TABLE_DIR.glob("*.json")) if path != own_path
+                   and (table := json.loads(path.read_text())).get("capability") == capability]
+    configs: dict[str, dict] = {}
+    static: dict[str, dict] = {}
+    for layer in reversed(layers):  # the own table last: its entries win
+        configs.update(layer["configs"])
+        static.update(layer["static"])
+    return {"gpu": gpu_name, "sources": [layer["gpu"] for layer in layers], "configs": configs, "static": static}
 
 
 def table_for(device: torch.device) -> dict:
     if device.type != "cuda":
-        return {"configs": {}, "static": {}}
-    return load_table(_device_name(device.index if device.index is not None else torch.cuda.current_device()))
+        return {"sources": [], "configs": {}, "static": {}}
+    return load_table(*_device_identity(device.index if device.index is not None else torch.cuda.current_device()))
 
 
 @functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
+def _device_identity(index: int) -> tuple[str, str]:
+    """(name, compute capability as "major.minor"): what picks a device's tables."""
+    return torch.cuda.get_device_name(index), capability_of(index)
+
+
+def capability_of(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"{major}.{minor}"
 
 
 def config_from(op: str, entry: dict) -> Config:

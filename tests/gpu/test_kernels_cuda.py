@@ -188,13 +188,14 @@ def test_merge_gqa_compiled_equals_reference_rounded_once(dtype, in_features, ma
 
 def _distinct_table_configs() -> list[tuple[str, object]]:
     from kernels import tuning
-    table = tuning.load_table(torch.cuda.get_device_name()) if torch.cuda.is_available() else {"configs": {}}
+    table = tuning.table_for(torch.device("cuda")) if torch.cuda.is_available() else {"configs": {}}
     found = {(key.split("|")[0], tuning.config_from(key.split("|")[0], entry)) for key, entry in table["configs"].items()}
     return sorted(found, key=str)
 
 
 def test_every_tuned_config_computes_the_reference():
-    """Each distinct configuration of this GPU's committed table: a bad table entry cannot ship."""
+    """Each distinct configuration this GPU runs from the committed tables (its own and its
+    architecture's): a bad table entry cannot ship."""
     configs = _distinct_table_configs()
     if not configs:
         pytest.skip(f"no tuned table for {torch.cuda.get_device_name()}")

@@ -114,6 +114,53 @@ def test_table_file_is_found_by_gpu_name(tmp_path, monkeypatch):
         tuning.load_table.cache_clear()
 
 
+def _write_table(directory, gpu: str, capability: str, configs: dict, static: dict) -> None:
+    table = {"gpu": gpu, "capability": capability, "configs": configs, "static": static}
+    (directory / f"{tuning.gpu_slug(gpu)}.json").write_text(json.dumps(table))
+
+
+def test_a_gpu_without_its_own_entries_runs_those_of_its_architecture(tmp_path, monkeypatch):
+    """An H100 takes an H200's entries for the buckets its own table lacks; a GPU of another
+    architecture takes none of them (their tiles may not even fit its shared memory)."""
+    decode, prefill = Bucket("expand", 4096, (4096,), 64, 8, 1), Bucket("expand", 4096, (4096,), 64, 2048, 2048)
+    kin_decode = {"block_m": 1, "block_n": 64, "n_steps": 2, "num_warps": 4, "num_stages": 3}
+    own_decode = {"block_m": 1, "block_n": 128, "n_steps": 4, "num_warps": 8, "num_stages": 2}
+    kin_prefill = {"block_m": 32, "block_n": 128, "n_steps": 4, "num_warps": 4, "num_stages": 3}
+    kin_static = {"expand": kin_prefill, "shrink": {"block_m": 64, "block_k": 128, "split_k": 1, "num_warps": 4,
+                                                   "num_stages": 4}}
+    _write_table(tmp_path, "NVIDIA H200", "9.0", {decode.key: kin_decode, prefill.key: kin_prefill}, kin_static)
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
+    tuning.load_table.cache_clear()
+    try:
+        h100 = tuning.load_table("NVIDIA H100 80GB HBM3", "9.0")  # no table of its own yet
+        assert h100["sources"] == ["NVIDIA H200"]
+        assert tuning.lookup(decode, h100) == ExpandConfig(1, 64, 2, 4, 3)
+        assert h100["static"] == kin_static
+
+        _write_table(tmp_path, "NVIDIA H100 80GB HBM3", "9.0", {decode.key: own_decode},
+                     {"expand": own_decode})
+        tuning.load_table.cache_clear()
+        h100 = tuning.load_table("NVIDIA H100 80GB HBM3", "9.0")
+        assert h100["sources"] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+        assert tuning.lookup(decode, h100) == ExpandConfig(1, 128, 4, 8, 2)  # its own entry wins
+        assert tuning.lookup(prefill, h100) == ExpandConfig(32, 128, 4, 4, 3)  # the sibling's fills the gap
+        assert h100["static"] == {**kin_static, "expand": own_decode}
+
+        ampere = tuning.load_table("NVIDIA A100-SXM4-80GB", "8.0")
+        assert ampere["sources"] == [] and ampere["configs"] == {}
+        assert tuning.lookup(decode, ampere) == tuning.heuristic_config(decode)
+    finally:
+        tuning.load_table.cache_clear()
+
+
+def test_the_committed_tables_name_their_architecture():
+    for path in tuning.TABLE_DIR.glob("*.json"):
+        table = json.loads(path.read_text())
+        assert path.name == f"{tuning.gpu_slug(table['gpu'])}.json"
+        major, minor = table["capability"].split(".")
+        assert major.isdigit() and minor.isdigit()
+
+
 def test_cpu_tensors_use_no_table_and_a_static_config_exists():
     assert tuning.table_for(torch.device("cpu"))["configs"] == {}
     assert isinstance(tuning.static_config("shrink", torch.device("cpu")), ShrinkConfig)
