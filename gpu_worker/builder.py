@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,22 +106,48 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     adapters = AdapterPool(model.lora_layers(worker.lora_targets), worker.adapter_slots, load_checked)
     scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
                           BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters)
-    if device.type == "cuda" and worker.warm_up_kernels and worker.adapter_slots > 0:
-        from kernels.lora_warmup import warm_up_lora  # CUDA only: CPU installs may lack a GPU triton
-        stacks = [m.lora for m, _ in model.lora_layers(worker.lora_targets).values() if m.lora is not None]
-        variants, seconds = warm_up_lora(stacks, worker.max_batch_tokens, worker.adapter_slots)
-        log.info("LoRA kernels warmed up: %d shrink/expand variants compiled or found in Triton's cache in %.1f s", variants, seconds)
-    graphs = None
-    if device.type == "cuda" and worker.cuda_graphs:
-        graphs = DecodeGraphs(model, kv_cache, max_batch=worker.max_num_seqs,
-                              max_context=model.max_context, with_lora=worker.adapter_slots > 0)
     merged = None
     if worker.merge_after_steps > 0 and worker.adapter_slots > 0:
         modules = list({id(m): m for m, _ in model.lora_layers(worker.lora_targets).values()}.values())
         merged = MergedMode(modules, worker.merge_after_steps)
+    if device.type == "cuda" and worker.warm_up_kernels:
+        _warm_up_kernels(model, worker, shape, merged)
+    graphs = None
+    if device.type == "cuda" and worker.cuda_graphs:
+        graphs = DecodeGraphs(model, kv_cache, max_batch=worker.max_num_seqs,
+                              max_context=model.max_context, with_lora=worker.adapter_slots > 0)
     images = CachedImageEncoder(image_encoder, ImageFeatureCache(worker.image_cache_bytes)) \
         if image_encoder is not None else None
     return EngineParts(model, ModelRunner(model, kv_cache, device, graphs, merged, images), scheduler, adapters)
+
+
+def _warm_up_kernels(model: LlamaForCausalLM, worker: WorkerConfig, shape: CacheShape,
+                     merged: MergedMode | None) -> None:
+    """Compile every Triton kernel variant the worker's steps can select (attention, the skinny
+    matmuls, LoRA, merge) before it serves: seconds at a first start, Triton's disk cache after.
+    The decode graphs' capture compiles the rest (norms, rotary), as it runs every decode batch size."""
+    from kernels.compile_ahead import compiling_ahead  # CUDA only: CPU installs may lack a GPU triton
+    from kernels.linear import SKINNY_MAX_ROWS
+    from kernels.lora_warmup import warm_up_lora
+    from kernels.triton_attention import warm_up_attention
+    from kernels.triton_linear import warm_up_linear
+
+    started = time.perf_counter()
+    modules = {id(m): m for m, _ in model.lora_layers(LORA_TARGETS).values()}.values()  # every projection
+    stacks = [m.lora for m, _ in model.lora_layers(worker.lora_targets).values() if m.lora is not None]
+    with compiling_ahead():
+        attention = warm_up_attention(model.config.num_attention_heads, shape.num_kv_heads, shape.head_dim,
+                                      worker.kv_block_size, shape.dtype, shape.device)
+        linear = 0
+        if shape.dtype in (torch.float16, torch.bfloat16):  # what kernels.linear sends to the skinny kernel
+            projections = [(m.weight, m.bias) for m in modules] + [(model.lm_head.weight, None)]
+            linear = warm_up_linear(projections, SKINNY_MAX_ROWS)
+        lora = warm_up_lora(stacks, worker.max_batch_tokens, worker.adapter_slots) if stacks else 0
+        if merged is not None:
+            merged.warm_up()
+    log.info("kernels warmed up: %d attention, %d matmul and %d LoRA shrink/expand variants%s, compiled or "
+             "found in Triton's cache in %.1f s", attention, linear, lora, " and merge/restore" if merged else "",
+             time.perf_counter() - started)
 
 
 def _num_kv_blocks(model: LlamaForCausalLM, shape: CacheShape, worker: WorkerConfig) -> int:

@@ -18,7 +18,8 @@ SKINNY_MAX_ROWS = 32
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [num_tokens, in_features], weight: [out_features, in_features] -> [num_tokens, out_features]."""
-    if x.is_cuda and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16):
+    # 0 rows: a step of prompt chunks that all end mid-prompt asks the head for no logits.
+    if x.is_cuda and 0 < x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16):
         from kernels.triton_linear import skinny_linear  # triton only where CUDA is
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)

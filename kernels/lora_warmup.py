@@ -11,20 +11,16 @@ constexprs), so they can be listed from the worker's limits: for every token poi
 step budget, every group point up to it (its smallest and largest group, which decide ONE_TILE
 for row tiles in between), every rank tile up to the slots' rank, contiguous and gathered rows,
 ranks mixed or not.
-They are compiled on a thread pool in Triton's async-compile mode, without launching anything.
+Nothing is launched: inside kernels.compile_ahead's `compiling_ahead` the compiles run in parallel.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import triton
-from triton.runtime._async_compile import AsyncCompileMode
 
 from kernels import triton_lora, tuning
 from kernels.batch import NO_SLOT, LoRABatch
@@ -70,30 +66,27 @@ def batch_shapes(max_tokens: int, max_rank: int) -> Iterator[BatchShape]:
             previous = group_point
 
 
-def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int,
-                 jobs: int | None = None) -> tuple[int, float]:
+def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int) -> int:
     """Compile shrink and expand for every batch shape of every stack (one per distinct projection
-    shape). `capacity`: the most groups a step's batch may hold (the adapter slots). Returns
-    (variants requested, seconds)."""
-    started = time.perf_counter()
+    shape). `capacity`: the most groups a step's batch may hold (the adapter slots). Returns the
+    variants requested."""
     by_shape = {(s.in_features, s.out_offsets, s.max_rank, s.a.dtype): s for s in stacks}
     shapes = list(batch_shapes(max_tokens, max(s.max_rank for s in by_shape.values()) if by_shape else 16))
     # Kernels scan up to max(64, capacity rounded up to a power of 2) groups: one capacity per scan size.
     capacities = sorted({min(triton_lora.group_block(c), capacity) for c in range(1, capacity + 1)})
     requested = 0
-    with ThreadPoolExecutor(jobs or min(16, os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
-        for stack in by_shape.values():
-            x = torch.empty(max_tokens, stack.in_features, dtype=stack.a.dtype, device=stack.a.device)
-            out = torch.empty(max_tokens, stack.out_features, dtype=stack.a.dtype, device=stack.a.device)
-            for shape in shapes:
-                if shape.max_rank > triton.next_power_of_2(stack.max_rank):
-                    continue
-                for groups in capacities:
-                    batch = _batch(shape, groups, stack.a.device)
-                    y = triton_lora.lora_shrink(x[:shape.tokens], stack, batch, compile_only=True)
-                    triton_lora.lora_expand(out[:shape.tokens], y, stack, batch, compile_only=True)
-                    requested += 2
-    return requested, time.perf_counter() - started
+    for stack in by_shape.values():
+        x = torch.empty(max_tokens, stack.in_features, dtype=stack.a.dtype, device=stack.a.device)
+        out = torch.empty(max_tokens, stack.out_features, dtype=stack.a.dtype, device=stack.a.device)
+        for shape in shapes:
+            if shape.max_rank > triton.next_power_of_2(stack.max_rank):
+                continue
+            for groups in capacities:
+                batch = _batch(shape, groups, stack.a.device)
+                y = triton_lora.lora_shrink(x[:shape.tokens], stack, batch, compile_only=True)
+                triton_lora.lora_expand(out[:shape.tokens], y, stack, batch, compile_only=True)
+                requested += 2
+    return requested
 
 
 def _batch(shape: BatchShape, capacity: int, device: torch.device) -> LoRABatch:

@@ -37,6 +37,16 @@ def merge_weights(targets: Sequence[MergeTarget], slot: int) -> None:
         merge_weights_reference(targets, slot)
 
 
+def warm_up_merge(targets: Sequence[MergeTarget]) -> None:
+    """Compile (CUDA) the merge and restore kernels `targets` select, launching nothing, so that the
+    first merge of a worker does not wait on a compile. Backups are not read: a weight may stand in
+    for its own."""
+    if targets and targets[0].weight.is_cuda:
+        from kernels.triton_merge import merge_weights_triton, restore_weights_triton
+        merge_weights_triton(targets, 0, compile_only=True)
+        restore_weights_triton(targets, compile_only=True)
+
+
 def restore_weights(targets: Sequence[MergeTarget]) -> None:
     """W <- backup for every target (bit-exact)."""
     if targets and targets[0].weight.is_cuda:

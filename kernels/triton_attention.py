@@ -24,6 +24,8 @@ Key k of sequence s lives at cache row block_tables[s, k // block_size] * block_
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,6 +35,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.attention import AttentionMetadata, check_inputs
+from kernels.compile_ahead import launcher
 
 
 @dataclass(frozen=True)
@@ -66,14 +69,15 @@ def choose_num_splits(programs: int, max_seq_len: int) -> int:
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, *, out: torch.Tensor | None = None, tiles: TileConfig | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, compile_only: bool = False) -> torch.Tensor:
     """Same contract as kernels.attention.paged_attention.
 
-    out:        [num_tokens, num_heads, head_dim] to write into (rows outside every sequence are left
-                as they are); a new tensor when None
-    tiles:      tile sizes; chosen from meta.max_query_len when None (which only picks tiles: every
-                sequence's rows are covered whatever it says)
-    num_splits: key ranges per tile; chosen from the grid size and meta.max_seq_len when None
+    out:          [num_tokens, num_heads, head_dim] to write into (rows outside every sequence are left
+                  as they are); a new tensor when None
+    tiles:        tile sizes; chosen from meta.max_query_len when None (which only picks tiles: every
+                  sequence's rows are covered whatever it says)
+    num_splits:   key ranges per tile; chosen from the grid size and meta.max_seq_len when None
+    compile_only: compile the kernels these arguments select without launching them (warm_up_attention)
     """
     check_inputs(q, k_cache, v_cache, meta)
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -108,7 +112,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out
-    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+    launcher(_paged_attention_kernel, (num_tiles, num_kv_heads, num_splits), compile_only)(
         q, k_cache, v_cache, out, part_out, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
         num_seqs, num_splits, num_heads, scale * math.log2(math.e),
@@ -118,7 +122,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(q.device))
     if split:
-        _combine_splits_kernel[(num_tokens, num_heads)](
+        launcher(_combine_splits_kernel, (num_tokens, num_heads), compile_only)(
             out, part_out, part_lse, meta.query_start_loc, num_seqs, num_splits,
             HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
             **pdl.launch_options(q.device))
@@ -169,7 +173,34 @@ def _attend_keys(acc, l_i, m_i, q, q_pos, key0, key_hi, k_base, v_base, bt_row, 
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+def warm_up_attention(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> int:
+    """Compile every variant a worker's steps can select (decode and prefill tiles, one tile per
+    sequence or a search, each split count's combine) so that no request waits on a compile; the
+    first 128-token prompt on a fresh H100 used to stall ~5 s on two of them. The arguments are
+    stand-ins: a variant depends on the constexprs and the integer values Triton specializes on
+    (here the model's head counts and strides), not on the batch. Returns the variants requested."""
+    q = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.empty(1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    ints = functools.partial(torch.zeros, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(query_start_loc=ints(2), seq_lens=ints(1), block_tables=ints(1, 1),
+                             slot_mapping=torch.zeros(1, dtype=torch.int64, device=device),
+                             max_query_len=1, max_seq_len=1)
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    prefill_q = max(PREFILL_TILES.block_m, group_pad, 16) // group_pad  # tokens of a prefill tile
+    # (tiles, a max_query_len that selects them): decodes fit one tile per sequence; prefills may or not.
+    cases = [(DECODE_TILES, 1), (PREFILL_TILES, prefill_q), (PREFILL_TILES, prefill_q + 1)]
+    pad_of_splits = (1, *(2 ** i for i in range(1, MAX_SPLITS.bit_length())))  # each combine's SPLITS_PAD
+    for tiles, query_len in cases:
+        for splits in pad_of_splits:
+            paged_attention_triton(q, cache, cache, dataclasses.replace(meta, max_query_len=query_len), 1.0,
+                                   out=q, tiles=tiles, num_splits=splits, compile_only=True)
+    return len(cases) * len(pad_of_splits)
+
+
+# stride_bt_seq: block tables are as wide as a batch's longest sequence, and a width that is a
+# multiple of 16 would otherwise compile a second kernel in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt_seq"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,

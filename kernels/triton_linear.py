@@ -9,6 +9,7 @@ for 16 rows, benchmarks/linear_bench.py for more).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.compile_ahead import launcher
 
 MAX_ROWS = 64  # the most rows this kernel serves
 
@@ -48,8 +50,9 @@ def linear_config(num_rows: int, out_features: int, in_features: int) -> LinearC
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: LinearConfig | None = None) -> torch.Tensor:
-    """x: [M <= 64, K], weight: [N, K] (rows contiguous), bias: [N] or None -> [M, N] in x's dtype."""
+                  config: LinearConfig | None = None, compile_only: bool = False) -> torch.Tensor:
+    """x: [M <= 64, K], weight: [N, K] (rows contiguous), bias: [N] or None -> [M, N] in x's dtype.
+    compile_only: compile the kernel these arguments select without launching it (warm_up_linear)."""
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
     assert weight.shape[1] == in_features and weight.stride(1) == 1, (x.shape, weight.shape)
@@ -58,13 +61,32 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_m = row_tile(num_rows)
     cfg = config or linear_config(num_rows, out_features, in_features)
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
-    _skinny_linear_kernel[(triton.cdiv(out_features, cfg.block_n),)](
+    launcher(_skinny_linear_kernel, (triton.cdiv(out_features, cfg.block_n),), compile_only)(
         x, weight, bias if bias is not None else weight, out, num_rows, out_features, in_features,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     return out
+
+
+# Row counts that select every variant: Triton specializes num_rows on being 1 or a multiple of 16,
+# and row_tile picks 16 or 32 rows. Decode graphs capture 1, 2, 4, 8, 16, 32, ... rows only, so an
+# eager step of 17-31 tokens met a variant of its own while serving.
+WARM_UP_ROWS = (1, 2, 16, 17, 32)
+
+
+def warm_up_linear(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int) -> int:
+    """Compile each (weight, bias)'s variants for up to `max_rows` rows (kernels.linear's bound),
+    launching nothing; projections of one shape share them. Returns the variants requested."""
+    shapes = {(w.shape, w.dtype, w.device, bias is not None): (w, bias) for w, bias in projections}
+    requested = 0
+    for weight, bias in shapes.values():
+        x = torch.empty(max_rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        for rows in (r for r in WARM_UP_ROWS if r <= max_rows):
+            skinny_linear(x[:rows], weight, bias, compile_only=True)
+            requested += 1
+    return requested
 
 
 @triton.jit

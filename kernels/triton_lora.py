@@ -41,14 +41,13 @@ or the batch's device tensors. The engine loads adapters and copies batches in b
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels import pdl, tuning
 from kernels.batch import LoRABatch
+from kernels.compile_ahead import launcher
 from kernels.lora_stack import LoRAStack
 from kernels.tuning import ExpandConfig, ShrinkConfig
 
@@ -86,10 +85,6 @@ def group_block(capacity: int) -> int:
     """Groups each program scans to find its tile (metadata read, no weights); at least 64 so
     that batches of up to 64 adapters share one compiled kernel."""
     return max(64, triton.next_power_of_2(capacity))
-
-
-def _launcher(kernel: triton.runtime.JITFunction, grid: tuple[int, ...], compile_only: bool):
-    return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
 
 
 def _rank_classes(block_r: int) -> int:
@@ -134,7 +129,7 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
     rank_block = min(cfg.rank_block or block_r, block_r)
     assert _is_pow2(rank_block) and (cfg.block_m < 16 or rank_block >= 16), cfg  # tl.dot: N >= 16
     grid = (_m_tile_bound(batch, cfg.block_m), stack.num_slices * cfg.split_k * (block_r // rank_block))
-    _launcher(_shrink_kernel, grid, compile_only)(
+    launcher(_shrink_kernel, grid, compile_only)(
         x, stack.a, y, stack.ranks, stack.scalings, batch.starts, batch.lens, batch.slots, _rows_arg(x, batch),
         batch.capacity, stack.in_features, stack.num_slices, cfg.split_k, k_per_split, stack.max_rank,
         x.stride(0), x.stride(1),
@@ -185,10 +180,10 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
                   GATHER=batch.rows is not None, DOT_PRECISION=_dot_precision(stack.b.dtype), STAGES=cfg.num_stages,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(out.device))
     if cfg.stationary:
-        _launcher(_stationary_kernel, (sum(tiles), m_tiles), compile_only)(
+        launcher(_stationary_kernel, (sum(tiles), m_tiles), compile_only)(
             *args, M_STEPS=cfg.m_steps, RANK_CLASSES=_rank_classes(block_r), **common)
     else:
-        _launcher(_expand_kernel, (m_tiles, sum(tiles)), compile_only)(
+        launcher(_expand_kernel, (m_tiles, sum(tiles)), compile_only)(
             *args, PREFETCH_B=cfg.block_m * block_r <= PREFETCH_B_MAX_TILE and not cfg.pipeline,
             PIPELINE=cfg.pipeline, RANK_CLASSES=_rank_classes(block_r) if cfg.pipeline else 1, **common)
 

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.compile_ahead import launcher
 from kernels.merge import MergeTarget
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -77,23 +78,26 @@ MERGE_CONFIGS = {2: MergeConfig(block_n=64, block_k=128, num_warps=4),  # by ele
 RESTORE_CONFIG = RestoreConfig(block=65536, num_warps=16)  # 128 KB of bf16 a program, 16 B a load (swept on an H200)
 
 
-def merge_weights_triton(targets: Sequence[MergeTarget], slot: int, config: MergeConfig | None = None) -> None:
-    """config: None = MERGE_CONFIGS for the weights' element size."""
+def merge_weights_triton(targets: Sequence[MergeTarget], slot: int, config: MergeConfig | None = None,
+                         compile_only: bool = False) -> None:
+    """config: None = MERGE_CONFIGS for the weights' element size. compile_only: compile the kernel
+    these targets select without launching it (kernels.merge.warm_up_merge)."""
     if not targets:
         return
     config = config or MERGE_CONFIGS[targets[0].weight.element_size()]
     launch = _merge_launch(tuple(targets), config)
-    _merge_kernel[(launch.num_programs,)](
+    launcher(_merge_kernel, (launch.num_programs,), compile_only)(
         launch.program_tasks, launch.records, slot,
         DTYPE=launch.dtype, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_R=launch.block_r,
         ALIGNED=launch.aligned, VECTOR=launch.vector, num_warps=config.num_warps)
 
 
-def restore_weights_triton(targets: Sequence[MergeTarget], config: RestoreConfig = RESTORE_CONFIG) -> None:
+def restore_weights_triton(targets: Sequence[MergeTarget], config: RestoreConfig = RESTORE_CONFIG,
+                           compile_only: bool = False) -> None:
     if not targets:
         return
     launch = _restore_launch(tuple(targets), config)
-    _restore_kernel[(launch.num_programs,)](
+    launcher(_restore_kernel, (launch.num_programs,), compile_only)(
         launch.program_tasks, launch.records,
         DTYPE=launch.dtype, BLOCK=config.block, ALIGNED=launch.aligned, VECTOR=launch.vector,
         num_warps=config.num_warps)

@@ -112,8 +112,9 @@ class WorkerConfig:
     # CUDA devices only (on a CPU the step launched ahead runs at once, holding each token back a step);
     # "always"; "never".
     async_scheduling: str = "cuda"
-    # On CUDA, compile every LoRA kernel variant the limits above allow before serving (seconds at
-    # the first start, Triton's disk cache after), so no request waits on a compile.
+    # On CUDA, compile every Triton kernel variant the limits above allow (LoRA, attention, merge)
+    # before serving (seconds at the first start, Triton's disk cache after), so no request waits on
+    # a compile.
     warm_up_kernels: bool = True
     # Merged mode: after this many steps in a row on one adapter, fold it into the base weights
     # (steps then cost what base steps cost; a saved copy of the weights it touches restores

@@ -22,7 +22,7 @@ import torch
 from gpu_worker.lora.layer import LoRALinear
 from gpu_worker.step_inputs import StepInputs
 from kernels import NO_SLOT
-from kernels.merge import MergeTarget, merge_weights, restore_weights
+from kernels.merge import MergeTarget, merge_weights, restore_weights, warm_up_merge
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,12 @@ class MergedMode:
         if uniform is None or self._streak <= self._after_steps or not self._enabled:
             return inputs
         return _as_base_only(inputs) if self._merge(*uniform) else inputs
+
+    def warm_up(self) -> None:
+        """Compile the merge and restore kernels for all these projections before serving. A merge
+        targets those its adapter does; the kernels differ only by the weights' dtype, alignment and
+        padded rank, which every projection here shares in the models served."""
+        warm_up_merge([MergeTarget(m.weight.data, m.weight.data, m.lora) for m in self._modules])
 
     def _uniform_adapter(self, inputs: StepInputs) -> tuple[int, str] | None:
         names = {item.seq.adapter.name if item.seq.adapter else None for item in inputs.items}
