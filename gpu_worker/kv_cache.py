@@ -39,12 +39,30 @@ class PagedKVCache:
 
 
 def cuda_blocks_that_fit(shape: CacheShape, block_size: int, memory_utilization: float, peak_bytes: int) -> int:
-    """Blocks that fit in `memory_utilization` of the device, after `peak_bytes` (weights, adapter
-    slots and a profiled forward pass at the largest batch) are set aside."""
-    _, total = torch.cuda.mem_get_info(shape.device)
+    """Blocks that fit in `memory_utilization` of the device, after `peak_bytes` (this process's
+    peak: weights, adapter slots and a profiled forward pass at the largest batch) are set aside.
+
+    The device may be shared: what other processes (or tensors of this one that outlive an earlier
+    engine) hold is not in `peak_bytes`. A cache that would not fit beside them fails here, with
+    the numbers, instead of as an out-of-memory error while it is allocated or at the first long
+    batch."""
+    free, total = torch.cuda.mem_get_info(shape.device)
+    block_bytes = shape.bytes_per_block(block_size)
     available = int(total * memory_utilization) - peak_bytes
-    blocks = available // shape.bytes_per_block(block_size)
+    blocks = available // block_bytes
     if blocks < 2:
         raise RuntimeError(f"no room for a KV cache: {available / 2**30:.2f} GiB left under "
                            f"gpu_memory_utilization={memory_utilization}")
+    # Still to come beside the cache: the forward pass's activations, above what is allocated now.
+    activations = max(0, peak_bytes - torch.cuda.memory_allocated(shape.device))
+    if blocks * block_bytes + activations > free:
+        reserved, allocated = torch.cuda.memory_reserved(shape.device), torch.cuda.memory_allocated(shape.device)
+        gib = 2**30
+        raise RuntimeError(
+            f"the KV cache does not fit: gpu_memory_utilization={memory_utilization} leaves "
+            f"{blocks * block_bytes / gib:.2f} GiB for it and {activations / gib:.2f} GiB for activations, but "
+            f"{free / gib:.2f} GiB of the device's {total / gib:.2f} GiB are free (this process holds "
+            f"{reserved / gib:.2f} GiB, {allocated / gib:.2f} GiB of it allocated; other processes and the CUDA "
+            f"context {max(0, total - free - reserved) / gib:.2f} GiB). Lower gpu_memory_utilization or set "
+            f"kv_cache_tokens")
     return int(blocks)
