@@ -54,10 +54,10 @@ def cuda_blocks_that_fit(shape: CacheShape, block_size: int, memory_utilization:
         raise RuntimeError(f"no room for a KV cache: {available / 2**30:.2f} GiB left under "
                            f"gpu_memory_utilization={memory_utilization}")
     # Still to come beside the cache: the forward pass's activations, above what is allocated now.
-    activations = max(0, peak_bytes - torch.cuda.memory_allocated(shape.device))
+    allocated = torch.cuda.memory_allocated(shape.device)
+    activations = max(0, peak_bytes - allocated)
     if blocks * block_bytes + activations > free:
-        reserved, allocated = torch.cuda.memory_reserved(shape.device), torch.cuda.memory_allocated(shape.device)
-        gib = 2**30
+        reserved, gib = torch.cuda.memory_reserved(shape.device), 2**30
         raise RuntimeError(
             f"the KV cache does not fit: gpu_memory_utilization={memory_utilization} leaves "
             f"{blocks * block_bytes / gib:.2f} GiB for it and {activations / gib:.2f} GiB for activations, but "

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+from triton import knobs
 from triton.runtime import JITFunction
 from triton.runtime._async_compile import AsyncCompileMode
 
@@ -31,3 +32,17 @@ def compiling_ahead(jobs: int | None = None) -> Iterator[None]:
     raised) when the block exits."""
     with ThreadPoolExecutor(jobs or min(16, os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
         yield
+
+
+@contextmanager
+def compiles_recorded() -> Iterator[list[str]]:
+    """Inside: each kernel variant this process compiles (or loads from Triton's disk cache) for
+    the first time, as Triton describes it (kernel, constexprs, specialized arguments), appended to
+    the yielded list. Tests assert it stays empty once a worker is warmed up."""
+    compiled: list[str] = []
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs["repr"])
+    try:
+        yield compiled
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous

@@ -109,26 +109,23 @@ def test_serving_compiles_no_kernel_after_the_engine_is_built(tiny_assets):
     meet steps in flight and unmerge it, and prompts long enough to be chunked and to widen block
     tables to 16 blocks. Each compile would stall every running request (seconds on a fresh
     machine: the first 128-token prompt on a new H100 waited ~5 s)."""
-    from triton import knobs
+    from kernels.compile_ahead import compiles_recorded
 
     steps = []
     engine = make_engine(tiny_assets, steps, device="cuda", dtype="auto", max_batch_tokens=192, merge_after_steps=2,
                          kv_cache_tokens=2048)  # a fixed pool: the engine before may not be collected yet
-    compiled: list[str] = []  # each compile's kernel, constexprs and specialized arguments
-    previous = knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs["repr"])
     one = tiny_assets.adapters["demo-r16"]
     long_prompt = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(20))  # 245 of 256 tokens
     try:
-        run_all(engine, [GenerationRequest("lone", "def", SamplingParams(max_tokens=4))])
-        run_all(engine, [GenerationRequest(f"one-{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=12), one)
-                         for i in range(4)])
-        run_arriving(engine, mixed_requests(tiny_assets.adapters))
-        run_all(engine, [GenerationRequest("long-base", long_prompt, SamplingParams(max_tokens=4)),
-                         GenerationRequest("long-lora", long_prompt, SamplingParams(max_tokens=4), one),
-                         GenerationRequest("short", "import os", SamplingParams(max_tokens=8), one)])
+        with compiles_recorded() as compiled:
+            run_all(engine, [GenerationRequest("lone", "def", SamplingParams(max_tokens=4))])
+            run_all(engine, [GenerationRequest(f"one-{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=12),
+                                               one) for i in range(4)])
+            run_arriving(engine, mixed_requests(tiny_assets.adapters))
+            run_all(engine, [GenerationRequest("long-base", long_prompt, SamplingParams(max_tokens=4)),
+                             GenerationRequest("long-lora", long_prompt, SamplingParams(max_tokens=4), one),
+                             GenerationRequest("short", "import os", SamplingParams(max_tokens=8), one)])
     finally:
-        knobs.runtime.jit_post_compile_hook = previous
         engine.stop()
     assert any(step.merged_adapter for step in steps)
     assert any(step.num_prefills and step.num_tokens == 192 for step in steps)  # a chunked prompt

@@ -258,9 +258,7 @@ def test_no_lora_kernel_compiles_after_warm_up():
     single Triton compile (each would stall a serving step for ~0.3-1 s)."""
     import random
 
-    from triton import knobs
-
-    from kernels.compile_ahead import compiling_ahead
+    from kernels.compile_ahead import compiles_recorded, compiling_ahead
     from kernels.lora_warmup import warm_up_lora
     from tests.unit.kernels.test_lora_warmup import random_batch
 
@@ -268,10 +266,7 @@ def test_no_lora_kernel_compiles_after_warm_up():
     stacks = [LoRAStack.empty(slots, 512, sizes, max_rank, torch.bfloat16, "cuda") for sizes in ((512, 128, 128), (512,))]
     with compiling_ahead():
         warm_up_lora(stacks, max_tokens, slots)
-    compiled: list[str] = []
-    previous = knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs["fn"].name)
-    try:
+    with compiles_recorded() as compiled:
         rng = random.Random(0)
         for _ in range(200):
             batch = random_batch(rng, max_tokens, slots, max_rank)
@@ -281,6 +276,4 @@ def test_no_lora_kernel_compiles_after_warm_up():
                 out = torch.zeros(batch.num_tokens, stack.out_features, device="cuda", dtype=torch.bfloat16)
                 kernels.lora_expand(out, kernels.lora_shrink(x, stack, batch), stack, batch)
         torch.cuda.synchronize()
-    finally:
-        knobs.runtime.jit_post_compile_hook = previous
     assert compiled == []
