@@ -85,7 +85,7 @@ def make_engine(assets: TinyAssets, steps: list[StepRecord] | None = None, **wor
     worker = WorkerConfig(base_model=assets.name, **worker_fields)
     if worker.device == "cuda":
         # An engine sizes its KV cache to most of the GPU: what earlier tests' engines held must be
-        # freed and given back first (an H100 run once found 71 GiB reserved and unallocated, 2026-11-25).
+        # freed and given back first (tests/conftest.py: expandable segments, so that all of it can be).
         gc.collect()
         torch.cuda.empty_cache()
     engine = build_engine(assets.base_dir, worker, assets.store,
