@@ -1,6 +1,7 @@
-"""Suite-wide: without a CUDA device, Triton kernels run in Triton's interpreter. The choice must
-be made before anything imports triton, and test modules (tests/gpu too, collected though
-deselected) import kernels at collection, so it is made here, first."""
+"""Suite-wide: without a CUDA device, Triton kernels run in Triton's interpreter; with one, the CUDA
+allocator uses expandable segments (below). The choices must be made before anything imports triton
+or allocates on the device, and test modules (tests/gpu too, collected though deselected) import
+kernels at collection, so they are made here, first."""
 
 import os
 
