@@ -19,7 +19,7 @@ from services.config import TesseraConfig
 from services.grpc_server import start_grpc_server
 from services.logs import setup_logging
 from services.metrics import start_metrics_server
-from services.runtime import run_until_signalled
+from services.runtime import freeze_startup_heap, run_until_signalled
 from tessera.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ async def _main(config: TesseraConfig, stop: asyncio.Event) -> None:
         log.info("loading %s from %s on %s", base.name, base.path, w.device)
         engine = await asyncio.to_thread(build_engine, Path(base.path), w, config.worker_adapter_store_path,
                                          metrics.record_step)
+        freeze_startup_heap()
         engine.start()
         metrics.bind_engine_stats(engine)
         start_metrics_server(w.host, w.metrics_port)
