@@ -116,9 +116,11 @@ def measure_headroom(op: str, case: kb.Case, device: torch.device | str, dtype: 
     best_config, best_s = tuning.config_from(op, entry), entry["us"] / 1e6
     if table_s < best_s:  # the search never timed the table's configuration, or timed it slower
         best_config, best_s = table_config, table_s
-    static_shrink = tuning.static_config("shrink", stack.a.device)
-    static_ys = [triton_lora.lora_shrink(x, stack, batch, static_shrink) for x, batch in zip(xs, batches)]
     static_config = tuning.static_config(op, stack.a.device)
+    static_ys = ys  # a shrink reads x only
+    if op == "expand":
+        static_shrink = tuning.static_config("shrink", stack.a.device)
+        static_ys = [triton_lora.lora_shrink(x, stack, batch, static_shrink) for x, batch in zip(xs, batches)]
     static_s = seconds(static_config, static_ys)[0]
     if static_s < best_s:  # a table may hold the static configuration too
         best_config, best_s = static_config, static_s
