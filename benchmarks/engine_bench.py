@@ -42,7 +42,7 @@ from gpu_worker.sampler import sample
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
 from kernels import tuning
-from services.config import WorkerConfig
+from services.common.config import WorkerConfig
 
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)

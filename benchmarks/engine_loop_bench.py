@@ -44,7 +44,7 @@ from gpu_worker.builder import EngineParts, assemble_parts
 from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.profile import random_adapters
-from services.config import WorkerConfig
+from services.common.config import WorkerConfig
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=4096, rms_norm_eps=1e-5)

@@ -1,7 +1,7 @@
 """Simulate a multi-LoRA cluster under each routing policy, driven by a real request trace.
 
 Discrete-event, virtual time, CPU only. The workers' step times come from a perf model JSON
-(gateway/scheduling/perf_model.py; default: a Llama-2-7B on one H200, derived from this repo's
+(services/common/scheduling/perf_model.py; default: a Llama-2-7B on one H200, derived from this repo's
 engine benchmark), the routing from the gateway's own policy objects. Prints a markdown table per
 policy: SLO attainment, TPOT and TTFT (mean, p99), GPU adapter cache hit rate, adapters' GPU
 memory, worker utilisation. See docs/benchmarks/cluster_sim.md.
@@ -23,8 +23,8 @@ from benchmarks.cluster_sim import report
 from benchmarks.cluster_sim.cluster import EVICTIONS, ClusterConfig, RunResult, simulate, stderr_progress
 from benchmarks.cluster_sim.worker import WorkerConfig
 from benchmarks.cluster_sim.workload import Popularity, build_requests, load_trace, parse_rank_mix
-from gateway.scheduling.adapter_cache import LoadCosts
-from gateway.scheduling.perf_model import PerfModel
+from services.common.scheduling.adapter_tiers import LoadCosts
+from services.common.scheduling.perf_model import PerfModel
 from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, Policy,
                                          RandomChoice, RoundRobin)
 from gateway.scheduling.tessera_policy import TesseraPolicy

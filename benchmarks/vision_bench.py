@@ -64,8 +64,8 @@ from gpu_worker.models.random_weights import random_llama
 from gpu_worker.profile import random_adapters
 from gpu_worker.prompts import ChatMessage, ImagePart
 from gpu_worker.sequence import SamplingParams
-from services.adapter_layout import LLAVA_LAYOUT
-from services.config import WorkerConfig
+from services.common.adapter_layout import LLAVA_LAYOUT
+from services.common.config import WorkerConfig
 
 BASE_MODEL = "bench-llava"
 # LLaVA-1.5's prompt shape, "USER: <image>\n{question} ASSISTANT:"; each <image> becomes one image

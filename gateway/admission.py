@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
-from services.errors import ResourceExhausted
+from services.common.errors import ResourceExhausted
 
 LATENCY_EWMA_WEIGHT = 0.1  # of the newest request in the running mean latency
 DEFAULT_RETRY_AFTER_S = 1.0  # before any request has finished

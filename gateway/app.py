@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from flask import Flask, Response, jsonify, request
 
-from services.config import GatewayConfig
-from services.errors import Unauthenticated
+from services.common.config import GatewayConfig
+from services.common.errors import Unauthenticated
 
 from gateway import openai_api
 from gateway.bridge import CoreBridge

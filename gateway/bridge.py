@@ -14,7 +14,7 @@ import queue
 from collections.abc import Generator
 from typing import Any
 
-from services.errors import DeadlineExceeded
+from services.common.errors import DeadlineExceeded
 from tessera.v1 import common_pb2, inference_pb2
 
 from gateway.core import GatewayCore

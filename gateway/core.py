@@ -14,8 +14,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from services.config import GatewayConfig
-from services.errors import Unavailable
+from services.common.config import GatewayConfig
+from services.common.errors import Unavailable
 from tessera.v1 import common_pb2, inference_pb2, worker_pb2
 
 from gateway.admission import Admission

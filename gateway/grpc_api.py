@@ -1,6 +1,6 @@
 """The public gRPC front door (tessera.v1.Inference): a thin servicer over GatewayCore.
 
-Errors are services.errors raised by the core; the shared interceptor maps them to status
+Errors are services.common.errors raised by the core; the shared interceptor maps them to status
 codes (bad input INVALID_ARGUMENT, unknown model NOT_FOUND, no worker UNAVAILABLE).
 """
 

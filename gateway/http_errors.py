@@ -9,7 +9,7 @@ from typing import Any
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
 
-from services.errors import Internal, TesseraError
+from services.common.errors import Internal, TesseraError
 
 log = logging.getLogger(__name__)
 

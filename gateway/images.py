@@ -17,9 +17,9 @@ import warnings
 
 from PIL import Image
 
-from services.architectures import takes_images
-from services.config import GatewayConfig
-from services.errors import InvalidArgument, PayloadTooLarge
+from services.common.architectures import takes_images
+from services.common.config import GatewayConfig
+from services.common.errors import InvalidArgument, PayloadTooLarge
 from tessera.v1 import common_pb2, inference_pb2
 
 from gateway.registry_cache import ResolvedModel

@@ -1,4 +1,4 @@
-"""The gateway's Prometheus metrics (served by services.metrics.start_metrics_server)."""
+"""The gateway's Prometheus metrics (served by services.common.metrics.start_metrics_server)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.errors import TesseraError
-from services.metrics import LATENCY_BUCKETS
+from services.common.errors import TesseraError
+from services.common.metrics import LATENCY_BUCKETS
 
 REQUESTS = Counter("tessera_gateway_requests_total", "Requests by route and status", ["route", "status"])
 IN_FLIGHT = Gauge("tessera_gateway_in_flight_requests", "Generate requests being served")

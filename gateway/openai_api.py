@@ -18,8 +18,8 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from services.config import GatewayConfig
-from services.errors import Internal, InvalidArgument, TesseraError
+from services.common.config import GatewayConfig
+from services.common.errors import Internal, InvalidArgument, TesseraError
 from tessera.v1 import common_pb2
 
 from gateway.bridge import CoreBridge

@@ -16,7 +16,7 @@ import time
 
 import grpc
 
-from services.errors import NotFound, Unavailable
+from services.common.errors import NotFound, Unavailable
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
-from services.config import GatewayConfig
-from services.errors import InvalidArgument, PayloadTooLarge
+from services.common.config import GatewayConfig
+from services.common.errors import InvalidArgument, PayloadTooLarge
 
 log = logging.getLogger(__name__)
 

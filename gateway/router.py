@@ -12,21 +12,19 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
-from services.config import ConfigError
-from services.errors import Unavailable
+from services.common.config import ConfigError
+from services.common.errors import Unavailable
+from services.common.scheduling.adapter_tiers import LoadCosts
+from services.common.scheduling.perf_model import PerfModel
 from tessera.v1 import common_pb2
 
-from gateway.scheduling.adapter_cache import LoadCosts
-from gateway.scheduling.perf_model import PerfModel
 from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, Policy, RandomChoice,
                                          RoundRobin, RoutingRequest)
 from gateway.scheduling.tessera_policy import TesseraPolicy
 from gateway.scheduling.worker_state import WorkerStateTable
 
 MARK_DOWN_S = 2.0  # a worker that just failed with UNAVAILABLE is skipped this long
-PERF_MODELS_DIR = Path(__file__).resolve().parent / "perf_models"
 
 POLICIES: dict[str, Callable[[Mapping[str, PerfModel]], Policy]] = {
     "tessera": lambda models: TesseraPolicy(models, LoadCosts()),
@@ -38,17 +36,6 @@ POLICIES: dict[str, Callable[[Mapping[str, PerfModel]], Policy]] = {
 }
 NEEDS_PERF_MODELS = frozenset({"tessera"})
 
-
-def load_perf_models(directory: Path) -> dict[str, PerfModel]:
-    """Every `<kind>.json` in `directory`, by kind."""
-    models = {}
-    for path in sorted(directory.glob("*.json")):
-        try:
-            model = PerfModel.load(path)
-        except (ValueError, KeyError) as exc:
-            raise ConfigError(f"perf model {path} is invalid: {exc}") from exc
-        models[model.kind] = model
-    return models
 
 
 def build_policy(name: str, models: Mapping[str, PerfModel]) -> Policy:

@@ -22,8 +22,8 @@ import math
 import uuid
 from typing import Any, Mapping
 
-from services.config import GatewayConfig
-from services.errors import InvalidArgument
+from services.common.config import GatewayConfig
+from services.common.errors import InvalidArgument
 from tessera.v1 import common_pb2, inference_pb2
 
 from gateway.images import check_chat_images, check_image, check_image_count, image_from_url

@@ -12,12 +12,13 @@ import logging
 import time
 from pathlib import Path
 
-from services.config import ConfigError, GatewayConfig, TesseraConfig
-from services.grpc_server import GrpcServer, start_grpc_server
-from services.http_server import WsgiServer
-from services.logs import setup_logging
-from services.metrics import start_metrics_server
-from services.runtime import run_until_signalled
+from services.common.config import ConfigError, GatewayConfig, TesseraConfig
+from services.common.grpc_server import GrpcServer, start_grpc_server
+from services.common.http_server import WsgiServer
+from services.common.logs import setup_logging
+from services.common.metrics import start_metrics_server
+from services.common.runtime import run_until_signalled
+from services.common.scheduling.perf_model import PERF_MODELS_DIR, load_perf_models
 from tessera.v1 import inference_pb2_grpc
 
 from gateway.admission import Admission
@@ -26,7 +27,7 @@ from gateway.bridge import CoreBridge
 from gateway.core import GatewayCore
 from gateway.grpc_api import SERVICE_NAME, InferenceServicer
 from gateway.registry_cache import RegistryCache
-from gateway.router import NEEDS_PERF_MODELS, PERF_MODELS_DIR, Router, build_policy, load_perf_models
+from gateway.router import NEEDS_PERF_MODELS, Router, build_policy
 from gateway.scheduling.worker_state import WorkerStateTable
 from gateway.state_feed import StateFeed
 from gateway.worker_client import WorkerClient

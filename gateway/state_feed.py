@@ -15,10 +15,10 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable
 
-from services.errors import TesseraError
+from services.common.errors import TesseraError
 from tessera.v1 import worker_pb2
 
-from gateway.scheduling.batch import BatchEntry
+from services.common.scheduling.batch_summary import BatchEntry
 from gateway.scheduling.worker_state import WorkerState, WorkerStateTable
 from gateway.worker_client import WorkerClient
 

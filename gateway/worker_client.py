@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from services.errors import from_rpc_error
+from services.common.errors import from_rpc_error
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 # A restarted worker is reachable again within ~2 s instead of gRPC's default two minutes.
@@ -19,7 +19,7 @@ CHANNEL_OPTIONS = (
 
 
 class WorkerClient:
-    """Streams generations from workers; failures surface as services.errors.
+    """Streams generations from workers; failures surface as services.common.errors.
 
     INVALID_ARGUMENT from a worker (a prompt longer than its context) stays InvalidArgument;
     a worker dying mid-stream (UNAVAILABLE or CANCELLED) becomes Unavailable.

@@ -26,9 +26,9 @@ from gpu_worker.sequence import SamplingParams, Sequence
 from gpu_worker.vision.image_cache import CachedImageEncoder, ImageFeatureCache
 from gpu_worker.vision.images import ImageEncoder
 from kernels import NO_SLOT
-from services.adapter_layout import TEXT_LAYOUT, AdapterLayout
-from services.config import ConfigError, WorkerConfig
-from services.errors import FailedPrecondition
+from services.common.adapter_layout import TEXT_LAYOUT, AdapterLayout
+from services.common.config import ConfigError, WorkerConfig
+from services.common.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from gpu_worker.sampler import SampledTokens, TokenLogprobs, sample
 from gpu_worker.scheduler import ScheduledBatch, Scheduler
 from gpu_worker.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from gpu_worker.vision.image_cache import ImageFeatureCache
-from services.errors import AlreadyExists, Internal, InvalidArgument, TesseraError
+from services.common.errors import AlreadyExists, Internal, InvalidArgument, TesseraError
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gpu_worker.engine import Engine, StepRecord
-from services.metrics import LATENCY_BUCKETS
+from services.common.metrics import LATENCY_BUCKETS
 
 GENERATED_TOKENS = Counter("tessera_worker_generated_tokens_total", "Tokens sampled by the engine")
 STEP_SECONDS = Histogram("tessera_worker_step_seconds",

@@ -10,9 +10,9 @@ weights of each rank; merged mode is off, so a one-adapter batch is priced unmer
 bound once a worker merges a hot adapter).
 
     python -m gpu_worker.profile --model ~/.tessera/models/tessera-demo-llama --quick
-      -> gateway/perf_models/cpu-tessera-demo-llama.json
+      -> services/common/scheduling/perf_models/cpu-tessera-demo-llama.json
     python -m gpu_worker.profile --model DIR_WITH_CONFIG_JSON --random-weights --base-model llama-2-7b --device cuda
-      -> gateway/perf_models/<gpu>-llama-2-7b.json
+      -> services/common/scheduling/perf_models/<gpu>-llama-2-7b.json
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from gateway.scheduling.batch import BatchEntry
-from gateway.scheduling.perf_model import PerfModel, Phase, ProfileSample
+from services.common.scheduling.batch_summary import BatchEntry
+from services.common.scheduling.perf_model import PERF_MODELS_DIR, PerfModel, Phase, ProfileSample, perf_model_path
 from gpu_worker.builder import EngineParts, assemble_parts
 from gpu_worker.device_kind import device_name, perf_model_kind
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights
@@ -39,9 +39,8 @@ from gpu_worker.models.random_weights import random_llama
 from gpu_worker.sampler import sample
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
-from services.config import WorkerConfig
+from services.common.config import WorkerConfig
 
-PERF_MODELS_DIR = Path(__file__).resolve().parents[1] / "gateway" / "perf_models"
 
 Adapter = tuple[str, int] | None  # (name, rank); None: the base model
 
@@ -233,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--device {args.device}: CUDA is not available")
     model = profile(args.model, device, args.base_model or args.model.name, GRIDS[args.grid],
                     lambda line: print(line, file=sys.stderr, flush=True), args.random_weights)
-    out = args.out or PERF_MODELS_DIR / f"{model.kind}.json"
+    out = args.out or perf_model_path(model.kind)
     out.parent.mkdir(parents=True, exist_ok=True)
     model.save(out)
     print(f"{model.kind} on {model.device} -> {out}")

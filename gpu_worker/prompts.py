@@ -17,7 +17,7 @@ from transformers import BatchFeature, PreTrainedTokenizerBase, ProcessorMixin
 
 from gpu_worker.vision.images import PromptImages, decode_image, fixed_size_images, grid_images, image_token_runs
 from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
-from services.errors import InvalidArgument
+from services.common.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

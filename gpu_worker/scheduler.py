@@ -25,7 +25,7 @@ from gpu_worker.block_manager import BlockManager
 from gpu_worker.lora.adapter_pool import AdapterPool
 from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus
 from kernels import NO_SLOT
-from services.errors import TesseraError
+from services.common.errors import TesseraError
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from gpu_worker.device_kind import device_name, perf_model_kind
 from gpu_worker.registry_client import RegistryClient, WorkerIdentity, fetch_base_model
 from gpu_worker.servicer import WorkerServicer, worker_stats
 from gpu_worker.state_push import StateSource
-from services.config import TesseraConfig
-from services.grpc_server import start_grpc_server
-from services.logs import setup_logging
-from services.metrics import start_metrics_server
-from services.runtime import freeze_startup_heap, run_until_signalled
+from services.common.config import TesseraConfig
+from services.common.grpc_server import start_grpc_server
+from services.common.logs import setup_logging
+from services.common.metrics import start_metrics_server
+from services.common.runtime import freeze_startup_heap, run_until_signalled
 from tessera.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.sequence import MAX_LOGPROBS, FinishReason, SamplingParams
 from gpu_worker.state_push import StateSource
-from services.errors import InvalidArgument
+from services.common.errors import InvalidArgument
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 DEFAULT_MAX_TOKENS = 256

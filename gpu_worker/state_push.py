@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from gpu_worker.engine import Engine, SeqLoad
-from services.errors import InvalidArgument
+from services.common.errors import InvalidArgument
 from tessera.v1 import worker_pb2
 
 MIN_INTERVAL_MS, MAX_INTERVAL_MS = 10, 1000

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from registry.adapter_files import CONFIG_FILE, WEIGHTS_FILE, AdapterSource
-from services.errors import Internal, InvalidArgument
+from services.common.errors import Internal, InvalidArgument
 
 CHUNK_BYTES = 1024 * 1024
 STAGING_PREFIX = ".staging-"

@@ -8,7 +8,7 @@ holding, for every decoder layer i and every target projection m, exactly:
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out_features, r]
     base_model.model.model.layers.{i}.mlp.down_proj.lora_A.weight     [r, intermediate] ...
 
-(names per model family in services/adapter_layout.py; a vision-language model's adapters may adapt
+(names per model family in services/common/adapter_layout.py; a vision-language model's adapters may adapt
 its language model only).
 
 Pickle files (.bin, .pt, ...) are never opened: their mere presence without
@@ -26,8 +26,8 @@ from registry.base_model_files import read_json_object
 from registry.records import SUPPORTED_TARGET_MODULES, ModuleShape
 from registry.safetensors_header import TensorInfo, read_safetensors_header
 from registry.trusted_paths import resolve_inside_roots
-from services.adapter_layout import ADAPTER_LAYOUTS, AdapterLayout, refuse_vision_tensors
-from services.errors import InvalidArgument
+from services.common.adapter_layout import ADAPTER_LAYOUTS, AdapterLayout, refuse_vision_tensors
+from services.common.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -16,7 +16,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 
 from registry.metrics import ADAPTERS_REGISTERED
 from registry.store import RegistryStore
-from services.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 STORE_EXTENSION = "tessera_registry_store"
 API_KEY_CONFIG = "TESSERA_ADMIN_API_KEY"

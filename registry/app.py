@@ -10,7 +10,7 @@ from werkzeug.exceptions import HTTPException
 from registry.admin_api import API_KEY_CONFIG, STORE_EXTENSION, admin, json_error
 from registry.metrics import ADMIN_REQUESTS
 from registry.store import RegistryStore
-from services.errors import TesseraError
+from services.common.errors import TesseraError
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from registry.records import ModuleShape
-from services.architectures import SERVED_ARCHITECTURES
-from services.errors import InvalidArgument
+from services.common.architectures import SERVED_ARCHITECTURES
+from services.common.errors import InvalidArgument
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = SERVED_ARCHITECTURES
 # Vision-language checkpoints keep their language model's settings in a nested config.

@@ -2,7 +2,7 @@
 
 Store calls block on the database, so each runs in a thread (`asyncio.to_thread`)
 and the event loop keeps serving other RPCs; domain errors become status codes
-in services/grpc_server.py's interceptor.
+in services/common/grpc_server.py's interceptor.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import grpc
 from registry.proto_records import (adapter_to_proto, base_model_to_proto, placement_from_proto,
                                     placement_to_proto, stats_to_dict, worker_to_proto)
 from registry.store import RegistryStore
-from services.grpc_server import Registrar
+from services.common.grpc_server import Registrar
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 SERVICE_NAME = "tessera.v1.Registry"
@@ -74,6 +74,6 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
 
 def add_registry_service(store: RegistryStore, heartbeat_interval_ms: int) -> Registrar:
-    """A services.grpc_server Registrar adding the Registry service."""
+    """A services.common.grpc_server Registrar adding the Registry service."""
     servicer = RegistryServicer(store, heartbeat_interval_ms)
     return lambda server: registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)

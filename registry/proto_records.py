@@ -8,7 +8,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from registry.records import AdapterRecord, BaseModelRecord, PlacementRecord, Tier, WorkerRecord
-from services.errors import InvalidArgument
+from services.common.errors import InvalidArgument
 from tessera.v1 import common_pb2
 
 TIER_TO_PROTO: dict[Tier, int] = {

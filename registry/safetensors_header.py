@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from services.errors import InvalidArgument
+from services.common.errors import InvalidArgument
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 # LoRA weights are floating point; anything else is not an adapter we can serve.

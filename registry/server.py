@@ -10,12 +10,12 @@ import secrets
 from registry.app import create_admin_app
 from registry.grpc_service import SERVICE_NAME, add_registry_service
 from registry.store import RegistryStore
-from services.config import TesseraConfig
-from services.grpc_server import start_grpc_server
-from services.http_server import WsgiServer
-from services.logs import setup_logging
-from services.metrics import start_metrics_server
-from services.runtime import run_until_signalled
+from services.common.config import TesseraConfig
+from services.common.grpc_server import start_grpc_server
+from services.common.http_server import WsgiServer
+from services.common.logs import setup_logging
+from services.common.metrics import start_metrics_server
+from services.common.runtime import run_until_signalled
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from registry.models import AdapterRow, BaseModelRow, PlacementRow, WorkerRow
 from registry.records import (AdapterRecord, BaseModelRecord, ModuleShape, PlacementRecord, Tier,
                               WorkerRecord)
 from registry.trusted_paths import real_roots, resolve_inside_roots
-from services.config import TesseraConfig
-from services.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.common.config import TesseraConfig
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 TIER_ORDER = list(Tier)  # fastest first

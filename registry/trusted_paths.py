@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.errors import InvalidArgument, PermissionDenied
+from services.common.errors import InvalidArgument, PermissionDenied
 
 
 def resolve_inside_roots(path: str | Path, roots: Sequence[Path], what: str) -> Path:

@@ -7,5 +7,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 echo "[test] checking generated stubs (python -m protos.generate --check)"
 .venv/bin/python -m protos.generate --check
+echo "[test] checking the layering (lint-imports, contracts in pyproject.toml)"
+.venv/bin/lint-imports --no-cache
 echo "[test] pytest $*"
 exec .venv/bin/python -m pytest "$@"

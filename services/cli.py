@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.config import ConfigError, TesseraConfig, load_config
+from services.common.config import ConfigError, TesseraConfig, load_config
 
 if TYPE_CHECKING:
     from registry.store import RegistryStore
@@ -45,7 +45,7 @@ def _sha256(path: Path) -> str:
 
 def register_demo_assets(store: RegistryStore, assets: DemoAssets, progress: Callable[[str], None] = print) -> None:
     """Register one built demo model and its adapters (idempotent: same content is left alone)."""
-    from services.errors import NotFound
+    from services.common.errors import NotFound
 
     try:
         base = store.get_base_model(assets.name)
@@ -69,7 +69,7 @@ def register_demo_assets(store: RegistryStore, assets: DemoAssets, progress: Cal
 
 
 def _serve(config: TesseraConfig, args: argparse.Namespace) -> int:
-    from services.logs import setup_logging
+    from services.common.logs import setup_logging
 
     setup_logging(args.role, config.log_level)
     importlib.import_module(ROLE_MODULES[args.role]).serve(config)
@@ -95,7 +95,7 @@ def _demo_assets(config: TesseraConfig, args: argparse.Namespace) -> int:
 
 def _up(config: TesseraConfig, args: argparse.Namespace) -> int:
     from services.launcher import launch, serve_command
-    from services.logs import setup_logging
+    from services.common.logs import setup_logging
 
     setup_logging("launcher", config.log_level)
     return launch(config, serve_command(args.config))
@@ -109,7 +109,7 @@ def _config(config: TesseraConfig, args: argparse.Namespace) -> int:
 
 
 def _health(config: TesseraConfig, args: argparse.Namespace) -> int:
-    from services.grpc_server import check_health
+    from services.common.grpc_server import check_health
 
     healthy = check_health(args.address, timeout_s=args.timeout)
     print(f"{args.address}: {'SERVING' if healthy else 'NOT SERVING'}")

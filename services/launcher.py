@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from services.config import LauncherConfig, TesseraConfig
+from services.common.config import LauncherConfig, TesseraConfig
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class Supervisor:
 
     def _wait_healthy(self, child: Child, stop: threading.Event) -> bool:
         """True once healthy; False if `stop` was set first. Raises if the child dies or times out."""
-        from services.grpc_server import check_health
+        from services.common.grpc_server import check_health
 
         assert child.process is not None
         deadline = time.monotonic() + self.launcher.health_timeout_s

@@ -20,8 +20,9 @@ import numpy as np
 
 from benchmarks.cluster_sim.worker import SimWorker, WorkerConfig
 from benchmarks.cluster_sim.workload import SimRequest
-from gateway.scheduling.adapter_cache import LRU, AdapterCache, Eviction, LFUDecay, LoadCosts
-from gateway.scheduling.perf_model import PerfModel
+from services.common.scheduling.adapter_tiers import AdapterCache, LoadCosts
+from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
+from services.common.scheduling.perf_model import PerfModel
 from gateway.scheduling.policies import Policy, RoutingRequest
 from gateway.scheduling.worker_state import WorkerStateTable
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from benchmarks.cluster_sim.workload import SimRequest
-from gateway.scheduling.adapter_cache import AdapterCache, LoadCosts, Tier
-from gateway.scheduling.batch import BatchEntry, BatchSummary
-from gateway.scheduling.perf_model import PerfModel
+from services.common.scheduling.adapter_tiers import AdapterCache, LoadCosts, Tier
+from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
+from services.common.scheduling.perf_model import PerfModel
 from gateway.scheduling.worker_state import WorkerState
 
 Schedule = Callable[[float, Callable[[float], None]], None]  # run callback(time) at time

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.scheduling.batch import BatchEntry, BatchSummary
-from gateway.scheduling.perf_model import PerfModel
+from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
+from services.common.scheduling.perf_model import PerfModel
 from gateway.scheduling.policies import Slo
 
 TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")

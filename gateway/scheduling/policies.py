@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.scheduling.batch import BatchEntry
+from services.common.scheduling.batch_summary import BatchEntry
 from gateway.scheduling.worker_state import WorkerState
 
 

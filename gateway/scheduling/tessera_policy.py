@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gateway.scheduling.adapter_cache import LoadCosts
-from gateway.scheduling.batch import BatchSummary
-from gateway.scheduling.perf_model import PerfModel
+from services.common.scheduling.adapter_tiers import LoadCosts
+from services.common.scheduling.batch_summary import BatchSummary
+from services.common.scheduling.perf_model import PerfModel
 from gateway.scheduling.policies import Rotation, RoutingRequest
 from gateway.scheduling.worker_state import WorkerState
 

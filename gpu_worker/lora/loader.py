@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from services.adapter_layout import AdapterLayout, refuse_vision_tensors
-from services.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from services.common.adapter_layout import AdapterLayout, refuse_vision_tensors
+from services.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"

@@ -15,7 +15,7 @@ from gpu_worker.models.llava import load_llava
 from gpu_worker.models.qwen2vl import load_qwen2vl
 from gpu_worker.vision.images import ImageEncoder
 from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
-from services.adapter_layout import LLAVA_LAYOUT, QWEN2VL_LAYOUT, TEXT_LAYOUT, AdapterLayout
+from services.common.adapter_layout import LLAVA_LAYOUT, QWEN2VL_LAYOUT, TEXT_LAYOUT, AdapterLayout
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 from gpu_worker.layers.mrope import MRopePositions, rope_index
-from services.errors import InvalidArgument
+from services.common.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import TextIO
 import pytest
 import requests
 
-from services.grpc_server import check_health
+from services.common.grpc_server import check_health
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gateway.server import Gateway, start_gateway
-from services.config import TesseraConfig
+from services.common.config import TesseraConfig
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 T = TypeVar("T")
@@ -23,7 +23,7 @@ T = TypeVar("T")
 BASE = "tiny-llama"
 ADAPTER = "sql-lora"
 OTHER_BASE = "tiny-qwen"  # a base model with no worker
-PERF_MODEL = "cpu-tessera-demo-llama"  # committed in gateway/perf_models
+PERF_MODEL = "cpu-tessera-demo-llama"  # committed in services/common/scheduling/perf_models
 
 
 class LoopThread:

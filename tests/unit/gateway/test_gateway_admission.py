@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.admission import DEFAULT_RETRY_AFTER_S, Admission
-from services.errors import ResourceExhausted
+from services.common.errors import ResourceExhausted
 
 
 class Clock:

@@ -13,7 +13,7 @@ import requests
 
 from gateway.openai_api import CHAT as CHAT_SHAPE, TEXT as TEXT_SHAPE, Reply
 from gateway.schemas import parse_completion_request
-from services.config import GatewayConfig
+from services.common.config import GatewayConfig
 from tests.unit.gateway.gateway_fakes import BASE, GatewayEnv, fake_logprobs
 from tessera.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.registry_cache import RegistryCache
 from tests.unit.gateway.gateway_fakes import ADAPTER, BASE, FakeRegistry, start_fake_server
-from services.errors import NotFound, Unavailable
+from services.common.errors import NotFound, Unavailable
 from tessera.v1 import common_pb2, registry_pb2_grpc
 
 

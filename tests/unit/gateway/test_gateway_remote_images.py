@@ -17,8 +17,8 @@ import pytest
 from gateway.images import image_from_url
 from gateway.remote_images import _public
 from gateway.schemas import parse_chat_request
-from services.config import GatewayConfig
-from services.errors import InvalidArgument, PayloadTooLarge
+from services.common.config import GatewayConfig
+from services.common.errors import InvalidArgument, PayloadTooLarge
 from tests.images import gradient_image
 from tests.unit.gateway.image_server import SLOW_S, ImageServer
 

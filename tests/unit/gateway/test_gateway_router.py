@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.router import PERF_MODELS_DIR, POLICIES, Router, build_policy, load_perf_models
-from gateway.scheduling.batch import BatchEntry
+from gateway.router import POLICIES, Router, build_policy
+from services.common.scheduling.perf_model import PERF_MODELS_DIR, load_perf_models
+from services.common.scheduling.batch_summary import BatchEntry
 from gateway.scheduling.policies import MostIdle, RoutingRequest, Slo
 from gateway.scheduling.worker_state import WorkerState, WorkerStateTable
-from services.config import ConfigError
-from services.errors import Unavailable
+from services.common.config import ConfigError
+from services.common.errors import Unavailable
 from tessera.v1 import common_pb2
 
 WORKERS = [common_pb2.WorkerInfo(address=a, base_model="b", healthy=True) for a in ("w:3", "w:1", "w:2")]

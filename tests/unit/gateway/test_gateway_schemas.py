@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.schemas import parse_chat_request, parse_completion_request, validate_generate_request
-from services.config import GatewayConfig
-from services.errors import InvalidArgument
+from services.common.config import GatewayConfig
+from services.common.errors import InvalidArgument
 from tessera.v1 import common_pb2, inference_pb2
 
 CONFIG = GatewayConfig(max_tokens_limit=100, default_max_tokens=7, max_prompt_chars=50)

@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from gateway.scheduling.adapter_cache import LoadCosts
-from gateway.scheduling.batch import BatchEntry
-from gateway.scheduling.perf_model import PerfModel, PhaseModel
+from services.common.scheduling.adapter_tiers import LoadCosts
+from services.common.scheduling.batch_summary import BatchEntry
+from services.common.scheduling.perf_model import PerfModel, PhaseModel
 from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, RandomChoice, RoundRobin,
                                          RoutingRequest, Slo)
 from gateway.scheduling.tessera_policy import TesseraPolicy

@@ -17,9 +17,9 @@ from benchmarks import simulate_cluster
 from benchmarks.cluster_sim.cluster import ClusterConfig, simulate
 from benchmarks.cluster_sim.worker import WorkerConfig
 from benchmarks.cluster_sim.workload import Popularity, SimRequest, build_requests, load_trace
-from gateway.scheduling.adapter_cache import LoadCosts, Tier
-from gateway.scheduling.batch import BatchEntry, BatchSummary
-from gateway.scheduling.perf_model import PerfModel
+from services.common.scheduling.adapter_tiers import LoadCosts, Tier
+from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
+from services.common.scheduling.perf_model import PerfModel
 from gateway.scheduling.policies import MostIdle, Slo
 from gateway.scheduling.tessera_policy import TesseraPolicy
 

@@ -3,8 +3,8 @@ shown until a newer report, base-model filtering and address order."""
 
 from __future__ import annotations
 
-from gateway.scheduling.adapter_cache import Tier
-from gateway.scheduling.batch import BatchEntry
+from services.common.scheduling.adapter_tiers import Tier
+from services.common.scheduling.batch_summary import BatchEntry
 from gateway.scheduling.worker_state import WorkerState, WorkerStateTable
 
 

@@ -18,7 +18,7 @@ from gpu_worker.builder import build_engine
 from gpu_worker.engine import Engine, EngineStats, GenerationRequest, RequestOutput, StepRecord
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.llava import LlavaImageEncoder
-from services.config import WorkerConfig
+from services.common.config import WorkerConfig
 from services.demo_assets import (DEMO_ADAPTERS, DEMO_BASE_MODEL, DEMO_QWEN2VL_ADAPTERS, DEMO_QWEN2VL_BASE_MODEL,
                                   DEMO_VISION_ADAPTERS, DEMO_VISION_BASE_MODEL, ClipShape, DemoAdapterSpec, LlamaShape,
                                   Qwen2VLVisionShape, build_llama, build_llava, build_lora_adapter, build_qwen2vl)

@@ -10,8 +10,8 @@ import pytest
 from gpu_worker.lora.adapter_pool import AdapterPool
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
 from gpu_worker.models.llama import LORA_TARGETS
-from services.adapter_layout import TEXT_LAYOUT
-from services.errors import FailedPrecondition, PermissionDenied
+from services.common.adapter_layout import TEXT_LAYOUT
+from services.common.errors import FailedPrecondition, PermissionDenied
 
 
 def _load(ref, store):

@@ -15,8 +15,8 @@ from gpu_worker.builder import async_scheduling_on, build_engine
 from gpu_worker.engine import GenerationRequest
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sequence import FinishReason, SamplingParams
-from services.config import ConfigError, WorkerConfig
-from services.errors import Internal
+from services.common.config import ConfigError, WorkerConfig
+from services.common.errors import Internal
 
 from .conftest import collect, idle_stats, run_all, tokens_of
 

@@ -17,7 +17,7 @@ from gpu_worker.builder import build_engine
 from gpu_worker.engine import GenerationRequest
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.sequence import SamplingParams
-from services.config import WorkerConfig
+from services.common.config import WorkerConfig
 from services.demo_assets import DemoAdapterSpec, build_lora_adapter
 from tests.reference import ReferenceModels, assert_same_greedy
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from gateway.scheduling.perf_model import FORMS, PerfModel
+from services.common.scheduling.perf_model import FORMS, PerfModel
 from gpu_worker.device_kind import perf_model_kind
 from gpu_worker.profile import TINY, adapter_cases, main
 from services.demo_assets import DEMO_BASE_MODEL

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from gpu_worker.registry_client import RegistryClient, WorkerIdentity, fetch_base_model
-from services.grpc_server import start_grpc_server
+from services.common.grpc_server import start_grpc_server
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 

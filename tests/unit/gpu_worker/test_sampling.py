@@ -9,7 +9,7 @@ import pytest
 from gpu_worker.engine import GenerationRequest
 from gpu_worker.prompts import ChatMessage
 from gpu_worker.sequence import FinishReason, SamplingParams
-from services.errors import InvalidArgument
+from services.common.errors import InvalidArgument
 
 from .conftest import collect, idle_stats, run_all, tokens_of
 

@@ -14,8 +14,8 @@ from gpu_worker.prompts import ChatMessage, ImagePart
 from gpu_worker.servicer import WorkerServicer, generation_request
 from gpu_worker.state_push import StateSource
 from services.demo_assets import DEMO_BASE_MODEL
-from services.errors import InvalidArgument
-from services.grpc_server import start_grpc_server
+from services.common.errors import InvalidArgument
+from services.common.grpc_server import start_grpc_server
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 PERF_MODEL = "cpu-tessera-demo-llama"

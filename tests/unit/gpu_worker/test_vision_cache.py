@@ -15,7 +15,7 @@ from gpu_worker.engine import Engine, GenerationRequest
 from gpu_worker.metrics import CacheMetrics
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt, PromptEncoder
 from gpu_worker.sequence import SamplingParams
-from services.config import WorkerConfig
+from services.common.config import WorkerConfig
 from tessera.v1 import common_pb2, worker_pb2
 from tests.reference import VisionReferenceModels, assert_same_greedy
 

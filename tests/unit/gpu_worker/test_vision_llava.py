@@ -15,7 +15,7 @@ from PIL import Image
 from gpu_worker.engine import GenerationRequest
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.sequence import SamplingParams
-from services.errors import InvalidArgument
+from services.common.errors import InvalidArgument
 from tests.images import gradient_image
 from tests.reference import VisionReferenceModels, assert_same_greedy
 

@@ -21,8 +21,8 @@ from gpu_worker.models.qwen2vl import Qwen2VLImageEncoder
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt, PromptEncoder
 from gpu_worker.sequence import SamplingParams, Sequence
 from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
-from services.architectures import IMAGE_ARCHITECTURES
-from services.errors import InvalidArgument
+from services.common.architectures import IMAGE_ARCHITECTURES
+from services.common.errors import InvalidArgument
 from tests.images import gradient_image
 from tests.reference import VisionReferenceModels, assert_same_greedy
 
@@ -228,7 +228,7 @@ def test_placeholder_in_the_text_is_an_invalid_argument(qwen2vl_engine_factory):
 
 
 def test_image_architectures_load_with_an_image_encoder(llava_assets, qwen2vl_assets):
-    """services/architectures.py's IMAGE_ARCHITECTURES (what the gateway sends images to) are what the
+    """services/common/architectures.py's IMAGE_ARCHITECTURES (what the gateway sends images to) are what the
     worker loads with an image encoder and a processor."""
     loaded = {}
     for assets in (llava_assets, qwen2vl_assets):

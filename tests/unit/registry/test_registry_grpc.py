@@ -6,7 +6,7 @@ import pytest
 
 from registry.grpc_service import SERVICE_NAME, add_registry_service
 from registry.store import RegistryStore
-from services.grpc_server import start_grpc_server
+from services.common.grpc_server import start_grpc_server
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 from .conftest import BASE_MODEL

@@ -2,7 +2,7 @@ import stat
 from pathlib import Path
 
 from registry.server import resolve_admin_api_key
-from services.config import load_config
+from services.common.config import load_config
 
 
 def test_admin_api_key_is_created_once_with_mode_0600(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from registry.records import ModuleShape, Tier
 from registry.store import RegistryStore
-from services.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 from .conftest import BASE_MODEL, FakeClock
 

@@ -13,7 +13,7 @@ from registry.base_model_files import read_base_model_spec
 from registry.store import RegistryStore
 from services.demo_assets import (DEMO_VISION_ADAPTERS, ClipShape, LlamaShape, build_llava,
                                   build_lora_adapter)
-from services.errors import InvalidArgument
+from services.common.errors import InvalidArgument
 
 TEXT = LlamaShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                   max_position_embeddings=256)

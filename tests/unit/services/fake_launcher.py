@@ -10,9 +10,9 @@ import os
 import sys
 from pathlib import Path
 
-from services.config import load_config
+from services.common.config import load_config
 from services.launcher import launch, role_specs
-from services.logs import setup_logging
+from services.common.logs import setup_logging
 
 FAKE_ROLE = str(Path(__file__).with_name("fake_role.py"))
 

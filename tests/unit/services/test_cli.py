@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from services.cli import DemoRegistrationError, main, register_demo_assets
-from services.config import TesseraConfig
+from services.common.config import TesseraConfig
 from services.demo_assets import DEMO_BASE_MODEL, DemoAssets
-from services.errors import NotFound
+from services.common.errors import NotFound
 
 def test_config_prints_the_effective_config_as_yaml(tmp_path: Path, monkeypatch, capsys) -> None:
     path = tmp_path / "tessera.yaml"

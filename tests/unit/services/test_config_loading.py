@@ -1,4 +1,4 @@
-"""services.config: defaults <- YAML file <- environment, with unknown keys and bad types refused."""
+"""services.common.config: defaults <- YAML file <- environment, with unknown keys and bad types refused."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.config import ConfigError, TesseraConfig, load_config
+from services.common.config import ConfigError, TesseraConfig, load_config
 
 
 def test_defaults_without_file_or_env() -> None:

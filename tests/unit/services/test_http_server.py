@@ -1,4 +1,4 @@
-"""services/http_server.py: the waitress server beside the asyncio loop starts, serves and closes."""
+"""services/common/http_server.py: the waitress server beside the asyncio loop starts, serves and closes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 import requests
 from flask import Flask
 
-from services.http_server import WsgiServer
+from services.common.http_server import WsgiServer
 
 
 def _app() -> Flask:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from services.config import LauncherConfig, load_config
-from services.grpc_server import check_health
+from services.common.config import LauncherConfig, load_config
+from services.common.grpc_server import check_health
 from services.launcher import LaunchError, check_ports_free, restart_delay_s, role_specs
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -1,4 +1,4 @@
-"""services.runtime.freeze_startup_heap, in a fresh interpreter: freezing the test process's own
+"""services.common.runtime.freeze_startup_heap, in a fresh interpreter: freezing the test process's own
 heap would keep every later test's garbage that is alive now."""
 
 import subprocess
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 PROBE = textwrap.dedent("""
     import gc, time, weakref
-    from services.runtime import freeze_startup_heap
+    from services.common.runtime import freeze_startup_heap
 
     class Node:
         pass

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.errors import TesseraError
+from services.common.errors import TesseraError
 
 log = logging.getLogger(__name__)
 

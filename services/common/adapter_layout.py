@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from services.errors import InvalidArgument
+from services.common.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""gateway/scheduling/perf_model.py and batch.py: running sums, least-squares fit and form choice,
+"""services/common/scheduling/perf_model.py and batch.py: running sums, least-squares fit and form choice,
 JSON round trip, and the simulator's default model against the engine benchmark it came from."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.scheduling.batch import BatchEntry, BatchSummary
-from gateway.scheduling.perf_model import FORMS, TERMS, PerfModel, PhaseModel, ProfileSample, fit_phase
+from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
+from services.common.scheduling.perf_model import FORMS, TERMS, PerfModel, PhaseModel, ProfileSample, fit_phase
 
 REPO = Path(__file__).resolve().parents[3]
 RANKS = (8, 16, 32, 64, 128)

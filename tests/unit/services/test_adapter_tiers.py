@@ -1,11 +1,12 @@
-"""gateway/scheduling/adapter_cache.py: frequency-driven eviction with decay, LRU for comparison,
+"""services/common/scheduling/adapter_tiers.py: frequency-driven eviction with decay, LRU for comparison,
 pins, the inclusive host tier, and load costs by tier."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.scheduling.adapter_cache import LRU, AdapterCache, LFUDecay, LoadCosts, Tier
+from services.common.scheduling.adapter_tiers import AdapterCache, LoadCosts, Tier
+from services.common.scheduling.eviction import LRU, LFUDecay
 
 
 def fill(cache: AdapterCache, adapters: list[str], now: float = 0.0) -> None:

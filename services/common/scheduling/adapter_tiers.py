@@ -1,8 +1,5 @@
-"""One worker's adapter tiers: GPU slots, pinned host memory, disk — and which adapter leaves when.
-
-Placement follows access frequency (ROCK): each access adds 1 to an adapter's score, and scores
-decay with a half-life, so an adapter that was hot an hour ago does not squat on a GPU slot. LRU is
-kept for comparison (the score is then just the last access time). The host tier is inclusive:
+"""One worker's adapter tiers: GPU slots, pinned host memory, disk — and which adapter leaves when
+(an `Eviction` policy, services/common/scheduling/eviction.py). The host tier is inclusive:
 an adapter on the GPU also has its host copy, so evicting it from the GPU costs no copy back.
 Adapters in use (pinned) are never evicted. Timing (how long a load takes) is the caller's:
 `LoadCosts` prices it, the worker (or the simulator's worker) schedules it.
@@ -13,9 +10,8 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
-Record = tuple[float, float]  # (score at time `at`, at)
+from services.common.scheduling.eviction import Eviction, Record
 
 
 class Tier(enum.IntEnum):
@@ -43,41 +39,6 @@ class LoadCosts:
         if tier is Tier.HOST:
             return self.host_fixed_s + self.adapter_bytes(rank) / self.host_bytes_per_s
         return self.disk_fixed_s + self.adapter_bytes(rank) / self.disk_bytes_per_s
-
-
-class Eviction(Protocol):
-    """Scores accesses; the adapter with the lowest `keep` key is evicted first."""
-
-    def touched(self, record: Record | None, now: float) -> Record: ...
-
-    def keep(self, record: Record) -> float: ...
-
-
-class LFUDecay:
-    """Access count with exponential decay: score(now) = Σ_accesses 2^(-(now - t) / half_life)."""
-
-    def __init__(self, half_life_s: float) -> None:
-        assert half_life_s > 0, "half-life must be positive"
-        self._half_life_s = half_life_s
-
-    def touched(self, record: Record | None, now: float) -> Record:
-        if record is None:
-            return 1.0, now
-        score, at = record
-        return score * 2.0 ** (-(now - at) / self._half_life_s) + 1.0, now
-
-    def keep(self, record: Record) -> float:
-        # log2 of the score brought to a common time: the order of scores at any `now`, without `now`.
-        score, at = record
-        return math.log2(score) + at / self._half_life_s
-
-
-class LRU:
-    def touched(self, record: Record | None, now: float) -> Record:
-        return 1.0, now
-
-    def keep(self, record: Record) -> float:
-        return record[1]
 
 
 class AdapterCache:

@@ -1,6 +1,6 @@
 """Domain errors with one mapping to gRPC status codes and HTTP statuses.
 
-Every role raises these; the gRPC interceptor (services/grpc_server.py) and the
+Every role raises these; the gRPC interceptor (services/common/grpc_server.py) and the
 Flask JSON error helpers translate them, so a bad input is INVALID_ARGUMENT/400
 and an unknown adapter NOT_FOUND/404 everywhere, never a blanket INTERNAL/500.
 """

@@ -74,7 +74,7 @@ class GatewayConfig:
     # Routing (docs/routing.md): the policy, the perf models it prices workers with, and the state
     # workers push. tessera | most-idle | round-robin | random | first-fit | least-loaded-lru
     routing_policy: str = "tessera"
-    perf_models_dir: str = ""  # "" -> the repo's gateway/perf_models (<kind>.json per worker kind)
+    perf_models_dir: str = ""  # "" -> the repo's services/common/scheduling/perf_models (<kind>.json per worker kind)
     state_interval_ms: int = 50  # how often each worker pushes its state (10..100)
     state_stale_s: float = 1.0  # a worker whose last push is older is out of rotation
     default_tpot_slo_ms: float = 200.0  # SLO of a request that names none (the registry has no per-adapter SLO)

@@ -23,7 +23,12 @@ from typing import Literal
 
 import numpy as np
 
-from gateway.scheduling.batch import BatchEntry, BatchSummary
+from services.common.config import ConfigError
+from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
+
+# Where a profiled worker kind's model is written (`python -m gpu_worker.profile`) and where the
+# gateway reads every kind by name: `<kind>.json`, in a package neither role owns.
+PERF_MODELS_DIR = Path(__file__).resolve().parent / "perf_models"
 
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[Phase, ...] = ("prefill", "decode")
@@ -186,3 +191,19 @@ class PerfModel:
     @classmethod
     def load(cls, path: Path) -> PerfModel:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def perf_model_path(kind: str, directory: Path = PERF_MODELS_DIR) -> Path:
+    return directory / f"{kind}.json"
+
+
+def load_perf_models(directory: Path = PERF_MODELS_DIR) -> dict[str, PerfModel]:
+    """Every `<kind>.json` in `directory`, by kind."""
+    models = {}
+    for path in sorted(directory.glob("*.json")):
+        try:
+            model = PerfModel.load(path)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"perf model {path} is invalid: {exc}") from exc
+        models[model.kind] = model
+    return models

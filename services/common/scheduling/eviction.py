@@ -1,0 +1,49 @@
+"""Which adapter leaves a full tier first: eviction policies over per-adapter access records.
+
+Placement follows access frequency (ROCK): each access adds 1 to an adapter's score, and scores
+decay with a half-life, so an adapter that was hot an hour ago does not squat on a GPU slot. LRU is
+kept for comparison (the score is then just the last access time). Shared by the gateway's cluster
+model (adapter_tiers.py, the simulator) and the worker's adapter pool.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+Record = tuple[float, float]  # (score at time `at`, at)
+
+
+class Eviction(Protocol):
+    """Scores accesses; the adapter with the lowest `keep` key is evicted first."""
+
+    def touched(self, record: Record | None, now: float) -> Record: ...
+
+    def keep(self, record: Record) -> float: ...
+
+
+class LFUDecay:
+    """Access count with exponential decay: score(now) = Σ_accesses 2^(-(now - t) / half_life)."""
+
+    def __init__(self, half_life_s: float) -> None:
+        assert half_life_s > 0, "half-life must be positive"
+        self._half_life_s = half_life_s
+
+    def touched(self, record: Record | None, now: float) -> Record:
+        if record is None:
+            return 1.0, now
+        score, at = record
+        return score * 2.0 ** (-(now - at) / self._half_life_s) + 1.0, now
+
+    def keep(self, record: Record) -> float:
+        # log2 of the score brought to a common time: the order of scores at any `now`, without `now`.
+        score, at = record
+        return math.log2(score) + at / self._half_life_s
+
+
+class LRU:
+    def touched(self, record: Record | None, now: float) -> Record:
+        return 1.0, now
+
+    def keep(self, record: Record) -> float:
+        return record[1]
