@@ -35,8 +35,8 @@ def freeze_startup_heap() -> None:
 
     A serving process builds hundreds of thousands of long-lived objects at startup (the model,
     Triton's compiled kernels, CUDA graphs) and every full collection would walk them all while
-    holding the GIL: 0.33-0.44 s in a process serving a 7B-shaped engine (H100 machine,
-    2026-11-25), 0.18 s for the tests' tiny CPU engine, a stall of every request in flight.
+    holding the GIL, a stall of every request in flight that grows with the model (the measured
+    stalls are in docs/benchmarks/engine.md).
     Frozen, they are never walked again; objects made later are collected as before.
     """
     gc.collect()

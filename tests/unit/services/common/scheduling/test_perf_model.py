@@ -12,7 +12,7 @@ import pytest
 from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
 from services.common.scheduling.perf_model import FORMS, TERMS, PerfModel, PhaseModel, ProfileSample, fit_phase
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[5]
 RANKS = (8, 16, 32, 64, 128)
 
 

@@ -6,7 +6,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 PROBE = textwrap.dedent("""
     import gc, time, weakref
