@@ -4,7 +4,7 @@ Discrete-event, virtual time, CPU only. The workers' step times come from a perf
 (services/common/scheduling/perf_model.py; default: a Llama-2-7B on one H200, derived from this repo's
 engine benchmark), the routing from the gateway's own policy objects. Prints a markdown table per
 policy: SLO attainment, TPOT and TTFT (mean, p99), GPU adapter cache hit rate, adapters' GPU
-memory, worker utilisation. See docs/benchmarks/cluster_sim.md.
+memory, worker utilisation. See docs/benchmarks/routing.md.
 
     PYTHONPATH=. python benchmarks/simulate_cluster.py --workers 60 --rate-scale 8 --out /tmp/sim --plot
     PYTHONPATH=. python benchmarks/simulate_cluster.py --sweep load --sweep-values 2,4,8,12 --out /tmp/load
