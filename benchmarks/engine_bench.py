@@ -39,7 +39,7 @@ from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.profile import random_adapters
 from gpu_worker.sampler import sample
-from gpu_worker.scheduler import ScheduledSeq
+from gpu_worker.scheduler import ScheduledBatch, ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
 from kernels import tuning
 from services.common.config import WorkerConfig
@@ -134,7 +134,7 @@ def run_step(parts: EngineParts, seqs: list[Sequence], num_new: list[int]) -> No
     for seq, n in zip(seqs, num_new):
         parts.scheduler.blocks.grow(seq, n)
         items.append(ScheduledSeq(seq, n, seq.num_cached + n == seq.num_tokens))
-    sampling, logits = parts.runner.run(items)
+    sampling, logits = parts.runner.run(items, parts.orchestrator.plan(ScheduledBatch(items)))
     tokens, _ = sample(logits, sampling).result()
     for seq, token in zip(sampling, tokens):
         seq.output_token_ids.append(token)
@@ -208,12 +208,12 @@ def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_fl
         for case, adapters in (("a_base", [None]), ("b_unmerged", ["shared"]), ("b_one_adapter", ["shared"]),
                                ("c_own_adapters", [f"own-{i}" for i in range(batch)])):
             seqs = new_sequences(parts, batch, context, adapters, gen)
-            merged_mode = parts.runner.merged
+            merge_switch = parts.orchestrator.merge_switch
             if case == "b_unmerged":
-                parts.runner.merged = None  # the previous case was base-only: nothing is merged now
+                parts.orchestrator.merge_switch = None  # the previous case was base-only: nothing is merged now
             prefill(parts, seqs, worker.max_batch_tokens)
             seconds = decode_step_seconds(parts, seqs, steps)
-            parts.runner.merged = merged_mode
+            parts.orchestrator.merge_switch = merge_switch
             release(parts, seqs)
             used = len({a for a in adapters if a is not None})
             floor = (base_bytes + used * one_adapter) / bandwidth

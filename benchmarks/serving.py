@@ -13,7 +13,9 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerFast
 
 from gpu_worker.builder import EngineParts
-from gpu_worker.engine import Engine, GenerationRequest, RequestHandle, StepRecord
+from gpu_worker.delivery import RequestHandle
+from gpu_worker.engine import Engine, StepRecord
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.sequence import SamplingParams
 from services.demo_assets import build_tokenizer
@@ -43,8 +45,9 @@ def bench_request(request_id: str, prompt: str, max_tokens: int, adapter: str | 
 def running_engine(parts: EngineParts, tokenizer: PreTrainedTokenizerFast, max_lora_rank: int, async_scheduling: bool,
                    on_step: Callable[[StepRecord], None] | None = None) -> Iterator[Engine]:
     """An engine over `parts`, stopped on exit. One at a time: two running engines would share a scheduler."""
-    engine = Engine(base_model=BASE_MODEL, runner=parts.runner, scheduler=parts.scheduler, adapters=parts.adapters,
-                    tokenizer=tokenizer, max_context=parts.model.max_context, max_lora_rank=max_lora_rank,
+    engine = Engine(base_model=BASE_MODEL, runner=parts.runner, scheduler=parts.scheduler,
+                    orchestrator=parts.orchestrator, adapters=parts.adapters, tokenizer=tokenizer,
+                    max_context=parts.model.max_context, max_lora_rank=max_lora_rank,
                     async_scheduling=async_scheduling, on_step=on_step)
     engine.start()
     try:

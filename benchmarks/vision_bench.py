@@ -55,7 +55,10 @@ from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, Lla
 from benchmarks.engine_bench import LLAMA2_7B, RANK, TARGETS, Report
 from gpu_worker.builder import assemble_parts, async_scheduling_on
 from gpu_worker.device_kind import device_name
-from gpu_worker.engine import Engine, EngineStats, GenerationRequest, RequestHandle
+from gpu_worker.delivery import RequestHandle
+from gpu_worker.engine import Engine
+from gpu_worker.intake import GenerationRequest
+from gpu_worker.stats import EngineStats
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.families import ServedModel
 from gpu_worker.models.llama import resolve_dtype
@@ -163,8 +166,8 @@ def start_engine(setup: Setup, worker: WorkerConfig, processor: LlavaProcessor) 
                            load=random_adapters(setup.config.text_config, TARGETS, device, dtype),
                            image_encoder=served.image_encoder, adapter_layout=served.adapter_layout)
     engine = Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
-                    adapters=parts.adapters, tokenizer=processor.tokenizer, max_context=parts.model.max_context,
-                    max_lora_rank=worker.max_lora_rank, processor=processor,
+                    orchestrator=parts.orchestrator, adapters=parts.adapters, tokenizer=processor.tokenizer,
+                    max_context=parts.model.max_context, max_lora_rank=worker.max_lora_rank, processor=processor,
                     async_scheduling=async_scheduling_on(worker.async_scheduling, device))
     engine.start()
     return engine

@@ -17,10 +17,11 @@ from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.kv_cache import CacheShape, PagedKVCache, cuda_blocks_that_fit
 from gpu_worker.lora.adapter_pool import AdapterPool
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
-from gpu_worker.lora.merged_mode import MergedMode
+from gpu_worker.lora.merge_switch import MergeSwitch
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.families import ServedModel, load_served_model
 from gpu_worker.models.llama import LORA_TARGETS, LlamaForCausalLM, resolve_dtype
+from gpu_worker.orchestrator import UNMERGED, Orchestrator
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from gpu_worker.sequence import SamplingParams, Sequence
 from gpu_worker.vision.image_cache import CachedImageEncoder, ImageFeatureCache
@@ -53,6 +54,7 @@ class EngineParts:
     runner: ModelRunner
     scheduler: Scheduler
     adapters: AdapterPool
+    orchestrator: Orchestrator
 
 
 def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, worker: WorkerConfig,
@@ -62,9 +64,9 @@ def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, wor
     parts = assemble_parts(served.language_model, worker, adapter_store, image_encoder=served.image_encoder,
                            adapter_layout=served.adapter_layout)
     return Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
-                  adapters=parts.adapters, tokenizer=tokenizer, max_context=parts.model.max_context,
-                  max_lora_rank=worker.max_lora_rank, on_step=on_step, processor=served.processor,
-                  async_scheduling=async_scheduling)
+                  orchestrator=parts.orchestrator, adapters=parts.adapters, tokenizer=tokenizer,
+                  max_context=parts.model.max_context, max_lora_rank=worker.max_lora_rank, on_step=on_step,
+                  processor=served.processor, async_scheduling=async_scheduling)
 
 
 def async_scheduling_on(setting: str, device: torch.device) -> bool:
@@ -79,7 +81,7 @@ def async_scheduling_on(setting: str, device: torch.device) -> bool:
 def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store: Path,
                    load: Callable[[AdapterRef], LoRAWeights] | None = None, *,
                    image_encoder: ImageEncoder | None = None, adapter_layout: AdapterLayout = TEXT_LAYOUT) -> EngineParts:
-    """Adapter slots, KV cache, scheduler and runner (with CUDA graphs on CUDA) for `model`.
+    """Adapter slots, KV cache, scheduler, orchestrator and runner (with CUDA graphs on CUDA) for `model`.
     `load` replaces reading adapters from the store (benchmarks use random weights);
     `image_encoder` serves a vision-language model's images; `adapter_layout` names its LoRA tensors."""
     config = model.config
@@ -106,23 +108,24 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     adapters = AdapterPool(model.lora_layers(worker.lora_targets), worker.adapter_slots, load_checked)
     scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
                           BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters)
-    merged = None
+    merge_switch = None
     if worker.merge_after_steps > 0 and worker.adapter_slots > 0:
         modules = list({id(m): m for m, _ in model.lora_layers(worker.lora_targets).values()}.values())
-        merged = MergedMode(modules, worker.merge_after_steps)
+        merge_switch = MergeSwitch(modules)
     if device.type == "cuda" and worker.warm_up_kernels:
-        _warm_up_kernels(model, worker, shape, merged)
+        _warm_up_kernels(model, worker, shape, merge_switch)
     graphs = None
     if device.type == "cuda" and worker.cuda_graphs:
         graphs = DecodeGraphs(model, kv_cache, max_batch=worker.max_num_seqs,
                               max_context=model.max_context, with_lora=worker.adapter_slots > 0)
     images = CachedImageEncoder(image_encoder, ImageFeatureCache(worker.image_cache_bytes)) \
         if image_encoder is not None else None
-    return EngineParts(model, ModelRunner(model, kv_cache, device, graphs, merged, images), scheduler, adapters)
+    return EngineParts(model, ModelRunner(model, kv_cache, device, graphs, merge_switch, images), scheduler, adapters,
+                       Orchestrator(merge_switch, worker.merge_after_steps))
 
 
 def _warm_up_kernels(model: LlamaForCausalLM, worker: WorkerConfig, shape: CacheShape,
-                     merged: MergedMode | None) -> None:
+                     merge_switch: MergeSwitch | None) -> None:
     """Compile every Triton kernel variant the worker's steps can select (attention, the skinny
     matmuls, LoRA, merge) before it serves: seconds at a first start, Triton's disk cache after.
     The decode graphs' capture compiles the rest (norms, rotary), as it runs every decode batch size."""
@@ -143,10 +146,10 @@ def _warm_up_kernels(model: LlamaForCausalLM, worker: WorkerConfig, shape: Cache
             projections = [(m.weight, m.bias) for m in modules] + [(model.lm_head.weight, None)]
             linear = warm_up_linear(projections, SKINNY_MAX_ROWS)
         lora = warm_up_lora(stacks, worker.max_batch_tokens, worker.adapter_slots) if stacks else 0
-        if merged is not None:
-            merged.warm_up()
+        if merge_switch is not None:
+            merge_switch.warm_up()
     log.info("kernels warmed up: %d attention, %d matmul and %d LoRA shrink/expand variants%s, compiled or "
-             "found in Triton's cache in %.1f s", attention, linear, lora, " and merge/restore" if merged else "",
+             "found in Triton's cache in %.1f s", attention, linear, lora, " and merge/restore" if merge_switch else "",
              time.perf_counter() - started)
 
 
@@ -176,7 +179,7 @@ def _profile_peak_bytes(model: LlamaForCausalLM, shape: CacheShape, worker: Work
     cache = PagedKVCache(shape, next_block, block_size)
     cache_bytes = next_block * shape.bytes_per_block(block_size)
     torch.cuda.reset_peak_memory_stats(shape.device)
-    ModelRunner(model, cache, shape.device).run(items)
+    ModelRunner(model, cache, shape.device).run(items, UNMERGED)
     torch.cuda.synchronize(shape.device)
     peak = torch.cuda.max_memory_allocated(shape.device) - cache_bytes
     del cache

@@ -22,8 +22,8 @@ PROMPT_CONTEXT_TOKENS = 5
 def ids_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
     """ids -> text without special tokens and without clean-up. For a fast tokenizer that keeps
     transformers' own decoding, that is the Rust tokenizer's decode called directly: the same text
-    at a fifth of the cost (transformers' wrapper converts and checks its arguments at every call,
-    and the engine decodes twice a token)."""
+    for less (transformers' wrapper converts and checks its arguments at every call, and the engine
+    decodes twice a token; the figure is in docs/benchmarks/engine.md)."""
     if type(tokenizer)._decode is PreTrainedTokenizerFast._decode:
         backend = tokenizer.backend_tokenizer
         return lambda ids: backend.decode(ids, skip_special_tokens=True)

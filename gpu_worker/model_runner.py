@@ -3,57 +3,62 @@ that sample. Decode-only steps on CUDA replay a captured graph when one fits the
 chunks over image tokens get the image features as their embeddings; each sequence's images go
 through the image encoder once, at the first chunk that needs them. A step scheduled before the
 previous step's tokens reached the host (async scheduling) takes those of its input ids from the
-device."""
+device. A step runs in the mode the orchestrator planned (orchestrator.py): merged, its adapter is
+folded into the base weights first and the step runs base-only."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.forward_context import ForwardContext, forward_context
 from gpu_worker.kv_cache import PagedKVCache
-from gpu_worker.lora.merged_mode import MergedMode
+from gpu_worker.lora.merge_switch import MergeSwitch
 from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.orchestrator import InferenceMode, StepPlan
 from gpu_worker.sampler import SampledTokens
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import Sequence
 from gpu_worker.step_inputs import InFlightIds, StepInputs, build_step_inputs
 from gpu_worker.vision.image_cache import CachedImageEncoder
-from kernels import LoRABatch
+from kernels import NO_SLOT, LoRABatch
 from kernels.attention import AttentionMetadata
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, device: torch.device,
-                 graphs: DecodeGraphs | None = None, merged: MergedMode | None = None,
+                 graphs: DecodeGraphs | None = None, merge_switch: MergeSwitch | None = None,
                  image_encoder: CachedImageEncoder | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.graphs = graphs
-        self.merged = merged
+        self.merge_switch = merge_switch
         self.image_encoder = image_encoder
 
     @property
     def merged_adapter(self) -> str | None:
         """The adapter folded into the base weights for the last step, if any."""
-        return self.merged.merged_adapter if self.merged else None
+        return self.merge_switch.merged_adapter if self.merge_switch else None
 
     @torch.inference_mode()
-    def run(self, items: list[ScheduledSeq], previous: SampledTokens | None = None
+    def run(self, items: list[ScheduledSeq], plan: StepPlan, previous: SampledTokens | None = None
             ) -> tuple[list[Sequence], torch.Tensor]:
-        """-> (the sequences that sample, their float32 logits [len(them), vocab]). A sequence with a
-        token in flight decodes it: its input id is its token in `previous`, still on the device."""
+        """Run `items` in `plan`'s mode; -> (the sequences that sample, their float32 logits [len(them),
+        vocab]). A sequence with a token in flight decodes it: its input id is its token in `previous`,
+        still on the device."""
         inputs = build_step_inputs(items, self.kv_cache.block_size)
-        if self.merged is not None:
-            inputs = self.merged.prepare(inputs)
+        merged = self._hold_weights(plan)
+        if merged:
+            inputs = dataclasses.replace(inputs, seg_slots=[NO_SLOT] * len(inputs.seg_slots))  # base-only
         in_flight = InFlightIds.of(inputs, previous.seqs, previous.tokens) if previous is not None else None
         assert in_flight is not None or not any(item.seq.num_in_flight for item in items)
         if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(len(items)):
             logits = self.graphs.replay(inputs, in_flight)
         else:
             logits = self._run_eager(inputs, in_flight)
-        merged = self.merged_adapter is not None
         for item in items:
             seq = item.seq
             seq.num_cached += item.num_new
@@ -61,6 +66,15 @@ class ModelRunner:
             if seq.image_features is not None and seq.num_cached >= seq.images.end:
                 seq.image_features = None
         return inputs.sampling, logits
+
+    def _hold_weights(self, plan: StepPlan) -> bool:
+        """Merge or restore the base weights as `plan` says; -> whether the step runs merged (not when
+        the merge found no memory for its backup)."""
+        if self.merge_switch is None:
+            assert plan.mode is InferenceMode.UNMERGED, plan
+            return False
+        merged = plan.mode is InferenceMode.MERGED
+        return self.merge_switch.hold((plan.merged_slot, plan.merged_adapter) if merged else None)
 
     def _device_tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -36,6 +36,7 @@ from gpu_worker.lora.loader import AdapterRef, LoRAWeights
 from gpu_worker.models.families import load_served_model
 from gpu_worker.models.llama import resolve_dtype
 from gpu_worker.models.random_weights import random_llama
+from gpu_worker.orchestrator import UNMERGED
 from gpu_worker.sampler import sample
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
@@ -150,7 +151,7 @@ class Profiler:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         started = time.perf_counter()
-        sampling, logits = self._parts.runner.run(items)
+        sampling, logits = self._parts.runner.run(items, UNMERGED)  # merged mode is off here
         tokens, _ = sample(logits, sampling).result()
         seconds = time.perf_counter() - started
         for seq, token in zip(sampling, tokens):

@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
-from gpu_worker.engine import Engine, GenerationRequest, RequestOutput
+from gpu_worker.delivery import RequestOutput
+from gpu_worker.engine import Engine
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.sequence import MAX_LOGPROBS, FinishReason, SamplingParams

@@ -10,7 +10,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from gpu_worker.engine import Engine, SeqLoad
+from gpu_worker.engine import Engine
+from gpu_worker.stats import SeqLoad
 from services.common.errors import InvalidArgument
 from tessera.v1 import worker_pb2
 

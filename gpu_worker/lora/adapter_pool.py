@@ -1,24 +1,27 @@
-"""A fixed number of adapter slots inside the model's LoRALinear layers, with LRU eviction.
+"""A fixed number of adapter slots inside the model's LoRALinear layers, with an eviction policy.
 
 A slot is pinned while running sequences use it (one pin per sequence); only unpinned slots are
-evicted, least recently used first. When every slot is pinned by other adapters, `acquire`
-returns None and the request waits.
+evicted, the one the policy keeps least first (services/common/scheduling/eviction.py, shared with
+the gateway's cluster model). An adapter is touched each time a sequence releases it, on a clock
+that counts releases: with LRU, the default, the adapter whose last pin was released longest ago
+goes first. When every slot is pinned by other adapters, `acquire` returns None and the request waits.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
 from collections.abc import Callable
 
 import torch
 
 from gpu_worker.lora.layer import LoRALinear
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights
+from services.common.scheduling.eviction import LRU, Eviction, Record
 
 
 class AdapterPool:
     def __init__(self, layers: dict[tuple[int, str], tuple[LoRALinear, int]], num_slots: int,
-                 load: Callable[[AdapterRef], LoRAWeights]) -> None:
+                 load: Callable[[AdapterRef], LoRAWeights], eviction: Eviction = LRU()) -> None:
         self._layers = layers  # (layer, PEFT target) -> (module, output slice)
         self._modules = list({id(module): module for module, _ in layers.values()}.values())
         self._load = load
@@ -27,7 +30,9 @@ class AdapterPool:
         self._rank_of_slot: dict[int, int] = {}
         self._pins = [0] * num_slots
         self._free = list(range(num_slots))
-        self._lru: OrderedDict[str, None] = OrderedDict()  # unpinned residents, oldest first
+        self._eviction = eviction  # holds no state: the records are here
+        self._records: dict[str, Record] = {}  # adapter -> its eviction record (kept across evictions)
+        self._releases = itertools.count()      # the policy's clock
 
     def acquire(self, ref: AdapterRef) -> int | None:
         """Pin `ref`'s slot, loading it first if needed; None if no slot can be freed now."""
@@ -42,7 +47,6 @@ class AdapterPool:
                 self._free.append(slot)
                 raise
             self._slot_of[ref.name] = slot
-        self._lru.pop(ref.name, None)
         self._pins[slot] += 1
         return slot
 
@@ -50,8 +54,7 @@ class AdapterPool:
         slot = self._slot_of[name]
         assert self._pins[slot] > 0, name
         self._pins[slot] -= 1
-        if self._pins[slot] == 0:
-            self._lru[name] = None
+        self._records[name] = self._eviction.touched(self._records.get(name), float(next(self._releases)))
 
     def num_pinned(self) -> int:
         """Pins held by running sequences (0 when the engine is idle)."""
@@ -66,9 +69,10 @@ class AdapterPool:
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
-        if not self._lru:
+        unpinned = [name for name, slot in self._slot_of.items() if self._pins[slot] == 0]
+        if not unpinned:
             return None
-        victim, _ = self._lru.popitem(last=False)
+        victim = min(unpinned, key=lambda name: self._eviction.keep(self._records[name]))
         slot = self._slot_of.pop(victim)
         for module in self._modules:
             module.reset_slot(slot)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gpu_worker.engine import GenerationRequest
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.sequence import SamplingParams
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels, assert_same_greedy

@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from gpu_worker.builder import build_engine
-from gpu_worker.engine import Engine, EngineStats, GenerationRequest, RequestOutput, StepRecord
+from gpu_worker.delivery import RequestOutput
+from gpu_worker.engine import Engine, StepRecord
+from gpu_worker.intake import GenerationRequest
+from gpu_worker.stats import EngineStats
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.llava import LlavaImageEncoder
 from services.common.config import WorkerConfig

@@ -1,4 +1,4 @@
-"""The loader's safety checks and the adapter pool's slots (LRU eviction, waiting when pinned)."""
+"""The loader's safety checks and the adapter pool's slots (policy eviction, waiting when pinned)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
 from gpu_worker.models.llama import LORA_TARGETS
 from services.common.adapter_layout import TEXT_LAYOUT
 from services.common.errors import FailedPrecondition, PermissionDenied
+from services.common.scheduling.eviction import LRU, LFUDecay
 
 
 def _load(ref, store):
@@ -86,3 +87,33 @@ def test_pool_evicts_lru_and_waits_when_all_pinned():
     assert pool.acquire(_ref("c")) == slot_a          # evicts a, the least recently used
     assert pool.resident() == ["b", "c"] and layer.slots[slot_a] == "c"
     assert loads == ["a", "b", "c"]
+
+
+def _pool(num_slots, eviction=LRU()):
+    return AdapterPool({(0, "q_proj"): (_Layer(), 0)}, num_slots, load=lambda ref: LoRAWeights(
+        ref.name, 4, 1.0, {(0, "q_proj"): (ref.name, None)}), eviction=eviction)
+
+
+def _use(pool, name):
+    slot = pool.acquire(_ref(name))
+    pool.release(name)
+    return slot
+
+
+def test_pool_evicts_the_adapter_released_longest_ago_not_the_one_acquired_first():
+    pool = _pool(2)
+    pool.acquire(_ref("a"))
+    slot_b = pool.acquire(_ref("b"))
+    pool.release("b")
+    pool.release("a")                                 # a was acquired first but released last
+    assert pool.acquire(_ref("c")) == slot_b
+    assert pool.resident() == ["a", "c"]
+
+
+def test_pool_with_lfu_decay_keeps_the_frequently_used_adapter():
+    pool = _pool(2, LFUDecay(half_life_s=100.0))      # the pool's clock counts releases
+    for _ in range(3):
+        _use(pool, "hot")
+    _use(pool, "cold")                                # released last: LRU would evict hot
+    _use(pool, "new")
+    assert pool.resident() == ["hot", "new"]

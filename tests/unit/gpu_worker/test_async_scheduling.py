@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpu_worker.builder import async_scheduling_on, build_engine
-from gpu_worker.engine import GenerationRequest
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sequence import FinishReason, SamplingParams
 from services.common.config import ConfigError, WorkerConfig
@@ -51,11 +51,11 @@ def count_launched_ahead(monkeypatch) -> list[LaunchedAhead]:
     launched: list[LaunchedAhead] = []
     run = ModelRunner.run
 
-    def recorded(self, items, previous=None):
+    def recorded(self, items, plan, previous=None):
         if previous is not None:
             launched.append(LaunchedAhead(sum(1 for item in items if item.seq.num_in_flight),
                                           sum(item.num_new for item in items if item.num_new > 1)))
-        return run(self, items, previous)
+        return run(self, items, plan, previous)
     monkeypatch.setattr(ModelRunner, "run", recorded)
     return launched
 
@@ -158,12 +158,12 @@ def test_a_failed_step_fails_the_running_requests_and_frees_their_blocks(engine_
     runner, scheduler = engine._runner, engine._scheduler
     run, faults = runner.run, []
 
-    def failing(items, previous=None):
+    def failing(items, plan, previous=None):
         ended_in_flight = [s for s in scheduler.running if s.finish_reason is not None and s.num_in_flight]
         if previous is not None and ended_in_flight and not faults:
             faults.append(ended_in_flight[0].request_id)
             raise RuntimeError("injected device fault")
-        return run(items, previous)
+        return run(items, plan, previous)
     monkeypatch.setattr(runner, "run", failing)
 
     async def one(request):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.engine import GenerationRequest
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.sequence import SamplingParams
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels, assert_same_greedy

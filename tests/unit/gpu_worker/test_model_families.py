@@ -14,7 +14,7 @@ from transformers import LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qw
 from transformers import AutoModelForCausalLM
 
 from gpu_worker.builder import build_engine
-from gpu_worker.engine import GenerationRequest
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.sequence import SamplingParams
 from services.common.config import WorkerConfig

@@ -9,7 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from gpu_worker.block_manager import BlockManager
-from gpu_worker.engine import GenerationRequest, StepRecord
+from gpu_worker.engine import StepRecord
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.sequence import SamplingParams, Sequence
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels, assert_same_greedy

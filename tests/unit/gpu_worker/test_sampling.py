@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gpu_worker.engine import GenerationRequest
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.prompts import ChatMessage
 from gpu_worker.sequence import FinishReason, SamplingParams
 from services.common.errors import InvalidArgument

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 
-from gpu_worker.engine import GenerationRequest, RequestOutput
+from gpu_worker.delivery import RequestOutput
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.sequence import FinishReason, SamplingParams
 
 from .conftest import idle_stats

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from transformers import AutoProcessor, AutoTokenizer
 
-from gpu_worker.engine import Engine, GenerationRequest
+from gpu_worker.engine import Engine
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.metrics import CacheMetrics
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt, PromptEncoder
 from gpu_worker.sequence import SamplingParams

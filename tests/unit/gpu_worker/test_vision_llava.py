@@ -12,7 +12,7 @@ import io
 import pytest
 from PIL import Image
 
-from gpu_worker.engine import GenerationRequest
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.sequence import SamplingParams
 from services.common.errors import InvalidArgument

@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
-from gpu_worker.engine import GenerationRequest
+from gpu_worker.intake import GenerationRequest
 from gpu_worker.models.families import load_served_model
 from gpu_worker.models.qwen2vl import Qwen2VLImageEncoder
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt, PromptEncoder

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gpu_worker.engine import RequestHandle, RequestOutput, _deliver
+from gpu_worker.delivery import RequestHandle, RequestOutput, deliver
 
 
 def _output(text: str) -> RequestOutput:
@@ -22,7 +22,7 @@ def test_one_wake_up_per_event_loop_with_items_in_order():
             return _schedule(callback, *args)
         loop.call_soon_threadsafe = counted
     handles = [RequestHandle(f"r{i}", loops[i % 2]) for i in range(4)]
-    _deliver([(handles[i % 4], _output(f"{i}")) for i in range(8)])  # two items for each handle
+    deliver([(handles[i % 4], _output(f"{i}")) for i in range(8)])  # two items for each handle
     assert wake_ups == {id(loops[0]): 1, id(loops[1]): 1}
     for i, handle in enumerate(handles):
         loop = loops[i % 2]
@@ -37,7 +37,7 @@ def test_a_closed_loop_does_not_stop_delivery_to_the_others():
     closed, open_ = asyncio.new_event_loop(), asyncio.new_event_loop()
     closed.close()
     gone, listening = RequestHandle("gone", closed), RequestHandle("listening", open_)
-    _deliver([(gone, _output("lost")), (listening, _output("kept"))])
+    deliver([(gone, _output("lost")), (listening, _output("kept"))])
     open_.run_until_complete(asyncio.sleep(0))
     assert listening._queue.get_nowait().text == "kept"
     open_.close()

@@ -1,0 +1,82 @@
+"""A request's way in: validated and tokenized on the caller's thread, so bad input fails in the
+caller, then handed to the engine thread as a Sequence with the RequestHandle that streams its outputs.
+
+Request ids are unique among the requests in flight: an id is claimed at `accept` and free again
+once the engine closes the request (`release`, from the engine thread), before its last output is
+delivered, so a client that has seen the end may reuse it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
+
+from gpu_worker.delivery import RequestHandle
+from gpu_worker.detokenizer import IncrementalDetokenizer
+from gpu_worker.lora.loader import AdapterRef
+from gpu_worker.prompts import Prompt, PromptEncoder
+from gpu_worker.sequence import SamplingParams, Sequence
+from services.common.errors import AlreadyExists, InvalidArgument
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: Prompt  # text, or chat messages (whose content may hold images: prompts.ImagePart)
+    params: SamplingParams
+    adapter: AdapterRef | None = None
+
+
+class Intake:
+    """Turns requests into sequences for one worker: its base model, ranks and KV-cache capacity."""
+
+    def __init__(self, *, base_model: str, tokenizer: PreTrainedTokenizerBase, processor: ProcessorMixin | None,
+                 max_context: int, max_lora_rank: int, kv_capacity_tokens: int) -> None:
+        self._base_model = base_model
+        self._tokenizer = tokenizer
+        self._prompts = PromptEncoder(tokenizer, max_context, processor)
+        self._max_lora_rank = max_lora_rank
+        self._kv_capacity_tokens = kv_capacity_tokens
+        self._lock = threading.Lock()
+        self._in_flight: set[str] = set()  # request ids accepted and not released (any thread)
+
+    def accept(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> tuple[Sequence, RequestHandle]:
+        """Validate and tokenize `request` and claim its id; -> its sequence and the handle streaming
+        its outputs on `loop`. Raises InvalidArgument or AlreadyExists."""
+        if request.adapter is not None and request.adapter.base_model != self._base_model:
+            raise InvalidArgument(f"adapter {request.adapter.name} is for base model "
+                                  f"{request.adapter.base_model}, this worker serves {self._base_model}")
+        if request.adapter is not None and request.adapter.rank > self._max_lora_rank:
+            raise InvalidArgument(f"adapter {request.adapter.name} has rank {request.adapter.rank}; this worker "
+                                  f"serves ranks up to {self._max_lora_rank} (max_lora_rank)")
+        prompt = self._prompts.encode(request.prompt, request.params.max_tokens)
+        ids = prompt.token_ids
+        needed = len(ids) + request.params.max_tokens - 1
+        if needed > self._kv_capacity_tokens:
+            raise InvalidArgument(f"prompt ({len(ids)} tokens) plus max_tokens ({request.params.max_tokens}) needs "
+                                  f"{needed} KV-cache tokens; this worker holds {self._kv_capacity_tokens}")
+        with self._lock:
+            if request.request_id in self._in_flight:
+                raise AlreadyExists(f"request {request.request_id} is already running")
+            self._in_flight.add(request.request_id)
+        detok = IncrementalDetokenizer(self._tokenizer, ids, request.params.stop)
+        seq = Sequence(request.request_id, ids, request.params, request.adapter, detok, prompt.images)
+        return seq, RequestHandle(request.request_id, loop)
+
+    def release(self, request_id: str) -> None:
+        """The request is closed: its id may be used again."""
+        with self._lock:
+            self._in_flight.discard(request_id)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows (added tokens included): valid ids are [0, vocab_size)."""
+        return len(self._tokenizer)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each id decoded alone, special tokens kept ("</s>"): the `token` of log-probability entries."""
+        return self._tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
+                                            clean_up_tokenization_spaces=False)

@@ -1,0 +1,84 @@
+"""The engine's load and cache counters as one immutable snapshot.
+
+The engine thread takes a snapshot whenever its state changed (after each step's outputs, applied
+submits and aborts, retired requests); callers on other threads read the latest one. It feeds
+GetStats (servicer.py), the state pushed to the gateway (state_push.py) and /metrics (metrics.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_worker.lora.adapter_pool import AdapterPool
+from gpu_worker.scheduler import Scheduler
+from gpu_worker.sequence import Sequence
+from gpu_worker.vision.image_cache import ImageFeatureCache
+
+_NO_IMAGE_CACHE = ImageFeatureCache(0)  # a text model's image-cache stats: all zeros
+
+
+@dataclass(frozen=True)
+class SeqLoad:
+    """A sequence as the gateway's performance model prices it."""
+    adapter: str | None
+    rank: int
+    tokens: int  # running: context so far; waiting: tokens to (re)compute before its first decode
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running_requests: int
+    waiting_requests: int
+    running_ranks: tuple[int, ...]
+    resident_adapters: tuple[str, ...]
+    free_kv_tokens: int
+    preemptions_total: int
+    adapter_slots: int
+    pinned_adapters: int    # adapter pins held by running sequences
+    generated_tokens_total: int
+    prefix_cache_hit_tokens_total: int = 0  # prompt tokens whose K/V came from the prefix cache
+    prefix_cache_query_tokens_total: int = 0  # tokens of sequences admitted with prefix caching on
+    prefix_cache_blocks: int = 0            # KV blocks whose content is published (in use or evictable)
+    prefix_cache_evicted_blocks_total: int = 0
+    image_cache_hits_total: int = 0         # images whose features came from the image-embedding cache
+    image_cache_misses_total: int = 0       # images that went through the vision encoder
+    image_cache_evictions_total: int = 0
+    image_cache_entries: int = 0
+    image_cache_bytes: int = 0
+    image_cache_capacity_bytes: int = 0     # image_cache_bytes of the config; 0 for a text model
+    running_load: tuple[SeqLoad, ...] = ()
+    waiting_load: tuple[SeqLoad, ...] = ()
+
+
+def snapshot(scheduler: Scheduler, adapters: AdapterPool, image_cache: ImageFeatureCache | None,
+             generated_tokens_total: int) -> EngineStats:
+    """The stats now; `image_cache` is None for a text model."""
+    running, blocks = scheduler.running, scheduler.blocks
+    images = image_cache if image_cache is not None else _NO_IMAGE_CACHE
+    return EngineStats(
+        running_requests=len(running),
+        waiting_requests=len(scheduler.waiting),
+        running_ranks=tuple(seq.rank for seq in running),
+        resident_adapters=tuple(adapters.resident()),
+        free_kv_tokens=blocks.free_tokens(),
+        preemptions_total=scheduler.num_preemptions,
+        adapter_slots=adapters.num_slots,
+        pinned_adapters=adapters.num_pinned(),
+        generated_tokens_total=generated_tokens_total,
+        prefix_cache_hit_tokens_total=blocks.prefix_hit_tokens,
+        prefix_cache_query_tokens_total=blocks.prefix_query_tokens,
+        prefix_cache_blocks=blocks.num_cached_blocks,
+        prefix_cache_evicted_blocks_total=blocks.evicted_blocks,
+        image_cache_hits_total=images.hits,
+        image_cache_misses_total=images.misses,
+        image_cache_evictions_total=images.evictions,
+        image_cache_entries=len(images),
+        image_cache_bytes=images.bytes_used,
+        image_cache_capacity_bytes=images.max_bytes,
+        running_load=tuple(map(_seq_load, running)),
+        waiting_load=tuple(map(_seq_load, scheduler.waiting)))
+
+
+def _seq_load(seq: Sequence) -> SeqLoad:
+    adapter = seq.adapter
+    return SeqLoad(adapter.name if adapter else None, adapter.rank if adapter else 0, seq.num_tokens)
