@@ -41,7 +41,7 @@ from gpu_worker.profile import random_adapters
 from gpu_worker.sampler import sample
 from gpu_worker.scheduler import ScheduledBatch, ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
-from kernels import tuning
+from kernels import tiling
 from services.common.config import WorkerConfig
 
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -323,7 +323,7 @@ def main() -> None:
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     report = Report(device=torch.cuda.get_device_name())
-    tables = tuning.table_for(torch.device("cuda"))["sources"]  # where the LoRA kernels' tiles come from
+    tables = tiling.table_for(torch.device("cuda"))["sources"]  # where the LoRA kernels' tiles come from
     print(f"device: {report.device}; torch {torch.__version__}; decode context {args.context}; "
           f"LoRA tile tables: {', '.join(tables) or 'none (heuristics)'}", flush=True)
     bandwidth, peak = copy_bandwidth(), matmul_flops()

@@ -5,8 +5,8 @@ n distinct adapters: a hidden size, a rank set, n, a token count and a layout (d
 request; prefill: a few long requests, one adapter's requests kept apart). Each op (shrink
 x -> y, expand y -> out) is run by four implementations of one contract (`LoRAOp`):
 
-    atmm_tuned   kernels.triton_lora, the tuned table's config for the case's bucket
-    atmm_static  kernels.triton_lora, one fixed config for every case (Punica-like tiling)
+    atmm_tuned   kernels.triton.lora_shrink / lora_expand, the tuned table's config for the case's bucket
+    atmm_static  kernels.triton.lora_shrink / lora_expand, one fixed config for every case (Punica-like tiling)
     torch_loop   a Python loop over the batch's adapters, one matmul each (PEFT-like)
     gather_bmm   tokens and weights gathered into padded groups, one bmm (dLoRA-like)
 
@@ -39,15 +39,18 @@ import numpy as np
 import torch
 import triton
 
-from kernels import reference, timing, triton_lora, tuning
+from kernels import reference, tiling
 from kernels.batch import NO_SLOT, LoRABatch
 from kernels.lora_stack import LoRAStack
+from kernels.triton import lora_expand as triton_expand
+from kernels.triton import lora_shrink as triton_shrink
+from kernels.tuner import timing
 
 RANK_SETS = {"u16": (16,), "u64": (64,), "mixed": (8, 16, 32, 64, 128)}  # adapter j: set[j % len]
 LAYOUTS = ("decode", "prefill")
 OPS = ("shrink", "expand")
 FULL = {"hidden": [4096, 3584], "ranks": list(RANK_SETS), "adapters": [1, 4, 16, 64],
-        "tokens": list(tuning.TOKEN_POINTS), "layouts": list(LAYOUTS)}  # the tuned token points
+        "tokens": list(tiling.TOKEN_POINTS), "layouts": list(LAYOUTS)}  # the tuned token points
 QUICK = {"hidden": [4096], "ranks": ["u16", "mixed"], "adapters": [4], "tokens": [8, 2048],
          "layouts": list(LAYOUTS)}
 SEED = 0
@@ -216,20 +219,20 @@ Impl = Callable[[LoRAStack, LoRABatch], LoRAOp]
 
 
 class Atmm:
-    """kernels.triton_lora; static: the table's fixed config (tuning.static_config) for every case."""
+    """The Triton kernels (kernels/triton/); static: the table's fixed config (tiling.static_config) for every case."""
 
     def __init__(self, stack: LoRAStack, batch: LoRABatch, static: bool) -> None:
         self.stack, self.batch = stack, batch
-        self.configs = {op: tuning.static_config(op, stack.a.device) if static else None for op in OPS}
+        self.configs = {op: tiling.static_config(op, stack.a.device) if static else None for op in OPS}
 
     def shrink(self, x: torch.Tensor) -> torch.Tensor:
-        return triton_lora.lora_shrink(x, self.stack, self.batch, self.configs["shrink"])
+        return triton_shrink.lora_shrink(x, self.stack, self.batch, self.configs["shrink"])
 
     def expand(self, out: torch.Tensor, y: torch.Tensor) -> None:
-        triton_lora.lora_expand(out, y, self.stack, self.batch, self.configs["expand"])
+        triton_expand.lora_expand(out, y, self.stack, self.batch, self.configs["expand"])
 
     def dense(self, y: torch.Tensor) -> torch.Tensor:
-        return y.float().sum(0)[:, 0]  # y: [K splits, tokens, 1 slice, max_rank] (triton_lora.y_dtype)
+        return y.float().sum(0)[:, 0]  # y: [K splits, tokens, 1 slice, max_rank] (triton_shrink.y_dtype)
 
 
 def slot_rows(batch: LoRABatch) -> dict[int, list[int]]:
@@ -319,7 +322,7 @@ IMPLS: dict[str, Impl] = {
     "torch_loop": TorchLoop,
     "gather_bmm": GatherBmm,
 }
-TUNED_LOOKUP = {"shrink": tuning.shrink_config, "expand": tuning.expand_config}
+TUNED_LOOKUP = {"shrink": tiling.shrink_config, "expand": tiling.expand_config}
 
 
 # ---- check and measure ---------------------------------------------------------------------
@@ -420,8 +423,8 @@ def measure_case(case: Case, impls: dict[str, Impl], device: torch.device | str,
         ys = [op.shrink(x) for op, x in zip(ops, xs)]
         seconds["expand"][name] = timer([functools.partial(op.expand, out, y) for op, out, y in zip(ops, outs, ys)])
     return [Row(case, op, min_bytes(op, case), copies, seconds[op],
-                tuning.config_dict(TUNED_LOOKUP[op](stack, batches[0])),
-                tuning.config_dict(tuning.static_config(op, stack.a.device))) for op in OPS]
+                tiling.config_dict(TUNED_LOOKUP[op](stack, batches[0])),
+                tiling.config_dict(tiling.static_config(op, stack.a.device))) for op in OPS]
 
 
 # ---- summary and report --------------------------------------------------------------------
@@ -538,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     bandwidth = timing.copy_bandwidth()
     header = {"device": torch.cuda.get_device_name(), "date": datetime.now().isoformat(timespec="seconds"),
               "command": shlex.join(sys.orig_argv), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bandwidth_Bps": bandwidth, "tables": tuning.table_for(torch.device(DEVICE))["sources"]}
+              "copy_bandwidth_Bps": bandwidth, "tables": tiling.table_for(torch.device(DEVICE))["sources"]}
     print(f"{header['device']}  {header['date']}  torch {torch.__version__}  triton {triton.__version__}  "
           f"tables: {', '.join(header['tables']) or 'none (heuristics)'}")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {len(cases)} cases x {len(OPS)} ops")

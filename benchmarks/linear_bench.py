@@ -2,9 +2,9 @@
 cuBLAS (F.linear), at the row counts of decode batches, on the GPU it names.
 
 Each op is timed as many calls replayed in one CUDA graph over rotating weight copies spanning
->= 3x L2 (kernels.timing), after a check against a float32 reference on fresh inputs. The floor is
+>= 3x L2 (kernels.tuner.timing), after a check against a float32 reference on fresh inputs. The floor is
 the bytes each call must move (weight, x, out) over the copy bandwidth measured in the same run.
-The Triton kernel is timed with programmatic dependent launch (kernels/pdl.py) on and off: in a
+The Triton kernel is timed with programmatic dependent launch (kernels/triton/pdl.py) on and off: in a
 graph of back-to-back calls PDL hides each launch behind the previous call's tail, as it does
 between the kernels of an engine step.
 
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import pdl
-from kernels.timing import copies_needed, copy_bandwidth, graph_time_s
-from kernels.triton_linear import LinearConfig, linear_config, row_tile, skinny_linear
+from kernels.triton import pdl
+from kernels.triton.linear import LinearConfig, linear_config, row_tile, skinny_linear
+from kernels.tuner.timing import copies_needed, copy_bandwidth, graph_time_s
 
 # (name, out_features, in_features) of the Llama-2-7B decode matmuls; per step each layer's four
 # run 32 times and lm_head once.

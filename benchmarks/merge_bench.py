@@ -8,7 +8,7 @@ device-to-device copy bandwidth measured in the same run).
 --sweep checks each candidate launch shape against the torch reference (backup bit-exact, merged
 weights at most one bfloat16 unit in the last place from the float32 reference rounded once,
 restore bit-exact) and prints its time, floor and ratio, the default first: one GPU run picks
-kernels/triton_merge.py's defaults.
+kernels/triton/merge.py's defaults.
 """
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from collections.abc import Callable
 import torch
 
 from kernels.lora_stack import LoRAStack
-from kernels.merge import MergeTarget, merge_weights, merge_weights_reference, restore_weights
-from kernels.timing import copy_bandwidth
-from kernels.triton_merge import (MERGE_CONFIGS, RESTORE_CONFIG, MergeConfig, RestoreConfig, merge_weights_triton,
+from kernels import merge_weights, restore_weights
+from kernels.merge import MergeTarget, merge_weights_reference
+from kernels.triton.merge import (MERGE_CONFIGS, RESTORE_CONFIG, MergeConfig, RestoreConfig, merge_weights_triton,
                                   restore_weights_triton)
+from kernels.tuner.timing import copy_bandwidth
 
 # No spills on sm_90a (ptxas -v), 1 to 9 programs an SM; (block_n, block_k, num_warps).
 MERGE_CANDIDATES = [MergeConfig(n, k, w) for n, k, w in (

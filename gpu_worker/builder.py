@@ -129,11 +129,11 @@ def _warm_up_kernels(model: LlamaForCausalLM, worker: WorkerConfig, shape: Cache
     """Compile every Triton kernel variant the worker's steps can select (attention, the skinny
     matmuls, LoRA, merge) before it serves: seconds at a first start, Triton's disk cache after.
     The decode graphs' capture compiles the rest (norms, rotary), as it runs every decode batch size."""
-    from kernels.compile_ahead import compiling_ahead  # CUDA only: CPU installs may lack a GPU triton
-    from kernels.linear import SKINNY_MAX_ROWS
-    from kernels.lora_warmup import warm_up_lora
-    from kernels.triton_attention import warm_up_attention
-    from kernels.triton_linear import warm_up_linear
+    from kernels import SKINNY_MAX_ROWS
+    from kernels.triton.attention import warm_up_attention  # CUDA only: CPU installs may lack a GPU triton
+    from kernels.triton.compile_ahead import compiling_ahead
+    from kernels.triton.linear import warm_up_linear
+    from kernels.triton.lora_warmup import warm_up_lora
 
     started = time.perf_counter()
     modules = {id(m): m for m, _ in model.lora_layers(LORA_TARGETS).values()}.values()  # every projection

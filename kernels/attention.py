@@ -9,8 +9,8 @@ and a decode at context 9 (block_size 4):
     query_start_loc = [0, 3, 4]   seq_lens = [8, 9]   query positions: [5, 6, 7] and [8]
     block_tables    = [[7, 2, 0], [3, 5, 1]]          key 6 of sequence 0 -> row 2 * 4 + 2 of the cache
 
-`paged_attention` runs the Triton kernels on CUDA and the reference elsewhere; the reference is also
-the ground truth the kernels are tested against.
+kernels.paged_attention runs the Triton kernels (kernels/triton/attention.py) on CUDA and the reference
+elsewhere; the reference is also the ground truth the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -73,22 +73,6 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two >= 16"
     assert block_size >= 8 and block_size & (block_size - 1) == 0, f"block_size {block_size}: power of two >= 8"
     assert meta.slot_mapping.shape[0] == q.shape[0], (meta.slot_mapping.shape, q.shape)
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """Causal attention of the packed new tokens over their sequences' cached K/V.
-
-    q:                [num_tokens, num_heads, head_dim]
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], this step's K/V already stored
-    returns           [num_tokens, num_heads, head_dim] in q's dtype. Rows not covered by any sequence
-                      (past query_start_loc[-1]) are zero on the reference and left unwritten by Triton.
-    """
-    if q.is_cuda:
-        # Imported here: CPU-only installs need not have triton.
-        from kernels.triton_attention import paged_attention_triton
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    return paged_attention_reference(q, k_cache, v_cache, meta, scale)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

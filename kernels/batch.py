@@ -90,7 +90,7 @@ class LoRABatch:
         `max_group_len` defaults to the largest group; pass a larger bound when this batch is
         captured in a graph that later replays larger groups. `max_rank`, when the caller knows
         it, bounds the rank of every adapter in the batch's slots (see `rank_bound`); `mean_rank`,
-        likewise, is their token-weighted mean (see kernels/tuning.py, `is_mixed`).
+        likewise, is their token-weighted mean (see kernels/tiling.py, `is_mixed`).
         """
         seg_lens, seg_slots = tuple(seg_lens), tuple(seg_slots)
         seg_starts = (0, *accumulate(seg_lens))[:len(seg_lens)]

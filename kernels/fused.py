@@ -2,16 +2,19 @@
 before it), rotary + K/V store, SiLU-and-mul.
 
 Why. At batch 1 each small torch op of a layer (pow, mean, rsqrt, mul, cast, slice, cat, add, ...)
-costs ~2 us of launch even inside a CUDA graph; fused, a layer launches one kernel per op below:
+is a launch of its own even inside a CUDA graph; fused, a layer launches one kernel per op below
+(kernels.<op>):
 
     (normed, residual) = fused_add_rms_norm(attn_or_mlp_out, residual, weight, eps)
     q = rotary_store_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, ...)   # K/V land in the cache
     act = silu_and_mul(gate_up)
 
-Each op runs the Triton kernel on CUDA and its torch reference elsewhere. The references compute
-exactly what Hugging Face's eager Llama computes (float32 statistics, rounding to the model's dtype
-wherever eager torch rounds) and are what the kernels are tested against; the kernels repeat those
-roundings, so bf16 results match the reference up to the last bit of a few transcendentals.
+This module holds the ops' contract (the checks both backends pass) and their torch references;
+kernels/__init__.py runs the Triton kernels (kernels/triton/fused.py) on CUDA and the references
+elsewhere. The references compute exactly what Hugging Face's eager Llama computes (float32
+statistics, rounding to the model's dtype wherever eager torch rounds) and are what the kernels
+are tested against; the kernels repeat those roundings, so bf16 results match the reference up to
+the last bit of a few transcendentals.
 """
 
 from __future__ import annotations
@@ -22,77 +25,14 @@ import torch.nn.functional as F
 from kernels.attention import store_kv
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [num_tokens, hidden] -> weight * (x / rms(x)) [num_tokens, hidden] in x's dtype."""
-    _check_norm(x, weight)
-    if x.is_cuda:
-        from kernels import triton_fused  # imported on first GPU use: CPU-only installs have no triton
-        out = torch.empty_like(x)
-        triton_fused.add_rms_norm(x, None, weight, eps, out, None)
-        return out
-    return rms_norm_reference(x, weight, eps)
-
-
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add of the previous sublayer fused into the next norm.
-
-    x, residual: [num_tokens, hidden], same dtype
-    returns      (rms_norm(x + residual), x + residual), new tensors; the sum is rounded to the
-                 dtype before the norm reads it, as HF's `residual + hidden_states` is
-    """
-    _check_norm(x, weight)
-    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape, residual.dtype)
-    if x.is_cuda:
-        from kernels import triton_fused
-        out, residual_out = torch.empty_like(x), torch.empty_like(x)
-        triton_fused.add_rms_norm(x, residual, weight, eps, out, residual_out)
-        return out, residual_out
-    return fused_add_rms_norm_reference(x, residual, weight, eps)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [num_tokens, 2 * inter] (gate columns, then up) -> silu(gate) * up [num_tokens, inter]."""
-    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
-    if gate_up.is_cuda:
-        from kernels import triton_fused
-        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-        triton_fused.silu_and_mul(gate_up, out)
-        return out
-    return silu_and_mul_reference(gate_up)
-
-
-def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                    head_dim: int) -> torch.Tensor:
-    """Rotary on q and k (neox style, HF's rotate_half) and this step's K/V into the paged caches.
-
-    qkv:              [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], the fused projection's
-                      output: q heads, then k heads, then v heads
-    cos, sin:         [num_tokens, head_dim] in qkv's dtype, computed once per step from the positions
-                      (gpu_worker.layers.rotary.RotaryEmbedding)
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; token t's rotated k and its v go
-                      to flat slot slot_mapping[t] (int64), as kernels.attention.store_kv writes them
-    returns           q with rotary applied, [num_tokens, num_heads, head_dim], contiguous
-    """
-    _check_rotary(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
-    if qkv.is_cuda:
-        from kernels import triton_fused
-        q = qkv.new_empty(qkv.shape[0], num_heads, head_dim)
-        triton_fused.rotary_store_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, q)
-        return q
-    return rotary_store_kv_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-                                     head_dim)
-
-
-def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
+def check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
     assert x.dim() == 2 and weight.shape == (x.shape[1],), (x.shape, weight.shape)
     assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
 
 
-def _check_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_dim: int) -> None:
+def check_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> None:
     num_tokens = qkv.shape[0]
     assert qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim, (qkv.shape, num_heads)
     assert cos.shape == sin.shape == (num_tokens, head_dim), (cos.shape, sin.shape, qkv.shape)

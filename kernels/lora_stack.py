@@ -12,7 +12,7 @@ Storage is padded to max_rank so that slots share one tensor (a CUDA graph reads
 index); the ops read only each slice's true rank, from `ranks`. Both A and B are stored rank-major,
 so that an adapter's rank-r rows are dense whatever the padding: with B stored [out, max_rank], a
 rank-8 adapter in a rank-128 stack put 16 useful bytes in every 256, and expand touched up to 8x
-the cache lines it needed (docs/benchmarks/kernels.md, eighth round).
+the cache lines it needed (docs/benchmarks/kernels.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""All-layer merge: fold one adapter slot's scaling · B·A into every base weight it targets, in one
-launch on CUDA, saving what it overwrites; and the exact reverse.
+"""All-layer merge, the contract: fold one adapter slot's scaling · B·A into every base weight it
+targets, saving what it overwrites; and the exact reverse. Its torch reference is here too.
 
 A task is one output slice of one projection's weight: W[rows] += scaling * b[slot, :r, rows]ᵀ @
-A[slot, slice, :r]. The Triton kernel walks every tile of every task in a single grid (a table of
-tensor addresses per task), writes each weight tile's old value to its backup before adding the
-delta, and `restore_weights` copies backups back, so the base weights come back bit-identical
+A[slot, slice, :r]. On CUDA one Triton launch walks every tile of every task (kernels/triton/merge.py:
+a table of tensor addresses per task), writes each weight tile's old value to its backup before
+adding the delta, and a restore copies backups back, so the base weights come back bit-identical
 however often they are merged. The torch reference does the same task by task (CPU).
+kernels/__init__.py picks the backend (`merge_weights`, `restore_weights`, `warm_up_merge`).
 """
 
 from __future__ import annotations
@@ -28,35 +29,6 @@ class MergeTarget:
     stack: LoRAStack
 
 
-def merge_weights(targets: Sequence[MergeTarget], slot: int) -> None:
-    """backup <- W, then W[slice rows] += scaling * B @ A for each slice the slot's adapter targets."""
-    if targets and targets[0].weight.is_cuda:
-        from kernels.triton_merge import merge_weights_triton  # triton only where CUDA is
-        merge_weights_triton(targets, slot)
-    else:
-        merge_weights_reference(targets, slot)
-
-
-def warm_up_merge(targets: Sequence[MergeTarget]) -> None:
-    """Compile (CUDA) the merge and restore kernels `targets` select, launching nothing, so that the
-    first merge of a worker does not wait on a compile. Backups are not read: a weight may stand in
-    for its own."""
-    if targets and targets[0].weight.is_cuda:
-        from kernels.triton_merge import merge_weights_triton, restore_weights_triton
-        merge_weights_triton(targets, 0, compile_only=True)
-        restore_weights_triton(targets, compile_only=True)
-
-
-def restore_weights(targets: Sequence[MergeTarget]) -> None:
-    """W <- backup for every target (bit-exact)."""
-    if targets and targets[0].weight.is_cuda:
-        from kernels.triton_merge import restore_weights_triton
-        restore_weights_triton(targets)
-    else:
-        for target in targets:
-            target.weight.copy_(target.backup)
-
-
 def merge_weights_reference(targets: Sequence[MergeTarget], slot: int) -> None:
     for target in targets:
         target.backup.copy_(target.weight)
@@ -67,3 +39,8 @@ def merge_weights_reference(targets: Sequence[MergeTarget], slot: int) -> None:
             rows = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
             delta = (stack.b[slot, :rank, rows].float().t() @ stack.a[slot, s, :rank].float()) * stack.scalings[slot].float()
             target.weight[rows] = (target.weight[rows].float() + delta).to(target.weight.dtype)
+
+
+def restore_weights_reference(targets: Sequence[MergeTarget]) -> None:
+    for target in targets:
+        target.weight.copy_(target.backup)

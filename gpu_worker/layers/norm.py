@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.fused import fused_add_rms_norm, rms_norm
+from kernels import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):

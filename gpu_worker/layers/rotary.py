@@ -3,7 +3,7 @@
 The inverse frequencies come from transformers' ROPE_INIT_FUNCTIONS (llama3, yarn, linear, ...)
 for scaled checkpoints and from the default formula otherwise, so positions match the
 reference implementation exactly. Packed tokens carry their own positions. The rotation itself
-is applied by kernels.fused.rotary_store_kv.
+is applied by kernels.rotary_store_kv.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [num_tokens] -> cos, sin: [num_tokens, head_dim] in dtype, computed once per step
-        and read by every layer's kernels.fused.rotary_store_kv."""
+        and read by every layer's kernels.rotary_store_kv."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]   # [num_tokens, head_dim / 2]

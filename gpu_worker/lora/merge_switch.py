@@ -18,7 +18,8 @@ import logging
 import torch
 
 from gpu_worker.lora.layer import LoRALinear
-from kernels.merge import MergeTarget, merge_weights, restore_weights, warm_up_merge
+from kernels import merge_weights, restore_weights, warm_up_merge
+from kernels.merge import MergeTarget
 
 log = logging.getLogger(__name__)
 

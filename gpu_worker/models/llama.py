@@ -26,8 +26,7 @@ from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.lora.layer import LoRALinear
 import kernels
-from kernels.attention import paged_attention
-from kernels.fused import rotary_store_kv, silu_and_mul
+from kernels import paged_attention, rotary_store_kv, silu_and_mul
 
 # PEFT target-module name -> path of that projection inside a Hugging Face decoder layer (the
 # names in checkpoints and in PEFT adapter files).

@@ -110,7 +110,7 @@ def test_serving_compiles_no_kernel_after_the_engine_is_built(tiny_assets):
     and to widen block tables to 16 blocks. Each compile would stall every running request (seconds
     on a fresh machine: the first 128-token prompt on a new H100 waited ~5 s), and each first load
     ~0.3 s on a fresh Triton cache (it builds the kernel's launcher)."""
-    from kernels.compile_ahead import compiles_recorded
+    from kernels.triton.compile_ahead import compiles_recorded
 
     steps = []
     engine = make_engine(tiny_assets, steps, device="cuda", dtype="auto", max_batch_tokens=192, merge_after_steps=2,

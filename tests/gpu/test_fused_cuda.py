@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused import (fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference,
-                           rotary_store_kv, rotary_store_kv_reference, silu_and_mul, silu_and_mul_reference)
+from kernels import fused_add_rms_norm, rms_norm, rotary_store_kv, silu_and_mul
+from kernels.fused import (fused_add_rms_norm_reference, rms_norm_reference, rotary_store_kv_reference,
+                           silu_and_mul_reference)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 BF16_REL = 1e-2

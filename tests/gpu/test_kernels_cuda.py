@@ -11,7 +11,8 @@ import torch
 
 import kernels
 from kernels import NO_SLOT, LoRABatch, LoRAStack, reference
-from kernels.attention import AttentionMetadata, paged_attention, paged_attention_reference
+from kernels import paged_attention
+from kernels.attention import AttentionMetadata, paged_attention_reference
 from tests.unit.kernels.test_attention import CASES as ATTENTION_CASES
 from tests.unit.kernels.test_attention import HEADS, _make_batch
 from tests.unit.kernels.test_lora_reference import CASES as LORA_CASES
@@ -130,7 +131,8 @@ def _merge_with_reference(layouts, dtype: torch.dtype, max_rank: int, rank: int)
     """Merge slot 1 into fresh weights, one launch, and the same with the torch reference.
     layouts: (in_features, out slice sizes, targeted slices) per projection.
     -> (targets, references, originals)."""
-    from kernels.merge import MergeTarget, merge_weights, merge_weights_reference
+    from kernels import merge_weights
+    from kernels.merge import MergeTarget, merge_weights_reference
 
     torch.manual_seed(0)
     targets, references, originals = [], [], []
@@ -149,7 +151,7 @@ def _merge_with_reference(layouts, dtype: torch.dtype, max_rank: int, rank: int)
 
 
 def test_merge_one_launch_bf16_matches_reference_and_restores_exactly():
-    from kernels.merge import restore_weights
+    from kernels import restore_weights
 
     layouts = ((4096, (4096, 1024, 1024), (0, 2)), (4096, (4096,), (0,)), (11008, (4096,), (0,)))
     targets, references, originals = _merge_with_reference(layouts, torch.bfloat16, 64, 64)
@@ -167,7 +169,7 @@ def test_merge_gqa_compiled_equals_reference_rounded_once(dtype, in_features, ma
     """The compiled paths (16-byte hints or none, every dtype): a Qwen2-like fused qkv (q 3584, k and
     v 512 rows, k untargeted), an o of odd rows, ranks below the stack's padding; the result is the
     float32 reference rounded once, the backup and the restore bit-exact."""
-    from kernels.merge import restore_weights
+    from kernels import restore_weights
 
     layouts = ((in_features, (3584, 512, 512), (0, 2)), (in_features, (1001,), (0,)))
     targets, references, originals = _merge_with_reference(layouts, dtype, max_rank, max_rank // 2)
@@ -187,9 +189,9 @@ def test_merge_gqa_compiled_equals_reference_rounded_once(dtype, in_features, ma
 
 
 def _distinct_table_configs() -> list[tuple[str, object]]:
-    from kernels import tuning
-    table = tuning.table_for(torch.device("cuda")) if torch.cuda.is_available() else {"configs": {}}
-    found = {(key.split("|")[0], tuning.config_from(key.split("|")[0], entry)) for key, entry in table["configs"].items()}
+    from kernels import tiling
+    table = tiling.table_for(torch.device("cuda")) if torch.cuda.is_available() else {"configs": {}}
+    found = {(key.split("|")[0], tiling.config_from(key.split("|")[0], entry)) for key, entry in table["configs"].items()}
     return sorted(found, key=str)
 
 
@@ -205,8 +207,8 @@ def test_every_tuned_config_computes_the_reference():
 def test_pipelined_expand_steps_compute_the_reference():
     """Expand's pipelined steps (out tiles prefetched through shared memory) in bf16, at each
     prefetch depth the tuner tries, with wgmma (64 rows) and mma (16 rows) tiles."""
-    from kernels.tune import PIPELINE_STAGES
-    from kernels.tuning import ExpandConfig
+    from kernels.tiling import ExpandConfig
+    from kernels.tuner.candidates import PIPELINE_STAGES
     from tests.unit.kernels.test_lora_triton import RANK_CLASS_BATCH, rank_class_stack
     configs = [("expand", ExpandConfig(m, n, steps, warps, stages, pipeline=True))
                for m, n, steps, warps in [(64, 64, 4, 4), (16, 32, 8, 8), (32, 128, 2, 8)]
@@ -218,8 +220,8 @@ def test_pipelined_expand_steps_compute_the_reference():
 def test_stationary_expand_steps_compute_the_reference():
     """B-stationary expands in bf16: every tile the tuner tries, each M span, on y as float32 planes
     and as one bf16 plane, on groups of several programs each (300 and 221 tokens) and in each rank class."""
-    from kernels.tune import MAX_TILE, M_STEPS, PIPELINE_STAGES, STATIONARY_TILES
-    from kernels.tuning import ExpandConfig, ShrinkConfig
+    from kernels.tiling import ExpandConfig, ShrinkConfig
+    from kernels.tuner.candidates import MAX_TILE, M_STEPS, PIPELINE_STAGES, STATIONARY_TILES
     from tests.unit.kernels.test_lora_triton import RANK_CLASS_BATCH, rank_class_stack
     configs = [("expand", ExpandConfig(m, n, 1, 8 if m * n >= MAX_TILE else 4, stages, m_steps=k))  # as tile_shapes
                for m, n in STATIONARY_TILES for k in M_STEPS for stages in PIPELINE_STAGES[:2]]
@@ -244,22 +246,23 @@ def _check_configs(configs: list[tuple[str, object]], stack: LoRAStack | None = 
     y_ref = reference.lora_shrink(x16.float(), stack, host)
     expected = out16.float().clone()
     reference.lora_expand(expected, y_ref, stack, host)
-    from kernels import triton_lora
+    from kernels.triton import lora_expand as triton_expand
+    from kernels.triton import lora_shrink as triton_shrink
     for op, config in configs:
         actual = out16.cuda()
         shrink_cfg = config if op == "shrink" else shrink_config
-        y = triton_lora.lora_shrink(x16.cuda(), cuda_stack, batch, shrink_cfg)
-        triton_lora.lora_expand(actual, y, cuda_stack, batch, config if op == "expand" else None)
+        y = triton_shrink.lora_shrink(x16.cuda(), cuda_stack, batch, shrink_cfg)
+        triton_expand.lora_expand(actual, y, cuda_stack, batch, config if op == "expand" else None)
         assert _rel_err(actual.cpu(), expected) < BF16_REL, (op, config)
 
 
 def test_no_lora_kernel_compiles_after_warm_up():
-    """After kernels.lora_warmup, engine-like batches of any shape within the limits run without a
+    """After kernels.triton.lora_warmup, engine-like batches of any shape within the limits run without a
     single Triton compile (each would stall a serving step for ~0.3-1 s)."""
     import random
 
-    from kernels.compile_ahead import compiles_recorded, compiling_ahead
-    from kernels.lora_warmup import warm_up_lora
+    from kernels.triton.compile_ahead import compiles_recorded, compiling_ahead
+    from kernels.triton.lora_warmup import warm_up_lora
     from tests.unit.kernels.test_lora_warmup import random_batch
 
     max_tokens, slots, max_rank = 1024, 8, 64

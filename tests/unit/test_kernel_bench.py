@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks import kernel_bench as kb
-from kernels import LoRABatch, LoRAStack, reference, tuning
+from kernels import LoRABatch, LoRAStack, reference, tiling
 
 F32 = torch.float32
 
@@ -201,7 +201,7 @@ def test_measure_case_times_every_impl_and_op_over_rotating_copies():
     assert list(rows[0].seconds) == list(kb.IMPLS)
     assert rows[0].seconds["atmm_tuned"] == 1e-6 and rows[1].seconds["atmm_tuned"] == 2e-6
     assert rows[0].bytes == kb.min_bytes("shrink", case) and rows[1].bytes == kb.min_bytes("expand", case)
-    assert set(rows[0].tuned_config) == set(tuning.ShrinkConfig.__dataclass_fields__)
+    assert set(rows[0].tuned_config) == set(tiling.ShrinkConfig.__dataclass_fields__)
 
 
 # ---- summary and report --------------------------------------------------------------------

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, paged_attention, paged_attention_reference, store_kv
-from kernels.triton_attention import TileConfig, paged_attention_triton
+from kernels import paged_attention
+from kernels.attention import AttentionMetadata, paged_attention_reference, store_kv
+from kernels.triton.attention import TileConfig, paged_attention_triton
 
 HEAD_DIM = 32
 SCALE = HEAD_DIM ** -0.5

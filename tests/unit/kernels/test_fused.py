@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import triton_fused
-from kernels.fused import (fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference,
-                           rotary_store_kv, rotary_store_kv_reference, silu_and_mul, silu_and_mul_reference)
+from kernels import fused_add_rms_norm, rms_norm, rotary_store_kv, silu_and_mul
+from kernels.fused import (fused_add_rms_norm_reference, rms_norm_reference, rotary_store_kv_reference,
+                           silu_and_mul_reference)
+from kernels.triton import fused as triton_fused
 
 DTYPES = [torch.float32, torch.float16]
 EPS = 1e-5

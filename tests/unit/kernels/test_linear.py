@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import linear
-from kernels.triton_linear import LinearConfig, skinny_linear
+from kernels import linear
+from kernels.triton.linear import LinearConfig, skinny_linear
 
 # (rows, in_features, out_features): each row tile (16, 32, 64), partly filled
 SHAPES = [(1, 40, 24), (5, 100, 72), (16, 33, 130), (17, 64, 40), (33, 100, 72), (64, 40, 24)]

@@ -11,9 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import NO_SLOT, LoRABatch, LoRAStack, reference, triton_lora, tuning
-from kernels.triton_lora import lora_expand, lora_shrink
-from kernels.tuning import ExpandConfig, ShrinkConfig
+from kernels import NO_SLOT, LoRABatch, LoRAStack, reference, tiling
+from kernels.tiling import ExpandConfig, ShrinkConfig
+from kernels.triton import lora_common
+from kernels.triton import lora_expand as triton_expand
+from kernels.triton.lora_expand import lora_expand
+from kernels.triton.lora_shrink import lora_shrink, y_dtype
 from tests.unit.kernels.test_lora_reference import (CASES, IN_FEATURES, LAYOUTS, lora_masks, make_batch,
                                                     make_inputs, make_stack, poison_unused_storage, tolerance)
 
@@ -58,11 +61,11 @@ def run_and_check(stack, batch, x, out, shrink_cfg=None, expand_cfg=None) -> Non
 
     y = lora_shrink(x, stack, batch, shrink_cfg)
     splits = shrink_cfg.split_k if shrink_cfg else y.shape[0]
-    assert y.dtype == triton_lora.y_dtype(splits, x.dtype) and y.shape == (splits, *y_ref.shape[1:])
+    assert y.dtype == y_dtype(splits, x.dtype) and y.shape == (splits, *y_ref.shape[1:])
     torch.testing.assert_close(y.float().sum(0)[y_mask], y_ref[0][y_mask], rtol=tol, atol=tol)
 
     # Past each adapter's rank, up to the batch's rank tile, y is zero (B-stationary expands read it unmasked).
-    rank_tile = y_mask.any(-1, keepdim=True) & (torch.arange(stack.max_rank) < triton_lora._block_r(stack, batch))
+    rank_tile = y_mask.any(-1, keepdim=True) & (torch.arange(stack.max_rank) < lora_common.rank_tile(stack, batch))
     assert torch.equal(y[:, rank_tile & ~y_mask], torch.zeros_like(y[:, rank_tile & ~y_mask]))
     y_poisoned = torch.where(rank_tile, y, float("nan"))  # every plane
     out = torch.where(out_mask, out, -0.0)
@@ -89,7 +92,7 @@ def test_triton_matches_reference(config, dtype, case, layout):
 def test_expand_without_the_early_b_tile_matches_reference(config, layout, monkeypatch: pytest.MonkeyPatch):
     """Tiles past PREFETCH_B_MAX_TILE read every B tile in the column loop; the test shapes are
     below it, so the bound is lowered to run that path."""
-    monkeypatch.setattr(triton_lora, "PREFETCH_B_MAX_TILE", 0)
+    monkeypatch.setattr(triton_expand, "PREFETCH_B_MAX_TILE", 0)
     shrink_cfg, expand_cfg, loose_bound, dtypes = CONFIGS[config]
     stack, _ = make_stack(layout, dtypes[0])
     batch = make_batch("mixed", loose_bound=loose_bound)
@@ -109,8 +112,8 @@ def test_a_batch_rank_bound_tiles_only_the_ranks_it_uses(config):
                               for s, n in enumerate(LAYOUTS["qkv"])}, scaling=0.5)
     batch = LoRABatch.build([3, 2, 4], [0, NO_SLOT, 2], "cpu", max_rank=16)
     unbounded = LoRABatch.build([3, 2, 4], [0, NO_SLOT, 2], "cpu")
-    assert tuning.bucket_of("shrink", stack, batch).block_r == 16
-    assert tuning.bucket_of("shrink", stack, unbounded).block_r == 64
+    assert tiling.bucket_of("shrink", stack, batch).block_r == 16
+    assert tiling.bucket_of("shrink", stack, unbounded).block_r == 64
     x, out = make_inputs(batch, stack.out_features, torch.float32)
     run_and_check(stack, batch, x, out, shrink_cfg, expand_cfg)
 

@@ -14,22 +14,23 @@ import random
 import pytest
 import torch
 
-from kernels import NO_SLOT, LoRABatch, LoRAStack, triton_lora, tuning
-from kernels.lora_warmup import BatchShape, _batch, batch_shapes
+from kernels import NO_SLOT, LoRABatch, LoRAStack, tiling
+from kernels.triton.lora_common import group_block, one_tile_per_group, rank_tile
+from kernels.triton.lora_warmup import BatchShape, _batch, batch_shapes
 
-TABLE = tuning.load_table("NVIDIA H200")  # the committed table: real configurations per bucket
+TABLE = tiling.load_table("NVIDIA H200")  # the committed table: real configurations per bucket
 PROJECTIONS = {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)), "down": (11008, (4096,))}
 
 
 def variant(op: str, stack: LoRAStack, batch: LoRABatch) -> tuple:
-    bucket = tuning.bucket_of(op, stack, batch)
-    config = tuning.lookup(bucket, TABLE)
-    return (bucket.key, config, triton_lora._block_r(stack, batch), triton_lora._one_tile_per_group(batch, config.block_m),
-            batch.rows is not None, triton_lora.group_block(batch.capacity))
+    bucket = tiling.bucket_of(op, stack, batch)
+    config = tiling.lookup(bucket, TABLE)
+    return (bucket.key, config, rank_tile(stack, batch), one_tile_per_group(batch, config.block_m),
+            batch.rows is not None, group_block(batch.capacity))
 
 
 def warmed_variants(stack: LoRAStack, max_tokens: int, capacity: int) -> set[tuple]:
-    capacities = {min(triton_lora.group_block(c), capacity) for c in range(1, capacity + 1)}
+    capacities = {min(group_block(c), capacity) for c in range(1, capacity + 1)}
     return {variant(op, stack, _batch(shape, groups, "cpu"))
             for shape in batch_shapes(max_tokens, stack.max_rank) for groups in capacities for op in ("shrink", "expand")}
 
@@ -65,4 +66,4 @@ def test_gathered_shape_interleaves_its_group_with_base_tokens() -> None:
     assert batch.rows.tolist() == [0, 1, 2, 3, 5, 6, 7, 8]  # slot 0's tokens skip base-only token 4
     contiguous = _batch(BatchShape(tokens=32, max_group_len=8, max_rank=64, gather=False, mixed=True), 4, "cpu")
     assert contiguous.rows is None and contiguous.capacity == 4
-    assert tuning.bucket_of("shrink", LoRAStack.empty(1, 64, (64,), 64, torch.float32, "meta"), contiguous).mixed
+    assert tiling.bucket_of("shrink", LoRAStack.empty(1, 64, (64,), 64, torch.float32, "meta"), contiguous).mixed

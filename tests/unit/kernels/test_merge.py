@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import restore_weights
 from kernels.lora_stack import LoRAStack
-from kernels.merge import MergeTarget, merge_weights_reference, restore_weights
-from kernels.triton_merge import MergeConfig, RestoreConfig, merge_weights_triton, restore_weights_triton
+from kernels.merge import MergeTarget, merge_weights_reference
+from kernels.triton.merge import MergeConfig, RestoreConfig, merge_weights_triton, restore_weights_triton
 
 PROJECTIONS = [(40, (48, 16, 16)), (40, (40,)), (70, (24, 24))]  # (in_features, out slice sizes): qkv, o, gate_up-like
 SLOT, MAX_RANK = 1, 16

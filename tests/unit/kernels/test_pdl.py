@@ -1,9 +1,9 @@
-"""kernels.pdl: programmatic dependent launch is asked for only where the device has it."""
+"""kernels.triton.pdl: programmatic dependent launch is asked for only where the device has it."""
 
 import pytest
 import torch
 
-from kernels import pdl
+from kernels.triton import pdl
 
 
 def test_off_the_gpu_no_kernel_waits_and_no_launch_asks_for_pdl():

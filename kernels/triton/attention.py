@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
 from kernels.attention import AttentionMetadata, check_inputs
-from kernels.compile_ahead import launcher
+from kernels.triton import pdl
+from kernels.triton.compile_ahead import launcher
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,11 @@ class TileConfig:
     num_stages: int
 
 
-# GPU-tuning knobs, all in one place. Picked by a sweep on an H200 (bf16, head_dim 128): for prefill,
-# 64x64 / 4 warps led or tied 128x64 and 128x128 / 8 warps at 2k-8k tokens; the split settings gave
-# the fastest decode at batch 1..64, contexts 1k-4k (launched under CUDA graphs).
-DECODE_TILES = TileConfig(block_m=16, block_n=32, num_warps=2, num_stages=2)  # H200 sweep, 2026-11-21
+# GPU-tuning knobs, all in one place, picked by a sweep on Hopper (bf16, head_dim 128;
+# docs/benchmarks/kernels.md): for prefill, 64x64 / 4 warps led or tied 128x64 and 128x128 / 8 warps
+# at 2k-8k tokens; the split settings gave the fastest decode at batch 1..64, contexts 1k-4k
+# (launched under CUDA graphs).
+DECODE_TILES = TileConfig(block_m=16, block_n=32, num_warps=2, num_stages=2)
 PREFILL_TILES = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 TARGET_PROGRAMS = 4 * 132     # ~4 programs per SM of an H100/H200; fewer than this and KV is split
 MIN_KEYS_PER_SPLIT = 64       # one BLOCK_N step: shorter splits only add combine work
@@ -70,7 +71,7 @@ def choose_num_splits(programs: int, max_seq_len: int) -> int:
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, *, out: torch.Tensor | None = None, tiles: TileConfig | None = None,
                            num_splits: int | None = None, compile_only: bool = False) -> torch.Tensor:
-    """Same contract as kernels.attention.paged_attention.
+    """Same contract as kernels.paged_attention.
 
     out:          [num_tokens, num_heads, head_dim] to write into (rows outside every sequence are left
                   as they are); a new tensor when None
@@ -176,8 +177,8 @@ def _attend_keys(acc, l_i, m_i, q, q_pos, key0, key_hi, k_base, v_base, bt_row, 
 def warm_up_attention(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> int:
     """Compile every variant a worker's steps can select (decode and prefill tiles, one tile per
-    sequence or a search, each split count's combine) so that no request waits on a compile; the
-    first 128-token prompt on a fresh H100 used to stall ~5 s on two of them. The arguments are
+    sequence or a search, each split count's combine) so that no request waits on a compile (a
+    first prompt on a fresh machine used to stall for seconds on two of them). The arguments are
     stand-ins: a variant depends on the constexprs and the integer values Triton specializes on
     (here the model's head counts and strides), not on the batch. Returns the variants requested."""
     q = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)

@@ -1,12 +1,12 @@
 """Tile configurations of the LoRA kernels: the offline-tuned table and its O(1) lookup.
 
-`python -m kernels.tune` times candidate configurations for each shape bucket of a model on the
+`python -m kernels.tuner` times candidate configurations for each shape bucket of a model on the
 local GPU and writes `kernels/tables/<gpu>.json`. At run time a call's bucket key is built from
 host ints only (the projection's shape, the padded rank, the batch's token count and its largest
 group, each rounded up to a tuned point) and looked up in a dict. A GPU's buckets missing from its
 own table come from tables tuned on GPUs of its architecture (an H100 runs an H200's entries: the
 same SMs, shared memory and instructions); what no such table has gets the heuristics below,
-measured on an H200 before the tuner existed.
+measured on Hopper before the tuner existed.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ TOKEN_POINTS = (1, 8, 32, 128, 512, 2048, 8192)  # tuned batch sizes and group s
 RANK_POINTS = (16, 64, 128)  # tuned rank tiles (padded max rank; 32 uses the 64 entry)
 # Expand sums the planes of shrink's split-K y in each of its programs: a [split, rows, rank] fp32
 # tile (rows: up to 64 of a group). Past ~8K elements that costs expand more than the split saves
-# shrink (an H200: 32 planes of rank 64 for 8-token groups; 16 planes of rank 16 doubled a
-# 2048-token expand's reads).
+# shrink (e.g. 32 planes of rank 64 for 8-token groups; docs/benchmarks/kernels.md).
 PLANE_TILE_CAP = 8192
 MIXED_MEAN_RANK = 0.5  # a batch is mixed-rank when its token-weighted mean rank is under this share of its largest
 TARGET_PROGRAMS = 528  # heuristic split-K aims at about this many programs: 4 per SM of an H100/H200
@@ -123,9 +122,9 @@ def is_mixed(mean_rank: float | None, rank_bound: int) -> bool:
     """Whether a batch's ranks are mixed enough to want other tiles than its largest rank alone.
     Rank-128 tiles suit a batch of rank-128 adapters, but when most tokens use ranks far below it
     (ranks 8-128 in turn: mean 50) wide tiles multiply padding, and rank-block tiles leave so few
-    live programs that a smaller count of wider ones fits one wave better: on an H200 the
-    best configuration for such 8192-token shrinks ran 1.3-1.4x faster than the one that also
-    serves uniform rank-128 batches. Unknown (None): not mixed, the entry that serves both."""
+    live programs that a smaller count of wider ones fits one wave better: the best configuration
+    for such prefill shrinks beats the one that also serves uniform rank-128 batches by a wide
+    margin (docs/benchmarks/kernels.md). Unknown (None): not mixed, the entry that serves both."""
     return mean_rank is not None and mean_rank < MIXED_MEAN_RANK * rank_bound
 
 
@@ -221,8 +220,8 @@ def _block_m(group: int) -> int:
 
 def _heuristic_shrink(b: Bucket) -> ShrinkConfig:
     """Decode-like buckets (small groups) leave few programs: split K so that about
-    TARGET_PROGRAMS run (~512 of K each at least). Longer tiles keep split_k = 1: split 4 made
-    a 4x512-token prefill 3x slower on an H200."""
+    TARGET_PROGRAMS run (~512 of K each at least). Longer tiles keep split_k = 1: splitting a
+    prefill's K made it several times slower."""
     block_m = _block_m(b.group)  # tl.dot even for decode: multiply-sum measured slower
     block_k = min(64 if block_m <= 32 or b.block_r > 64 else 128, max(16, _next_pow2(b.in_features)))
     split_k = 1
@@ -234,8 +233,8 @@ def _heuristic_shrink(b: Bucket) -> ShrinkConfig:
 
 
 def _heuristic_expand(b: Bucket) -> ExpandConfig:
-    """One-token groups (decode) take 1-row tiles multiplied on CUDA cores: ~15% faster than a
-    16-row tl.dot that wastes 15 rows and moves B through shared memory."""
+    """One-token groups (decode) take 1-row tiles multiplied on CUDA cores: faster than a 16-row
+    tl.dot that wastes 15 rows and moves B through shared memory."""
     block_n = min(128, max(16, _next_pow2(max(b.out_sizes))))
     if b.group == 1:  # multiply-sum tile [block_r, block_n]: <= 64 fp32 registers a thread
         return ExpandConfig(1, max(16, min(block_n, 8192 // b.block_r)), n_steps=4, num_warps=4, num_stages=3)

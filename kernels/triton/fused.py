@@ -1,8 +1,9 @@
-"""Triton kernels behind kernels.fused: one launch per op, one program per token row (or row tile).
+"""Triton kernels of the fused ops (kernels/fused.py): one launch per op, one program per token row
+(or row tile).
 
-Each wrapper writes into outputs its caller allocated (kernels.fused allocates them; the tests hand
-in NaN-filled ones to prove every element is written). Grids come from tensor shapes only and no
-wrapper reads a device value: CUDA-graph capturable.
+Each wrapper writes into outputs its caller allocated (kernels/__init__.py allocates them; the
+tests hand in NaN-filled ones to prove every element is written). Grids come from tensor shapes
+only and no wrapper reads a device value: CUDA-graph capturable.
 
 Numerics repeat eager HF's roundings: every product or sum that eager torch rounds to the model's
 dtype is computed in float32 and rounded here too (`.to(dtype)` between steps), so bf16 results
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels.triton import pdl
 
 # GPU-tuning knobs (untuned defaults, sized for hidden 4096-8192 / intermediate 11008-14336 / head_dim 128).
 NORM_ELEMENTS_PER_WARP = 512   # a norm row of H elements gets H / 512 warps (1..16): ~16 floats per thread
@@ -145,7 +146,7 @@ def _rotary_store_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_
 
 def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, q: torch.Tensor) -> None:
-    """Shapes as kernels.fused.rotary_store_kv; q: [num_tokens, num_heads, head_dim] contiguous, written."""
+    """Shapes as kernels.rotary_store_kv; q: [num_tokens, num_heads, head_dim] contiguous, written."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()

@@ -2,16 +2,16 @@
 
 A Triton kernel compiles on its first call with a new set of compile-time values: the tile
 configuration the table gives a shape bucket, the rank tile, whether the batch gathers rows and
-whether each group fits one tile. Each compile takes ~0.3-1 s and stalls the whole step, so a
-worker that met its variants while serving stalled its first requests of every new batch shape
-(an H200 serving a LLaVA-7B: ~40 compiles in the first bursts, docs/benchmarks/vision.md).
+whether each group fits one tile. Each compile stalls the whole step, so a worker that met its
+variants while serving stalled its first requests of every new batch shape (a LLaVA-7B met dozens
+in its first bursts, docs/benchmarks/vision.md).
 
-The variants follow from host ints alone (kernels/tuning.py's bucket key and triton_lora's
-constexprs), so they can be listed from the worker's limits: for every token point up to the
-step budget, every group point up to it (its smallest and largest group, which decide ONE_TILE
-for row tiles in between), every rank tile up to the slots' rank, contiguous and gathered rows,
-ranks mixed or not.
-Nothing is launched: inside kernels.compile_ahead's `compiling_ahead` the compiles run in parallel.
+The variants follow from host ints alone (kernels/tiling.py's bucket key and the constexprs of
+lora_shrink and lora_expand), so they can be listed from the worker's limits: for every token
+point up to the step budget, every group point up to it (its smallest and largest group, which
+decide ONE_TILE for row tiles in between), every rank tile up to the slots' rank, contiguous and
+gathered rows, ranks mixed or not. Nothing is launched: inside compile_ahead's `compiling_ahead`
+the compiles run in parallel.
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels import triton_lora, tuning
+from kernels import tiling
 from kernels.batch import NO_SLOT, LoRABatch
 from kernels.lora_stack import LoRAStack
+from kernels.triton.lora_common import group_block
+from kernels.triton.lora_expand import lora_expand
+from kernels.triton.lora_shrink import lora_shrink
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class BatchShape:
     max_group_len: int
     max_rank: int
     gather: bool
-    mixed: bool  # its mean rank is known to be low (tuning.is_mixed): the table may tile it apart
+    mixed: bool  # its mean rank is known to be low (tiling.is_mixed): the table may tile it apart
 
     def segments(self) -> tuple[list[int], list[int]]:
         """(segment lengths, slots) of a batch of this shape: one group of max_group_len tokens,
@@ -48,9 +51,9 @@ class BatchShape:
 def batch_shapes(max_tokens: int, max_rank: int) -> Iterator[BatchShape]:
     """Every variant-deciding batch shape of steps of up to `max_tokens` tokens with adapters of
     rank up to `max_rank`."""
-    points = tuning.TOKEN_POINTS
+    points = tiling.TOKEN_POINTS
     rank_tiles = [r for r in (16, 32, 64, 128, 256) if r <= max(16, triton.next_power_of_2(max_rank))]
-    for token_point in (t for t in points if t <= tuning.round_up(max_tokens, points)):
+    for token_point in (t for t in points if t <= tiling.round_up(max_tokens, points)):
         tokens = min(token_point, max_tokens)
         previous = 0
         for group_point in (g for g in points if g <= token_point):
@@ -73,7 +76,7 @@ def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int) ->
     by_shape = {(s.in_features, s.out_offsets, s.max_rank, s.a.dtype): s for s in stacks}
     shapes = list(batch_shapes(max_tokens, max(s.max_rank for s in by_shape.values()) if by_shape else 16))
     # Kernels scan up to max(64, capacity rounded up to a power of 2) groups: one capacity per scan size.
-    capacities = sorted({min(triton_lora.group_block(c), capacity) for c in range(1, capacity + 1)})
+    capacities = sorted({min(group_block(c), capacity) for c in range(1, capacity + 1)})
     requested = 0
     for stack in by_shape.values():
         x = torch.empty(max_tokens, stack.in_features, dtype=stack.a.dtype, device=stack.a.device)
@@ -83,8 +86,8 @@ def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int) ->
                 continue
             for groups in capacities:
                 batch = _batch(shape, groups, stack.a.device)
-                y = triton_lora.lora_shrink(x[:shape.tokens], stack, batch, compile_only=True)
-                triton_lora.lora_expand(out[:shape.tokens], y, stack, batch, compile_only=True)
+                y = lora_shrink(x[:shape.tokens], stack, batch, compile_only=True)
+                lora_expand(out[:shape.tokens], y, stack, batch, compile_only=True)
                 requested += 2
     return requested
 

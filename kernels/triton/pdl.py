@@ -6,19 +6,18 @@ next grid is set up. A kernel launched with PDL is set up while the kernel befor
 programs then wait at `wait_for_inputs` until that kernel has finished and its writes are visible.
 
 Most kernels here wait first thing: nothing is read earlier, and the gain is the launch latency.
-The LoRA kernels (kernels/triton_lora.py) first read what no kernel of a step writes (the batch
+The LoRA kernels (lora_shrink.py, lora_expand.py) first read what no kernel of a step writes (the batch
 metadata, copied in before the step, the adapter's rank and, for small tiles, its first A or B
 tile), then wait, then read their activations. They also let their dependents launch early
 (`start_dependents`, once a program has done its loads): the expand a shrink feeds, or the next
-expand, runs its own prologue while the kernel before it finishes. That is safe because a kernel starts its
-dependents only after its own wait: whatever ran two kernels back has completed, and only the
-immediate predecessor's writes are unseen before the wait, which the prologue never reads. On an
-H200 it made the expand 1.03-1.17x faster (per-case median by token count, 1-8192 tokens) and the
-shrink 1.02-1.08x (docs/benchmarks/kernels.md, seventh round).
+expand, runs its own prologue while the kernel before it finishes. That is safe because a kernel
+starts its dependents only after its own wait: whatever ran two kernels back has completed, and
+only the immediate predecessor's writes are unseen before the wait, which the prologue never
+reads. It made both LoRA ops faster at every token count measured (docs/benchmarks/kernels.md).
 
-The other kernels do not start their dependents early. Starting them at every kernel's start made
-back-to-back skinny matmuls 10-28% slower and the batch-32 decode step 0.5 ms slower; starting them
-after the matmul's K loop cost the batch-32 base step 5% in one run (engine.md, PDL sections).
+The other kernels do not start their dependents early: starting them at every kernel's start made
+back-to-back skinny matmuls and the decode step slower, and starting them after the matmul's K
+loop did not pay either (docs/benchmarks/kernels.md and engine.md, PDL sections).
 
 Every program executes the wait before it exits, early exits included: a kernel must not
 finish before its predecessor, or the kernel after it could run ahead of that predecessor's writes.

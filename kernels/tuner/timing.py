@@ -54,8 +54,8 @@ def graph_time_s(calls: list[Callable[[], object]], repeats: int = 5, min_calls:
 
 def copy_bandwidth(num_bytes: int = 2**31, repeats: int = 10) -> float:
     """Bytes/s of a device-to-device copy, counting bytes read plus bytes written. Timed with
-    events, not in a graph: a graph's memcpy node may run on a copy engine, measured ~40% slower
-    than the copy kernel on an H200."""
+    events, not in a graph: a graph's memcpy node may run on a copy engine, measured markedly slower
+    than the copy kernel."""
     src = torch.empty(num_bytes // 4, dtype=torch.float32, device="cuda").normal_()
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -1,4 +1,4 @@
-"""One-launch merge and restore over many weights (see kernels/merge.py for the contract).
+"""One-launch merge and restore over many weights (kernels/merge.py holds the contract).
 
 A task is one output slice of one weight: merge writes the slice's old rows to the backup and adds
 scaling · B @ A to them (a slice the adapter does not target is a task of rank 0: saved, left as it
@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.compile_ahead import launcher
 from kernels.merge import MergeTarget
+from kernels.triton.compile_ahead import launcher
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _VECTOR_BYTES = 16  # widest global load/store
@@ -75,13 +75,14 @@ class RestoreConfig:
 # CUDA cores (input_precision "ieee"), whose 64 x 128 tile spills: 32 x 64 on 8 warps does not.
 MERGE_CONFIGS = {2: MergeConfig(block_n=64, block_k=128, num_warps=4),  # by element size
                  4: MergeConfig(block_n=32, block_k=64, num_warps=8)}
-RESTORE_CONFIG = RestoreConfig(block=65536, num_warps=16)  # 128 KB of bf16 a program, 16 B a load (swept on an H200)
+# 128 KB of bf16 a program, 16 B a load: a sweep's best (docs/benchmarks/merge.md).
+RESTORE_CONFIG = RestoreConfig(block=65536, num_warps=16)
 
 
 def merge_weights_triton(targets: Sequence[MergeTarget], slot: int, config: MergeConfig | None = None,
                          compile_only: bool = False) -> None:
     """config: None = MERGE_CONFIGS for the weights' element size. compile_only: compile the kernel
-    these targets select without launching it (kernels.merge.warm_up_merge)."""
+    these targets select without launching it (kernels.warm_up_merge)."""
     if not targets:
         return
     config = config or MERGE_CONFIGS[targets[0].weight.element_size()]

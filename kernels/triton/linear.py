@@ -3,8 +3,7 @@
 The rows are padded to a 16-, 32- or 64-row tl.dot tile (tensor cores; the waste is free when
 memory bound), and no program splits K, so no second reduction kernel runs (cuBLAS splits K for
 the 4096-wide outputs at 17-64 rows and reduces in a second launch). Tile configurations come from
-sweeps over the 7B projection shapes on an H200 (docs/benchmarks/skinny_gemm_sweep-2026-11-21-h200.log
-for 16 rows, benchmarks/linear_bench.py for more).
+sweeps over the 7B projection shapes (benchmarks/linear_bench.py; figures in docs/benchmarks/engine.md).
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.compile_ahead import launcher
+from kernels.triton import pdl
+from kernels.triton.compile_ahead import launcher
 
 MAX_ROWS = 64  # the most rows this kernel serves
 
@@ -77,7 +76,7 @@ WARM_UP_ROWS = (1, 2, 16, 17, 32)
 
 
 def warm_up_linear(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int) -> int:
-    """Compile each (weight, bias)'s variants for up to `max_rows` rows (kernels.linear's bound),
+    """Compile each (weight, bias)'s variants for up to `max_rows` rows (kernels.SKINNY_MAX_ROWS),
     launching nothing; projections of one shape share them. Returns the variants requested."""
     shapes = {(w.shape, w.dtype, w.device, bias is not None): (w, bias) for w, bias in projections}
     requested = 0

@@ -1,16 +1,17 @@
 """Compile Triton kernels before serving, on a pool of threads, without launching them.
 
 A Triton kernel compiles on its first call with a new set of compile-time values and stalls that
-call's whole step (~0.3-2 s each on a fresh machine; the first request of a new H100 waited ~5 s).
+call's whole step (a fraction of a second to seconds each on a fresh machine, and a first request
+met several: docs/benchmarks/engine.md).
 The worker therefore requests every variant it can meet before it serves: each kernel module lists
 its own (`warm_up_*`) through its compile-only launch path, and this context runs those compiles
 in parallel.
 
 A compiled kernel is not yet ready to launch: its first launch loads it onto the GPU and builds its
 host-side launcher, a small C module that Triton compiles with the system's C compiler unless its
-disk cache holds one. On a fresh cache that cost ~0.3 s at a worker's first merge and first unmerge
-(H100, 2026-11-25): those kernels are compiled ahead but, unlike the others, never launched before
-serving. So the context also loads every kernel it compiled, still without launching it.
+disk cache holds one. On a fresh cache that stalled a worker's first merge and first unmerge:
+those kernels are compiled ahead but, unlike the others, never launched before serving. So the
+context also loads every kernel it compiled, still without launching it.
 """
 
 from __future__ import annotations
