@@ -13,7 +13,7 @@ else:
     # The GPU tests build and drop many engines in one process, each sizing its KV cache to most of
     # the device. With whole segments, a small tensor allocated after an engine's cache was freed is
     # carved from that segment and keeps all of it reserved: the next engine's cache then does not
-    # fit (seen on an H100, 2026-11-25: two 35.6 GiB segments held by 1.5 MiB). Expandable segments
+    # fit (docs/benchmarks/engine.md has the case that showed it). Expandable segments
     # give back every free page (tests/unit/gpu_worker/conftest.py's make_engine empties the cache first).
     # Read when the allocator starts, i.e. at the first CUDA tensor, after this module is loaded.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
