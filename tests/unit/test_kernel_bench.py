@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import kernel_bench as kb
+from benchmarks import lora_impls as impls
 from kernels import LoRABatch, LoRAStack, reference, tiling
 
 F32 = torch.float32
@@ -112,7 +113,7 @@ def test_only_used_adapters_get_slots():
 
 # ---- implementations -----------------------------------------------------------------------
 
-BASELINES = {"torch_loop": kb.TorchLoop, "gather_bmm": kb.GatherBmm}
+BASELINES = {"torch_loop": impls.TorchLoop, "gather_bmm": impls.GatherBmm}
 LAYOUT_CASES = {  # name -> (ranks, adapters, tokens, layout)
     "decode_scattered": ("mixed", 4, 11, "decode"),
     "prefill_scattered": ("mixed", 5, 17, "prefill"),
@@ -144,7 +145,7 @@ def test_baselines_equal_the_reference_in_float32(impl, layout):
 def test_torch_loop_uses_views_for_contiguous_tokens_and_indices_otherwise():
     case = kb.Case(hidden=16, ranks="u16", adapters=2, layout="prefill", seg_lens=(2, 3, 1), seg_adapters=(0, 1, 0))
     stack = kb.random_stack(case, 1, F32, "cpu", torch.Generator().manual_seed(0))
-    groups = kb.TorchLoop(stack, kb.copy_batch(case, 0, "cpu")).groups
+    groups = impls.TorchLoop(stack, kb.copy_batch(case, 0, "cpu")).groups
     assert groups[0][0].tolist() == [0, 1, 5] and groups[1][0] == slice(2, 5)
 
 
@@ -152,7 +153,7 @@ def test_gather_bmm_pads_groups_as_documented():
     stack = LoRAStack.empty(8, 16, (16,), 16, F32, "cpu")
     for slot, rank in ((7, 4), (3, 8)):
         stack.set_slot(slot, {0: (torch.ones(rank, 16), torch.ones(16, rank))}, 1.0)
-    op = kb.GatherBmm(stack, LoRABatch.build([1, 1, 1, 2, 1], [7, 3, 7, 0, 7], "cpu"))
+    op = impls.GatherBmm(stack, LoRABatch.build([1, 1, 1, 2, 1], [7, 3, 7, 0, 7], "cpu"))
     # Slot 0 is empty but still a group: tokens [3, 4], like slot 7's [0, 2, 5] and slot 3's [1].
     assert op.slots.tolist() == [7, 3, 0] and op.rank == 8
     assert op.idx_pad.tolist() == [[0, 2, 5], [1, 0, 0], [3, 4, 0]]
@@ -162,16 +163,16 @@ def test_gather_bmm_pads_groups_as_documented():
 # ---- check and measure ---------------------------------------------------------------------
 
 def test_check_case_passes_every_implementation():
-    kb.check_case(small_case("mixed", 4, 12, "prefill", hidden=40), kb.IMPLS, "cpu", F32)
-    kb.check_case(small_case("u16", 3, 6, "decode", hidden=40), kb.IMPLS, "cpu", F32)
+    kb.check_case(small_case("mixed", 4, 12, "prefill", hidden=40), impls.IMPLS, "cpu", F32)
+    kb.check_case(small_case("u16", 3, 6, "decode", hidden=40), impls.IMPLS, "cpu", F32)
 
 
-class _WrongScaling(kb.TorchLoop):
+class _WrongScaling(impls.TorchLoop):
     def shrink(self, x: torch.Tensor) -> torch.Tensor:
         return super().shrink(x) * 1.1
 
 
-class _DropsOneToken(kb.GatherBmm):
+class _DropsOneToken(impls.GatherBmm):
     def expand(self, out: torch.Tensor, y: torch.Tensor) -> None:
         y = y.clone()
         y[self.rows[-1]] = 0
@@ -182,7 +183,7 @@ class _DropsOneToken(kb.GatherBmm):
 def test_check_case_rejects_a_wrong_implementation(impl, op):
     case = small_case("u16", 4, 12, "prefill", hidden=32)
     with pytest.raises(kb.Mismatch, match=f"broken {op} on {case.name}"):
-        kb.check_case(case, {"torch_loop": kb.TorchLoop, "broken": impl}, "cpu", F32)
+        kb.check_case(case, {"torch_loop": impls.TorchLoop, "broken": impl}, "cpu", F32)
 
 
 def test_measure_case_times_every_impl_and_op_over_rotating_copies():
@@ -195,10 +196,10 @@ def test_measure_case_times_every_impl_and_op_over_rotating_copies():
         timed.append(len(calls))
         return 1e-6 * len(timed)
 
-    rows = kb.measure_case(case, kb.IMPLS, "cpu", F32, copies=3, timer=fake_timer)
-    assert timed == [3] * 2 * len(kb.IMPLS)
+    rows = kb.measure_case(case, impls.IMPLS, "cpu", F32, copies=3, timer=fake_timer)
+    assert timed == [3] * 2 * len(impls.IMPLS)
     assert [r.op for r in rows] == list(kb.OPS) and all(r.copies == 3 for r in rows)
-    assert list(rows[0].seconds) == list(kb.IMPLS)
+    assert list(rows[0].seconds) == list(impls.IMPLS)
     assert rows[0].seconds["atmm_tuned"] == 1e-6 and rows[1].seconds["atmm_tuned"] == 2e-6
     assert rows[0].bytes == kb.min_bytes("shrink", case) and rows[1].bytes == kb.min_bytes("expand", case)
     assert set(rows[0].tuned_config) == set(tiling.ShrinkConfig.__dataclass_fields__)
