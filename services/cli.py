@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.config import ConfigError, TesseraConfig, load_config
+from services.common.private_home import make_home_private
 
 if TYPE_CHECKING:
     from registry.store import RegistryStore
@@ -26,6 +27,8 @@ ROLE_MODULES = {
     "gateway": "gateway.server",
     "worker": "gpu_worker.server",
 }
+
+READ_ONLY_COMMANDS = frozenset({"config", "health"})  # the others write under TESSERA_HOME
 
 # The file a registered adapter's sha256 covers (common.proto, Adapter.sha256).
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -151,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    if args.command not in READ_ONLY_COMMANDS:
+        make_home_private(config.home_path)
     return args.run(config, args)
 
 
