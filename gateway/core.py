@@ -5,11 +5,16 @@ base model) -> pick a worker (router, over the workers' pushed state) -> stream 
 in-flight requests and metrics. A worker that fails with UNAVAILABLE before sending anything is
 marked down and the request goes to the next one; once tokens have streamed, a failure ends the
 request (its tokens cannot be taken back).
+
+Request ids are the gateway's: every request gets a fresh one, which keys it in the router and on
+the worker and which every response carries. A client's `request_id` is only a label, logged beside
+that id: two clients may send the same label at once without touching each other's requests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +32,8 @@ from gateway.scheduling.policies import RoutingRequest, Slo
 from gateway.schemas import chat_text_chars, validate_generate_request
 from gateway.state_feed import StateFeed
 from gateway.worker_client import WorkerClient
+
+log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # the gateway does not tokenize; a BPE token is ~4 characters of English
 
@@ -47,6 +54,8 @@ class GatewayCore:
         resolved = await self._cache.resolve(request.model)
         check_takes_images(request, resolved)
         worker_request = _worker_request(request, resolved)
+        if request.request_id:
+            log.debug("request %s has the client's label %r", worker_request.request_id, request.request_id)
         routing = routing_request(request, resolved, self._config)
         with self._admission.admit(resolved.base_model), IN_FLIGHT.track_inprogress():
             accepted = time.monotonic()
@@ -62,6 +71,7 @@ class GatewayCore:
                             raise Unavailable(f"the worker aborted request {worker_request.request_id}; retry")
                         GENERATED_TOKENS.inc(response.final.usage.completion_tokens)
                         REQUEST_LATENCY.observe(time.monotonic() - accepted)
+                    response.request_id = worker_request.request_id  # the worker answers with its own id
                     yield response
 
     async def _forward(self, base_model: str, routing: RoutingRequest,
@@ -118,7 +128,7 @@ def routing_request(request: inference_pb2.GenerateRequest, resolved: ResolvedMo
 
 
 def _worker_request(request: inference_pb2.GenerateRequest, resolved: ResolvedModel) -> worker_pb2.WorkerGenerateRequest:
-    out = worker_pb2.WorkerGenerateRequest(request_id=request.request_id or uuid.uuid4().hex,
+    out = worker_pb2.WorkerGenerateRequest(request_id=uuid.uuid4().hex,
                                            base_model=resolved.base_model, sampling=request.sampling)
     if resolved.adapter is not None:
         out.adapter.CopyFrom(resolved.adapter)

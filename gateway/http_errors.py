@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 from flask import Flask, Response, jsonify
@@ -23,9 +22,8 @@ def error_body(exc: TesseraError) -> dict[str, Any]:
 def error_response(exc: TesseraError) -> Response:
     response = jsonify(error_body(exc))
     response.status_code = exc.http_status
-    if exc.http_status in (429, 503):
-        # Whole seconds, as HTTP wants; overload without a hint still says "retry soon".
-        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s or 1)))
+    if (retry_after := exc.retry_after_header()) is not None:  # 429 and 503; gRPC sends the same
+        response.headers["Retry-After"] = retry_after
     return response
 
 
@@ -34,6 +32,9 @@ def _http_exception(exc: HTTPException) -> Response:
     response = jsonify({"error": {"message": exc.description, "type": "invalid_request_error", "param": None,
                                   "code": (exc.name or "error").lower().replace(" ", "_")}})
     response.status_code = exc.code or 500
+    for name, value in exc.get_headers():  # e.g. Allow on a 405
+        if name.lower() != "content-type":
+            response.headers[name] = value
     return response
 
 

@@ -8,23 +8,26 @@ a plain JSON error with its status code (the stream has not started); after it, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import itertools
 import json
 import logging
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from services.common.config import GatewayConfig
-from services.common.errors import Internal, InvalidArgument, TesseraError
+from services.common.errors import Internal, TesseraError
+from services.common.flask_asgi import Head, LoopResponse
 from tessera.v1 import common_pb2
 
 from gateway.bridge import CoreBridge
 from gateway.http_errors import error_body
 from gateway.logprobs import chat_logprobs, completion_logprobs
+from gateway.metrics import REQUESTS
+from gateway.rest_schema import parse_json
 from gateway.schemas import ApiRequest, parse_chat_request, parse_completion_request
 
 log = logging.getLogger(__name__)
@@ -119,11 +122,9 @@ def _config() -> GatewayConfig:
 
 
 def _json_body() -> Any:
-    # force: curl -d sends form-encoded content types; a JSON body is accepted whatever the header says.
-    body = request.get_json(force=True, silent=True)
-    if body is None:
-        raise InvalidArgument("the request body must be a JSON object (could not parse it as JSON)")
-    return body
+    # Whatever the content type says (curl -d sends form-encoded types): the body is read as JSON,
+    # strictly (rest_schema.parse_json), never by Flask's get_json, whose parser can overflow the stack.
+    return parse_json(request.get_data(cache=False))
 
 
 @bp.post("/chat/completions")
@@ -146,37 +147,78 @@ def list_models() -> Response:
 
 
 def _answer(reply: Reply) -> Response:
-    responses = _core().generate(reply.api.generate)
-    # Wait for the first message before answering: validation, NOT_FOUND and no-worker errors
-    # then get their own status code instead of a 200 stream holding an error.
-    first = next(responses)
-    if reply.api.stream:
-        return Response(_stream(reply, first, responses), mimetype="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    # Answered on the event loop: waiting for a worker's tokens holds no thread (services/common/flask_asgi.py).
+    route = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    return LoopResponse(_respond(reply, _core().generate(reply.api.generate), route)).flask()
+
+
+async def _respond(reply: Reply, responses: AsyncIterator[common_pb2.GenerateResponse],
+                   route: str) -> AsyncIterator[Head | bytes]:
+    """On the loop. Waits for the first message before answering: validation, NOT_FOUND, overload and
+    no-worker errors then get their own status code instead of a 200 stream holding an error."""
+    async with contextlib.aclosing(responses):  # type: ignore[type-var]
+        try:
+            first = await anext(responses)
+            whole = None if reply.api.stream else await _completion(reply, first, responses)
+        except Exception as exc:
+            error = _as_tessera_error(exc, reply)
+            headers = [("Content-Type", "application/json")]
+            if (retry_after := error.retry_after_header()) is not None:  # 429 and 503
+                headers.append(("Retry-After", retry_after))
+            yield _head(route, error.http_status, headers)
+            yield _json(error_body(error))
+            return
+        if whole is not None:
+            yield _head(route, 200, [("Content-Type", "application/json")])
+            yield _json(whole)
+            return
+        yield _head(route, 200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
+                                 ("X-Accel-Buffering", "no")])
+        async for event in _stream(reply, first, responses):
+            yield event.encode()
+
+
+def _head(route: str, status: int, headers: list[tuple[str, str]]) -> Head:
+    REQUESTS.labels(route=route, status=str(status)).inc()  # app.py counts every other answer
+    return Head(status, headers)
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _as_tessera_error(exc: Exception, reply: Reply) -> TesseraError:
+    if isinstance(exc, TesseraError):
+        return exc
+    log.exception("request %s failed", reply.api.generate.request_id)
+    return Internal(f"internal error: {type(exc).__name__}")
+
+
+async def _completion(reply: Reply, first: common_pb2.GenerateResponse,
+                      responses: AsyncIterator[common_pb2.GenerateResponse]) -> dict[str, Any]:
+    """The whole (non-streamed) completion object."""
     deltas: list[common_pb2.TokenDelta] = []
-    try:
-        for response in itertools.chain([first], responses):
-            if response.WhichOneof("payload") == "final":
-                final = response.final
-                break
-            deltas.append(response.delta)
-        else:
+    response = first
+    while response.WhichOneof("payload") != "final":
+        deltas.append(response.delta)
+        response = await anext(responses, None)
+        if response is None:
             raise Internal(f"request {reply.api.generate.request_id} ended without a final message")
-    finally:
-        responses.close()
-    return jsonify({**reply.head(reply.shape.object),
-                    "choices": [reply.shape.choice(final.text, _finish_reason(final), reply.logprobs(deltas))],
-                    "usage": _usage(final)})
+    final = response.final
+    return {**reply.head(reply.shape.object),
+            "choices": [reply.shape.choice(final.text, _finish_reason(final), reply.logprobs(deltas))],
+            "usage": _usage(final)}
 
 
-def _stream(reply: Reply, first: common_pb2.GenerateResponse,
-            responses: Generator[common_pb2.GenerateResponse, None, None]) -> Iterator[str]:
+async def _stream(reply: Reply, first: common_pb2.GenerateResponse,
+                  responses: AsyncIterator[common_pb2.GenerateResponse]) -> AsyncIterator[str]:
     shape = reply.shape
     try:
         if shape.chat:
             yield reply.chunk([shape.chunk_choice({"role": "assistant", "content": ""}, None)])
         chars = 0  # of the completion's text streamed so far
-        for response in itertools.chain([first], responses):
+        response: common_pb2.GenerateResponse | None = first
+        while response is not None:
             if response.WhichOneof("payload") == "delta":
                 delta = response.delta
                 logprobs = reply.logprobs([delta], chars)
@@ -184,16 +226,11 @@ def _stream(reply: Reply, first: common_pb2.GenerateResponse,
                 # A token that ends mid-character decodes to "": no chunk, unless it carries logprobs.
                 if delta.text or logprobs is not None:
                     yield reply.chunk([shape.chunk_choice({"content": delta.text}, None, logprobs)])
-                continue
-            yield reply.chunk([shape.chunk_choice({}, _finish_reason(response.final))])
-            if reply.api.include_usage:
-                yield reply.chunk([], _usage(response.final))
+            else:
+                yield reply.chunk([shape.chunk_choice({}, _finish_reason(response.final))])
+                if reply.api.include_usage:
+                    yield reply.chunk([], _usage(response.final))
+            response = await anext(responses, None)
         yield "data: [DONE]\n\n"
-    except Exception as exc:
-        if not isinstance(exc, TesseraError):
-            log.exception("stream %s failed", reply.api.generate.request_id)
-            exc = Internal(f"internal error: {type(exc).__name__}")
-        yield _event(error_body(exc))
-    finally:
-        # GeneratorExit here means the HTTP client went away: closing stops the worker's work.
-        responses.close()
+    except Exception as exc:  # a client that went away cancels instead: CancelledError passes
+        yield _event(error_body(_as_tessera_error(exc, reply)))

@@ -17,6 +17,7 @@ import time
 import grpc
 
 from services.common.errors import NotFound, Unavailable
+from services.common.tls import aio_channel
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -47,11 +48,13 @@ class RegistryCache:
     """Owns the channel to the registry; every method runs on the gateway's event loop."""
 
     def __init__(self, registry_address: str, refresh_s: float,
-                 miss_refresh_interval_s: float = MISS_REFRESH_INTERVAL_S) -> None:
+                 miss_refresh_interval_s: float = MISS_REFRESH_INTERVAL_S,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        """`credentials`: the gateway's cluster certificate (mutual TLS); None dials plaintext."""
         self._address = registry_address
         self._refresh_s = refresh_s
         self._miss_refresh_interval_s = miss_refresh_interval_s
-        self._channel = grpc.aio.insecure_channel(registry_address, options=CHANNEL_OPTIONS)
+        self._channel = aio_channel(registry_address, credentials, CHANNEL_OPTIONS)
         self._stub = registry_pb2_grpc.RegistryStub(self._channel)
         self._snapshot: RegistrySnapshot | None = None
         self._last_attempt = -float("inf")

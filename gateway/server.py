@@ -1,7 +1,8 @@
 """The gateway process: registry cache, core, gRPC Inference server and REST server on one loop.
 
 The event loop (main thread) runs the core, the registry cache refresh and the grpc.aio
-server; waitress threads run Flask and reach the core through CoreBridge.
+server, and the REST server (uvicorn, services/common/http_server.py): its connections and streamed
+answers live on the loop, Flask handlers run on a small thread pool and reach the core through CoreBridge.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from pathlib import Path
 
 from services.common.config import ConfigError, GatewayConfig, TesseraConfig
 from services.common.grpc_server import GrpcServer, start_grpc_server
-from services.common.http_server import WsgiServer
+from services.common.http_server import LoopHttpServer
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
 from services.common.runtime import run_until_signalled
 from services.common.scheduling.perf_model import PERF_MODELS_DIR, load_perf_models
+from services.common.tls import cluster_credentials, gateway_public_credentials
 from tessera.v1 import inference_pb2_grpc
 
 from gateway.admission import Admission
-from gateway.app import create_app
+from gateway.api_keys import ApiKeyInterceptor, ApiKeys
+from gateway.app import start_http_server
 from gateway.bridge import CoreBridge
 from gateway.core import GatewayCore
 from gateway.grpc_api import SERVICE_NAME, InferenceServicer
@@ -44,7 +47,7 @@ class Gateway:
     feed: StateFeed
     workers: WorkerClient
     grpc_server: GrpcServer
-    http_server: WsgiServer
+    http_server: LoopHttpServer
 
     @property
     def grpc_port(self) -> int:
@@ -55,7 +58,7 @@ class Gateway:
         return self.http_server.port
 
     async def close(self) -> None:
-        self.http_server.close()
+        await self.http_server.close()
         await self.grpc_server.stop()
         await self.feed.close()
         await self.workers.close()
@@ -68,9 +71,14 @@ async def start_gateway(config: TesseraConfig) -> Gateway:
     check_routing_config(gw)
     models = load_perf_models(Path(gw.perf_models_dir) if gw.perf_models_dir else PERF_MODELS_DIR)
     policy = build_policy(gw.routing_policy, models)
-    cache = RegistryCache(gw.registry_address, gw.metadata_refresh_s)
+    # The gateway is a client of the registry and the workers (its certificate on both channels);
+    # nothing inside the cluster calls it, so its one gRPC port is the public one.
+    tls = cluster_credentials(config, "gateway")
+    public_tls = gateway_public_credentials(config)
+    internal = tls.channel() if tls else None
+    cache = RegistryCache(gw.registry_address, gw.metadata_refresh_s, credentials=internal)
     await cache.start()
-    workers = WorkerClient(gw.request_timeout_s)
+    workers = WorkerClient(gw.request_timeout_s, credentials=internal)
     router = Router(policy, WorkerStateTable(time.monotonic, gw.state_stale_s))
     priced = gw.routing_policy in NEEDS_PERF_MODELS
     feed = StateFeed(workers, router.table, gw.state_interval_ms, router.tightest_tpot_slo_s,
@@ -80,9 +88,11 @@ async def start_gateway(config: TesseraConfig) -> Gateway:
     grpc_server = await start_grpc_server(
         f"{gw.host}:{gw.grpc_port}",
         lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(core), server),
-        [SERVICE_NAME])
+        [SERVICE_NAME], public_tls,
+        # The same client keys as REST; the health service stays open for probes.
+        interceptors=[ApiKeyInterceptor(ApiKeys(gw.api_keys))] if gw.api_keys else [])
     bridge = CoreBridge(core, asyncio.get_running_loop(), gw.request_timeout_s)
-    http_server = WsgiServer(create_app(bridge, gw), gw.host, gw.http_port, gw.http_threads).start()
+    http_server = await start_http_server(bridge, gw)
     return Gateway(core, cache, feed, workers, grpc_server, http_server)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 
 from services.common.errors import from_rpc_error
+from services.common.tls import aio_channel
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 # A restarted worker is reachable again within ~2 s instead of gRPC's default two minutes.
@@ -25,15 +26,17 @@ class WorkerClient:
     a worker dying mid-stream (UNAVAILABLE or CANCELLED) becomes Unavailable.
     """
 
-    def __init__(self, request_timeout_s: float) -> None:
+    def __init__(self, request_timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> None:
+        """`credentials`: the gateway's cluster certificate (mutual TLS); None dials plaintext."""
         self._timeout_s = request_timeout_s
+        self._credentials = credentials
         self._stubs: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = aio_channel(address, self._credentials, CHANNEL_OPTIONS)
             self._channels.append(channel)
             stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(channel)
         return stub

@@ -1,9 +1,11 @@
 """The serving engine: a thread that loops schedule → plan → run → postprocess → publish.
 
-Callers on the asyncio side `submit` a request (validated and tokenized at once by the intake, so
-bad input fails in the caller) and get a RequestHandle; the engine thread streams each step's
-outputs to the handles (delivery.py). `abort` retires a request whose client went away. All
-scheduler state is touched by the engine thread only; other threads talk to it through the inbox.
+Callers on the asyncio side `submit_async` a request and get a RequestHandle: the intake validates
+and tokenizes it on one of the engine's intake threads, so bad input fails in the caller and a huge
+prompt or image delays only itself, never the caller's event loop (`submit` does the same on the
+calling thread). The engine thread streams each step's outputs to the handles (delivery.py). `abort`
+retires a request whose client went away. All scheduler state is touched by the engine thread only;
+other threads talk to it through the inbox.
 
 A step's host work is split around the device. What the next schedule needs (token ids, whether
 each request finished, freeing finished requests' blocks) runs as soon as the tokens arrive
@@ -17,7 +19,9 @@ as before.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -39,6 +43,11 @@ from gpu_worker.stats import EngineStats, snapshot
 from services.common.errors import Internal, TesseraError
 
 log = logging.getLogger(__name__)
+
+# Tokenizers (Rust) and image decoding (PIL) drop the GIL for their heavy part, so intake threads work
+# beside the engine thread. Half the cores stay with the engine, the event loop and gRPC; at least 2,
+# so that one huge prompt in intake leaves a thread for the next request's.
+INTAKE_THREADS = max(2, min(8, (os.cpu_count() or 1) // 2))
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,7 @@ class Engine:
         self.max_context = max_context
         self._intake = Intake(base_model=base_model, tokenizer=tokenizer, processor=processor, max_context=max_context,
                               max_lora_rank=max_lora_rank, kv_capacity_tokens=self._blocks.capacity_tokens)
+        self._intake_threads = concurrent.futures.ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="intake")
         self._streams = Streams(on_close=self._intake.release)  # engine thread only
         self._on_step = on_step
         self._eos = tokenizer.eos_token_id
@@ -94,13 +104,32 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        self._intake_threads.shutdown(cancel_futures=True)
         self._inbox.put(None)
         self._thread.join()
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:
+        """Validate and tokenize `request` on this thread and queue it; its outputs stream on `loop`.
+        Raises InvalidArgument or AlreadyExists."""
         seq, handle = self._intake.accept(request, loop)
         self._inbox.put(("add", (seq, handle)))
         return handle
+
+    async def submit_async(self, request: GenerationRequest) -> RequestHandle:
+        """`submit` on an intake thread: the running loop streams other requests meanwhile. A caller
+        cancelled while its request is in intake leaves nothing behind (the request is aborted once
+        queued)."""
+        loop = asyncio.get_running_loop()
+        submitted = loop.run_in_executor(self._intake_threads, self.submit, request, loop)
+        try:
+            return await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(self._abort_submitted)
+            raise
+
+    def _abort_submitted(self, submitted: asyncio.Future[RequestHandle]) -> None:
+        if not submitted.cancelled() and submitted.exception() is None:
+            self.abort(submitted.result().request_id)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

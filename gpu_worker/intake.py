@@ -1,9 +1,10 @@
-"""A request's way in: validated and tokenized on the caller's thread, so bad input fails in the
-caller, then handed to the engine thread as a Sequence with the RequestHandle that streams its outputs.
+"""A request's way in: validated and tokenized on the calling thread (the engine's intake threads for
+the servicer: Engine.submit_async), so bad input fails in the caller, then handed to the engine
+thread as a Sequence with the RequestHandle that streams its outputs.
 
 Request ids are unique among the requests in flight: an id is claimed at `accept` and free again
 once the engine closes the request (`release`, from the engine thread), before its last output is
-delivered, so a client that has seen the end may reuse it.
+delivered. The servicer gives every request a fresh id; in-process callers choose theirs.
 """
 
 from __future__ import annotations

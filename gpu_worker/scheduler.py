@@ -121,7 +121,7 @@ class Scheduler:
                 if not self._acquire_adapter(seq):
                     still_waiting.append(seq)  # its adapter waits for a slot; others may go ahead
                     continue
-            except TesseraError as exc:
+            except TesseraError as exc:  # any load failure arrives as AdapterLoadFailed: only `seq` fails
                 batch.failed.append((seq, exc))
                 continue
             self.blocks.admit(seq, prefix, num_new)

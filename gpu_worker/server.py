@@ -6,7 +6,6 @@ import asyncio
 import logging
 from pathlib import Path
 
-import grpc
 import torch
 
 from gpu_worker import metrics
@@ -20,6 +19,7 @@ from services.common.grpc_server import start_grpc_server
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
 from services.common.runtime import freeze_startup_heap, run_until_signalled
+from services.common.tls import RoleCredentials, aio_channel, cluster_credentials
 from tessera.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "tessera.v1.WorkerService"
 
 
-async def _main(config: TesseraConfig, stop: asyncio.Event) -> None:
+async def _main(config: TesseraConfig, tls: RoleCredentials | None, stop: asyncio.Event) -> None:
     w = config.worker
-    async with grpc.aio.insecure_channel(w.registry_address) as channel:
+    async with aio_channel(w.registry_address, tls.channel() if tls else None) as channel:
         base = await fetch_base_model(channel, w.base_model, stop)
         if base is None:
             return
@@ -46,7 +46,7 @@ async def _main(config: TesseraConfig, stop: asyncio.Event) -> None:
         server = await start_grpc_server(
             f"{w.host}:{w.grpc_port}",
             lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(engine, state), s),
-            [SERVICE_NAME])
+            [SERVICE_NAME], tls.server() if tls else None)
         # The advertised port is known only once the server is bound (port 0 in tests).
         identity = WorkerIdentity(w.advertise_address or f"{w.host}:{server.port}", w.device, w.base_model,
                                   w.max_num_seqs)
@@ -63,4 +63,5 @@ async def _main(config: TesseraConfig, stop: asyncio.Event) -> None:
 
 def serve(config: TesseraConfig) -> None:
     setup_logging("worker", config.log_level)
-    run_until_signalled(lambda stop: _main(config, stop))
+    tls = cluster_credentials(config, "worker")  # first: a missing certificate fails before the model loads
+    run_until_signalled(lambda stop: _main(config, tls, stop))

@@ -1,8 +1,13 @@
-"""tessera.v1.WorkerService: a thin translation between the proto contract and the Engine."""
+"""tessera.v1.WorkerService: a thin translation between the proto contract and the Engine.
+
+The worker assigns every Generate its own request id, which keys it in the engine and which every
+response carries; the caller's `request_id` is a label for the logs, so two callers sending the same
+one at once get two independent requests.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -17,6 +22,8 @@ from gpu_worker.sequence import MAX_LOGPROBS, FinishReason, SamplingParams
 from gpu_worker.state_push import StateSource
 from services.common.errors import InvalidArgument
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -47,8 +54,8 @@ def _chat_message(message: common_pb2.ChatMessage, index: int) -> ChatMessage:
 
 
 def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: int) -> GenerationRequest:
-    """Proto -> domain request; proto zero values mean 'default' (see common.proto).
-    `vocab_size` bounds the stop token ids: [0, vocab_size) are the model's ids."""
+    """Proto -> domain request under a fresh id of the worker's; proto zero values mean 'default'
+    (see common.proto). `vocab_size` bounds the stop token ids: [0, vocab_size) are the model's ids."""
     s = message.sampling
     if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0 or s.max_tokens < 0:
         raise InvalidArgument("sampling parameters out of range (temperature >= 0, 0 <= top_p <= 1, "
@@ -69,7 +76,7 @@ def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: in
     if message.HasField("adapter"):
         a = message.adapter
         adapter = AdapterRef(a.name, a.base_model, a.rank, a.sha256, a.storage_path)
-    return GenerationRequest(message.request_id or uuid.uuid4().hex, prompt, params, adapter)
+    return GenerationRequest(uuid.uuid4().hex, prompt, params, adapter)
 
 
 def _token_logprobs(output: RequestOutput,
@@ -112,7 +119,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.base_model and request.base_model != self.engine.base_model:
             raise InvalidArgument(f"this worker serves {self.engine.base_model}, not {request.base_model}")
         generation = generation_request(request, self.engine.vocab_size)
-        handle = self.engine.submit(generation, asyncio.get_running_loop())
+        handle = await self.engine.submit_async(generation)  # tokenized off this event loop
+        if request.request_id:
+            log.debug("request %s has the caller's label %r", handle.request_id, request.request_id)
         try:
             async for output in handle:
                 # The last output's token ids (and any held-back text) go out as a delta, then the summary.

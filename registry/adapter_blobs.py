@@ -1,9 +1,11 @@
-"""The content-addressed adapter store: ``<root>/<sha256 of adapter_model.safetensors>/``.
+"""The content-addressed adapter store: ``<root>/<content digest>/`` holding both of an adapter's files.
 
-An import is staged in a private directory under the root (same filesystem),
-validated there, and renamed into place atomically, so a half-written adapter
-is never visible under its sha256 and what was validated is exactly what is
-stored (the source may change after the copy; the copy cannot).
+The digest (services/common/adapter_layout.content_digest) covers adapter_config.json and
+adapter_model.safetensors together, so two adapters share a directory only when both files are
+identical, and a worker that re-hashes both notices a change to either. An import is staged in a
+private directory under the root (same filesystem), validated there, and renamed into place
+atomically, so a half-written adapter is never visible under its digest and what was validated is
+exactly what is stored (the source may change after the copy; the copy cannot).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import stat
 import uuid
 from pathlib import Path
 
-from registry.adapter_files import CONFIG_FILE, WEIGHTS_FILE, AdapterSource
+from registry.adapter_files import AdapterSource
+from services.common.adapter_layout import CONFIG_FILE, WEIGHTS_FILE, content_digest, directory_digest
 from services.common.errors import Internal, InvalidArgument
 
 CHUNK_BYTES = 1024 * 1024
@@ -26,16 +29,8 @@ STAGING_PREFIX = ".staging-"
 @dataclasses.dataclass(frozen=True, slots=True)
 class StagedAdapter:
     directory: Path  # <root>/.staging-<uuid>/ with adapter_config.json and adapter_model.safetensors
-    sha256: str
+    sha256: str      # content_digest of both files
     size_bytes: int  # of adapter_model.safetensors
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _open_regular_nofollow(path: Path) -> int:
@@ -71,25 +66,25 @@ class AdapterBlobStore:
         return self.root / sha256
 
     def stage(self, source: AdapterSource) -> StagedAdapter:
-        """Copy the adapter's two files into a fresh staging directory and re-verify the copy."""
+        """Copy the adapter's two files into a fresh staging directory and re-verify the copies."""
         directory = self.root / f"{STAGING_PREFIX}{uuid.uuid4().hex}"
         directory.mkdir()
         try:
-            _copy_hashing(source.config_path, directory / CONFIG_FILE)
-            weights = directory / WEIGHTS_FILE
-            streamed = _copy_hashing(source.weights_path, weights)
-            stored = sha256_file(weights)
+            streamed = content_digest(_copy_hashing(source.config_path, directory / CONFIG_FILE),
+                                      _copy_hashing(source.weights_path, directory / WEIGHTS_FILE))
+            stored = directory_digest(directory)
             if stored != streamed:
-                raise Internal(f"adapter copy is corrupt: sha256 {stored} of the copy != {streamed} of the source")
-            return StagedAdapter(directory=directory, sha256=stored, size_bytes=weights.stat().st_size)
+                raise Internal(f"adapter copy is corrupt: digest {stored} of the copy != {streamed} of the source")
+            return StagedAdapter(directory=directory, sha256=stored,
+                                 size_bytes=(directory / WEIGHTS_FILE).stat().st_size)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
 
     def commit(self, staged: StagedAdapter) -> Path:
-        """Move a staged adapter to <root>/<sha256>; an intact existing copy is kept (dedup)."""
+        """Move a staged adapter to <root>/<digest>; an intact existing copy is kept (dedup)."""
         final = self.path_for(staged.sha256)
-        if final.is_dir() and (final / WEIGHTS_FILE).is_file() and sha256_file(final / WEIGHTS_FILE) == staged.sha256:
+        if self._intact(final, staged.sha256):
             self.discard(staged)
             return final
         if final.exists():  # a damaged earlier copy: replace it
@@ -101,8 +96,17 @@ class AdapterBlobStore:
     def discard(self, staged: StagedAdapter) -> None:
         shutil.rmtree(staged.directory, ignore_errors=True)
 
-    def remove(self, sha256: str) -> None:
-        shutil.rmtree(self.path_for(sha256), ignore_errors=True)
+    def remove(self, directory: Path) -> None:
+        """Delete a stored adapter's directory (a direct child of the root, or nothing)."""
+        if directory.resolve().parent == self.root.resolve() and not directory.name.startswith(STAGING_PREFIX):
+            shutil.rmtree(directory, ignore_errors=True)
+
+    @staticmethod
+    def _intact(directory: Path, digest: str) -> bool:
+        try:
+            return directory.is_dir() and directory_digest(directory) == digest
+        except OSError:  # a file missing or unreadable: damaged
+            return False
 
     def _fsync_root(self) -> None:
         fd = os.open(self.root, os.O_RDONLY)

@@ -26,11 +26,10 @@ from registry.base_model_files import read_json_object
 from registry.records import SUPPORTED_TARGET_MODULES, ModuleShape
 from registry.safetensors_header import TensorInfo, read_safetensors_header
 from registry.trusted_paths import resolve_inside_roots
-from services.common.adapter_layout import ADAPTER_LAYOUTS, AdapterLayout, refuse_vision_tensors
+from services.common.adapter_layout import (ADAPTER_LAYOUTS, CONFIG_FILE, WEIGHTS_FILE, AdapterLayout,
+                                            check_lora_hyperparameters, refuse_vision_tensors)
 from services.common.errors import InvalidArgument
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 # Which block of a decoder layer holds each projection (PEFT keeps the module path in tensor names).
@@ -114,17 +113,24 @@ def parse_lora_config(config: Mapping[str, Any]) -> LoraSpec:
     """The LoRA hyper-parameters of an adapter_config.json; InvalidArgument on anything we cannot serve."""
     if config.get("peft_type") != "LORA":
         raise InvalidArgument(f"{CONFIG_FILE}: peft_type must be 'LORA', got {config.get('peft_type')!r}")
-    rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        raise InvalidArgument(f"{CONFIG_FILE}: r must be a positive integer, got {rank!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-        raise InvalidArgument(f"{CONFIG_FILE}: lora_alpha must be a positive number, got {alpha!r}")
+    rank, alpha = check_lora_hyperparameters(config.get("r"), config.get("lora_alpha"), CONFIG_FILE)
     for key, description in UNSUPPORTED_OPTIONS.items():
         if config.get(key):
             raise InvalidArgument(f"{CONFIG_FILE}: {description} is not supported; Tessera serves plain LoRA")
     if config.get("bias", "none") != "none":
         raise InvalidArgument(f"{CONFIG_FILE}: bias={config['bias']!r} is not supported; only 'none'")
-    return LoraSpec(rank=rank, alpha=float(alpha), target_modules=_target_modules(config.get("target_modules")))
+    return LoraSpec(rank=rank, alpha=alpha, target_modules=_target_modules(config.get("target_modules")))
+
+
+def check_rank_fits(spec: LoraSpec, module_shapes: Mapping[str, ModuleShape]) -> None:
+    """r above a target's smaller side adds parameters but no rank: a typo, or an oversized upload."""
+    for module in spec.target_modules:
+        shape = module_shapes[module]
+        if spec.rank > min(shape.in_features, shape.out_features):
+            raise InvalidArgument(
+                f"{CONFIG_FILE}: r={spec.rank} exceeds the base model's {module} "
+                f"({shape.in_features} -> {shape.out_features}); r may be at most "
+                f"{min(shape.in_features, shape.out_features)}")
 
 
 def _expected_tensors(spec: LoraSpec, layout: AdapterLayout, num_layers: int,
@@ -196,5 +202,6 @@ def validate_adapter_dir(directory: Path, architecture: str, num_layers: int,
     spec = parse_lora_config(config)
     if not spec.target_modules:
         spec = dataclasses.replace(spec, target_modules=_regex_targets(tensors, layout))
+    check_rank_fits(spec, module_shapes)
     check_lora_tensors(tensors, spec, layout, num_layers, module_shapes)
     return spec

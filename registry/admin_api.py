@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import json
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
@@ -17,6 +16,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from registry.metrics import ADAPTERS_REGISTERED
 from registry.store import RegistryStore
 from services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from services.common.strict_json import loads as strict_json_loads
 
 STORE_EXTENSION = "tessera_registry_store"
 API_KEY_CONFIG = "TESSERA_ADMIN_API_KEY"
@@ -50,10 +50,7 @@ def require_api_key() -> None:
 
 def _json_body(fields: dict[str, type], required: set[str]) -> dict[str, Any]:
     """The request's JSON object, with each field of the expected type; InvalidArgument otherwise."""
-    try:
-        body = json.loads(request.get_data(as_text=True) or "null")
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"request body is not valid JSON: {exc}") from exc
+    body = strict_json_loads(request.get_data() or b"null", "request body")
     if not isinstance(body, dict):
         raise InvalidArgument("request body must be a JSON object")
     for key in body:

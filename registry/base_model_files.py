@@ -10,13 +10,13 @@ down_proj 14336 -> 4096. For a vision-language model the spec is its language mo
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from registry.records import ModuleShape
 from services.common.architectures import SERVED_ARCHITECTURES
 from services.common.errors import InvalidArgument
+from services.common.strict_json import loads as strict_json_loads
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = SERVED_ARCHITECTURES
 # Vision-language checkpoints keep their language model's settings in a nested config.
@@ -40,15 +40,13 @@ class BaseModelSpec:
 
 
 def read_json_object(path: Path, limit: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
-    """A small JSON file that must hold an object; InvalidArgument (naming the file) otherwise."""
+    """A small JSON file that must hold an object (strict JSON: no NaN/Infinity, bounded nesting);
+    InvalidArgument (naming the file) otherwise."""
     if not path.is_file():
         raise InvalidArgument(f"{path.name} is missing from {path.parent}")
     if path.stat().st_size > limit:
         raise InvalidArgument(f"{path} is larger than {limit} bytes")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"{path.name} is not valid JSON: {exc}") from exc
+    data = strict_json_loads(path.read_bytes(), path.name)
     if not isinstance(data, dict):
         raise InvalidArgument(f"{path.name} must hold a JSON object")
     return data

@@ -52,8 +52,8 @@ class AdapterRecord:
     alpha: float
     target_modules: tuple[str, ...]
     size_bytes: int
-    sha256: str  # of adapter_model.safetensors
-    storage_path: str  # <adapter_store>/<sha256>
+    sha256: str  # content digest of adapter_config.json and adapter_model.safetensors (adapter_layout.content_digest)
+    storage_path: str  # <adapter_store>/<sha256> (rows from before migration 0002: the weights' sha256)
     created_unix_ms: int
     task_head: dict[str, Any] | None
 

@@ -10,13 +10,13 @@ file is truncated, any gap or overlap is corruption.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidArgument
+from services.common.strict_json import loads as strict_json_loads
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 # LoRA weights are floating point; anything else is not an adapter we can serve.
@@ -87,9 +87,9 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raise InvalidArgument(f"{label}: file is truncated: header needs {header_len} bytes")
         raw = f.read(header_len)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"{label}: header is not valid JSON (corrupt header): {exc}") from exc
+        header = strict_json_loads(raw, f"{label}: header")
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{exc.message} (corrupt header)") from None
     if not isinstance(header, dict):
         raise InvalidArgument(f"{label}: header is not a JSON object (corrupt header)")
     header.pop("__metadata__", None)

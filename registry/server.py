@@ -16,6 +16,7 @@ from services.common.http_server import WsgiServer
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
 from services.common.runtime import run_until_signalled
+from services.common.tls import cluster_credentials
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ def resolve_admin_api_key(config: TesseraConfig) -> str:
 
 def serve(config: TesseraConfig) -> None:
     setup_logging("registry", config.log_level)
+    tls = cluster_credentials(config, "registry")  # first: a missing certificate fails before anything binds
     store = RegistryStore.from_config(config)
     settings = config.registry
     start_metrics_server(settings.host, settings.metrics_port)
@@ -52,7 +54,8 @@ def serve(config: TesseraConfig) -> None:
     async def main(stop: asyncio.Event) -> None:
         grpc_server = await start_grpc_server(
             f"{settings.host}:{settings.grpc_port}",
-            add_registry_service(store, settings.heartbeat_interval_ms), [SERVICE_NAME])
+            add_registry_service(store, settings.heartbeat_interval_ms), [SERVICE_NAME],
+            tls.server() if tls else None)
         log.info("registry ready: gRPC %s:%s, admin API http://%s:%s/admin/v1",
                  settings.host, grpc_server.port, settings.host, admin.port)
         await stop.wait()

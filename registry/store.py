@@ -29,7 +29,7 @@ from registry.records import (AdapterRecord, BaseModelRecord, ModuleShape, Place
                               WorkerRecord)
 from registry.trusted_paths import real_roots, resolve_inside_roots
 from services.common.config import TesseraConfig
-from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 TIER_ORDER = list(Tier)  # fastest first
@@ -72,7 +72,9 @@ class RegistryStore:
         self._roots = real_roots(import_roots)
         self._worker_timeout_ms = int(worker_timeout_s * 1000)
         self._clock = clock  # wall clock (unix seconds): heartbeats are compared across processes
-        # Serialises blob commits and removals with the rows that reference them (dedup vs delete).
+        # Serialises each write with the check before it that another row allows it: blob commits and
+        # removals with the rows that reference them (dedup vs delete), and a new name against both the
+        # adapters and the base models (requests name either in one `model` field).
         self._blob_lock = threading.Lock()
 
     @classmethod
@@ -106,9 +108,12 @@ class RegistryStore:
             module_shapes={m: {"in_features": s.in_features, "out_features": s.out_features}
                            for m, s in spec.module_shapes.items()},
             created_ms=self._now_ms())
-        with self._transaction() as s:
+        with self._blob_lock, self._transaction() as s:
             if s.scalar(select(BaseModelRow.id).where(BaseModelRow.name == name)) is not None:
                 raise AlreadyExists(f"base model {name!r} already exists")
+            if s.scalar(select(AdapterRow.id).where(AdapterRow.name == name)) is not None:
+                raise AlreadyExists(f"{name!r} is already an adapter's name; a base model may not take it "
+                                    "(requests name a base model or an adapter in the same `model` field)")
             _insert(s, row, f"base model {name!r}")
             return _base_model_record(row)
 
@@ -141,7 +146,6 @@ class RegistryStore:
                 spec = validate_adapter_dir(staged.directory, base.architecture, base.num_layers, base.module_shapes)
                 with self._transaction() as s:
                     _check_adapter_name_free(s, name)
-                    _check_shared_blob(s, staged.sha256, spec.rank, spec.alpha, list(spec.target_modules))
                     storage = self._blobs.commit(staged)
                     row = AdapterRow(
                         name=name, base_model=base.name, rank=spec.rank, alpha=spec.alpha,
@@ -152,7 +156,7 @@ class RegistryStore:
                     return _adapter_record(row)
             except BaseException:
                 self._blobs.discard(staged)
-                self._remove_blob_if_unreferenced(staged.sha256)
+                self._remove_blob_if_unreferenced(str(self._blobs.path_for(staged.sha256)))
                 raise
 
     def get_adapter(self, name: str) -> AdapterRecord:
@@ -167,20 +171,23 @@ class RegistryStore:
             return [_adapter_record(r) for r in s.scalars(query)]
 
     def delete_adapter(self, name: str) -> None:
-        """Remove the adapter and its placements; its blob goes once no adapter shares the sha256."""
+        """Remove the adapter and its placements; its stored files go once no adapter shares them."""
         with self._blob_lock:
             with self._transaction() as s:
                 row = _get_adapter_row(s, name)
-                sha256 = row.sha256
+                storage_path = row.storage_path
                 s.execute(delete(PlacementRow).where(PlacementRow.adapter == name))
                 s.delete(row)
-            self._remove_blob_if_unreferenced(sha256)
+            self._remove_blob_if_unreferenced(storage_path)
 
-    def _remove_blob_if_unreferenced(self, sha256: str) -> None:
+    def _remove_blob_if_unreferenced(self, storage_path: str) -> None:
+        # By path, not digest: a row from before migration 0002 keeps its directory under the weights'
+        # sha256 while its digest covers both files, so a new import of the same files lies elsewhere.
         with self._transaction() as s:
-            references = s.scalar(select(func.count()).select_from(AdapterRow).where(AdapterRow.sha256 == sha256))
+            references = s.scalar(select(func.count()).select_from(AdapterRow)
+                                  .where(AdapterRow.storage_path == storage_path))
         if references == 0:
-            self._blobs.remove(sha256)
+            self._blobs.remove(Path(storage_path))
 
     # Workers
 
@@ -291,12 +298,6 @@ def _get_adapter_row(session: Session, name: str) -> AdapterRow:
 def _check_adapter_name_free(session: Session, name: str) -> None:
     if session.scalar(select(AdapterRow.id).where(AdapterRow.name == name)) is not None:
         raise AlreadyExists(f"adapter {name!r} already exists")
-
-
-def _check_shared_blob(session: Session, sha256: str, rank: int, alpha: float, targets: list[str]) -> None:
-    """Adapters sharing weights share one stored adapter_config.json, so their LoRA settings must agree."""
-    other = session.scalar(select(AdapterRow).where(AdapterRow.sha256 == sha256).limit(1))
-    if other is not None and (other.rank, other.alpha, list(other.target_modules)) != (rank, alpha, targets):
-        raise FailedPrecondition(
-            f"adapter {other.name!r} has the same weights (sha256 {sha256}) but a different "
-            f"r/lora_alpha/target_modules; the store keeps one adapter_config.json per weights file")
+    if session.scalar(select(BaseModelRow.id).where(BaseModelRow.name == name)) is not None:
+        raise AlreadyExists(f"{name!r} is already a base model's name; an adapter may not take it "
+                            "(requests name a base model or an adapter in the same `model` field)")

@@ -7,7 +7,6 @@ Heavy imports (torch, flask, sqlalchemy, grpc) happen inside the subcommands, so
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -30,24 +29,13 @@ ROLE_MODULES = {
 
 READ_ONLY_COMMANDS = frozenset({"config", "health"})  # the others write under TESSERA_HOME
 
-# The file a registered adapter's sha256 covers (common.proto, Adapter.sha256).
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-
-
 class DemoRegistrationError(RuntimeError):
     """A demo name is already taken by different content; registering would silently change it."""
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def register_demo_assets(store: RegistryStore, assets: DemoAssets, progress: Callable[[str], None] = print) -> None:
     """Register one built demo model and its adapters (idempotent: same content is left alone)."""
+    from services.common.adapter_layout import directory_digest
     from services.common.errors import NotFound
 
     try:
@@ -57,7 +45,7 @@ def register_demo_assets(store: RegistryStore, assets: DemoAssets, progress: Cal
         base = store.register_base_model(assets.name, str(assets.base_dir))
         progress(f"base model {assets.name}: registered (path {base.path})")
     for name, source_dir in assets.adapter_dirs.items():
-        sha256 = _sha256(source_dir / ADAPTER_WEIGHTS_FILE)
+        sha256 = directory_digest(source_dir)  # what the registry records (common.proto, Adapter.sha256)
         try:
             existing = store.get_adapter(name)
         except NotFound:
@@ -75,7 +63,11 @@ def _serve(config: TesseraConfig, args: argparse.Namespace) -> int:
     from services.common.logs import setup_logging
 
     setup_logging(args.role, config.log_level)
-    importlib.import_module(ROLE_MODULES[args.role]).serve(config)
+    try:
+        importlib.import_module(ROLE_MODULES[args.role]).serve(config)
+    except ConfigError as exc:  # a missing certificate, say: one clear line, not a traceback
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -111,10 +103,28 @@ def _config(config: TesseraConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _certs(config: TesseraConfig, args: argparse.Namespace) -> int:
+    from services.common.tls import TlsError, ensure_cluster_certs
+
+    try:
+        for line in ensure_cluster_certs(config, force=args.force):
+            print(line)
+    except TlsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _health(config: TesseraConfig, args: argparse.Namespace) -> int:
     from services.common.grpc_server import check_health
+    from services.common.tls import TlsError, health_probe_credentials
 
-    healthy = check_health(args.address, timeout_s=args.timeout)
+    try:
+        credentials = health_probe_credentials(config, args.role)
+    except TlsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    healthy = check_health(args.address, timeout_s=args.timeout, credentials=credentials)
     print(f"{args.address}: {'SERVING' if healthy else 'NOT SERVING'}")
     return 0 if healthy else 1
 
@@ -138,9 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run every role as supervised local processes").set_defaults(run=_up)
     commands.add_parser("config", parents=[config_option],
                         help="print the effective configuration as YAML").set_defaults(run=_config)
+    certs = commands.add_parser("certs", parents=[config_option],
+                                help="create the cluster CA and each role's TLS certificate (keeps valid ones)")
+    certs.add_argument("--force", action="store_true",
+                       help="replace the CA and every certificate (restart every role afterwards)")
+    certs.set_defaults(run=_certs)
     health = commands.add_parser("health", parents=[config_option],
-                                 help="exit 0 if the gRPC server at ADDRESS is SERVING")
+                                 help="exit 0 if the ROLE's gRPC server at ADDRESS is SERVING")
     health.add_argument("address", help="host:port")
+    health.add_argument("--role", required=True, choices=sorted(ROLE_MODULES),
+                        help="the role serving ADDRESS: registry and worker are probed with that role's "
+                             "cluster certificate (mutual TLS), gateway as a client would")
     health.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")
     health.set_defaults(run=_health)
     return parser

@@ -1,6 +1,7 @@
 """`tessera up`: run every role as a supervised child process on this machine.
 
-Order: registry first (the others register with / read from it), then the worker, then the
+Order: the cluster's TLS certificates first (created under tls.dir where missing, valid ones kept),
+then the registry (the others register with / read from it), then the worker, then the
 gateway. Each child runs `python -m services.cli serve <role>` in its own process group, so a
 Ctrl-C in the terminal reaches only the launcher, which then stops the children in order.
 A child that dies after startup is restarted with exponential backoff; the state of every
@@ -22,8 +23,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.config import LauncherConfig, TesseraConfig
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +154,13 @@ class Supervisor:
 
     def __init__(self, config: TesseraConfig, specs: Sequence[RoleSpec], command: CommandBuilder,
                  state_path: Path, urls: dict[str, str]) -> None:
+        from services.common.tls import health_probe_credentials
+
         self.launcher = config.launcher
         self.children = [Child(spec) for spec in specs]
+        # Each role is probed as `tessera health --role ROLE` would: with its own cluster certificate.
+        self.probes: dict[str, grpc.ChannelCredentials | None] = {
+            spec.role: health_probe_credentials(config, spec.role) for spec in specs}
         self.command = command
         self.state_path = state_path
         self.urls = urls
@@ -169,7 +179,7 @@ class Supervisor:
 
         assert child.process is not None
         deadline = time.monotonic() + self.launcher.health_timeout_s
-        while not check_health(child.spec.health_address):
+        while not check_health(child.spec.health_address, credentials=self.probes[child.spec.role]):
             code = child.process.poll()
             if code is not None:
                 raise LaunchError(f"{child.spec.role} exited with code {code} during startup "
@@ -275,6 +285,19 @@ def print_banner(config: TesseraConfig, urls: dict[str, str], state_path: Path) 
     print("\n".join(lines), flush=True)
 
 
+def ensure_certs(config: TesseraConfig) -> None:
+    """The cluster CA and every role's certificate, as `tessera certs` makes them (valid ones kept)."""
+    from services.common.tls import TlsError, ensure_cluster_certs
+
+    if not (config.tls.enabled or config.tls.public_grpc_tls):
+        return
+    try:
+        for line in ensure_cluster_certs(config):
+            log.info("TLS: %s", line)
+    except TlsError as exc:
+        raise LaunchError(str(exc)) from exc
+
+
 def launch(config: TesseraConfig, command: CommandBuilder) -> int:
     """Run the whole system until SIGINT/SIGTERM; 0 on a clean stop, 1 if startup failed."""
     stop = threading.Event()
@@ -283,6 +306,7 @@ def launch(config: TesseraConfig, command: CommandBuilder) -> int:
     try:
         specs = role_specs(config)
         check_ports_free(specs)
+        ensure_certs(config)
     except LaunchError as exc:
         log.error("%s", exc)
         return 1

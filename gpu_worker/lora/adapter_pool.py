@@ -5,18 +5,37 @@ evicted, the one the policy keeps least first (services/common/scheduling/evicti
 the gateway's cluster model). An adapter is touched each time a sequence releases it, on a clock
 that counts releases: with LRU, the default, the adapter whose last pin was released longest ago
 goes first. When every slot is pinned by other adapters, `acquire` returns None and the request waits.
+
+Loading runs in the engine thread between steps. Whatever goes wrong there (checksum mismatch, a
+truncated config, an OSError, a torch error) leaves the pool as it was and raises AdapterLoadFailed,
+which fails only the requests for that adapter; the traceback goes to the log, not to the client.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from gpu_worker.lora.layer import LoRALinear
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights
+from services.common.errors import AdapterLoadFailed, TesseraError
 from services.common.scheduling.eviction import LRU, Eviction, Record
+
+log = logging.getLogger(__name__)
+
+
+def _cause(exc: Exception) -> str:
+    """What went wrong, for the client: a domain error's message, else the exception's type and text
+    (an OSError names its file, not the path: the store's layout is no client's business)."""
+    if isinstance(exc, TesseraError):
+        return exc.message
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}" + (f" ({Path(exc.filename).name})" if exc.filename else "")
+    return f"{type(exc).__name__}: {exc}"
 
 
 class AdapterPool:
@@ -35,7 +54,8 @@ class AdapterPool:
         self._releases = itertools.count()      # the policy's clock
 
     def acquire(self, ref: AdapterRef) -> int | None:
-        """Pin `ref`'s slot, loading it first if needed; None if no slot can be freed now."""
+        """Pin `ref`'s slot, loading it first if needed; None if no slot can be freed now.
+        Raises AdapterLoadFailed, and nothing else, if the adapter cannot be loaded."""
         slot = self._slot_of.get(ref.name)
         if slot is None:
             slot = self._take_slot()
@@ -43,9 +63,11 @@ class AdapterPool:
                 return None
             try:
                 self._install(slot, self._load(ref))
-            except Exception:
+            except Exception as exc:
+                self._reset(slot)  # an install that failed half way leaves nothing behind
                 self._free.append(slot)
-                raise
+                log.exception("adapter %s (%s) could not be loaded; failing its requests", ref.name, ref.storage_path)
+                raise AdapterLoadFailed(f"adapter {ref.name} could not be loaded: {_cause(exc)}") from exc
             self._slot_of[ref.name] = slot
         self._pins[slot] += 1
         return slot
@@ -74,10 +96,13 @@ class AdapterPool:
             return None
         victim = min(unpinned, key=lambda name: self._eviction.keep(self._records[name]))
         slot = self._slot_of.pop(victim)
+        self._reset(slot)
+        return slot
+
+    def _reset(self, slot: int) -> None:
         for module in self._modules:
             module.reset_slot(slot)
-        del self._rank_of_slot[slot]
-        return slot
+        self._rank_of_slot.pop(slot, None)
 
     def _install(self, slot: int, weights: LoRAWeights) -> None:
         """Write every targeted slice; modules the adapter does not target get an empty slot."""

@@ -2,14 +2,15 @@
 
 Safety rules (DESIGN invariants): the directory must resolve inside the configured store root;
 weights are read only from adapter_model.safetensors (a pickle `.bin` is never unpickled); the
-file's sha256 must equal the registry's record, and the tensors are parsed from the very bytes
-that were hashed, so the file cannot change between check and use.
+content digest of adapter_config.json and the weights (services/common/adapter_layout.py) must equal
+the registry's record, and both are parsed from the very bytes that were hashed, so neither file can
+change between check and use. The config is strict JSON and its r / lora_alpha are bounded as at
+registration. Errors name the cause, not the adapter: AdapterPool names it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +18,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from services.common.adapter_layout import AdapterLayout, refuse_vision_tensors
+from services.common.adapter_layout import (CONFIG_FILE, WEIGHTS_FILE, AdapterLayout, check_lora_hyperparameters,
+                                            content_digest, refuse_vision_tensors)
 from services.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
-
-WEIGHTS_FILE = "adapter_model.safetensors"
-CONFIG_FILE = "adapter_config.json"
+from services.common.strict_json import loads as strict_json_loads
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class AdapterRef:
     name: str
     base_model: str
     rank: int
-    sha256: str
+    sha256: str         # content digest of adapter_config.json and adapter_model.safetensors
     storage_path: str
 
 
@@ -47,22 +47,38 @@ def resolve_in_store(storage_path: str, store_root: Path) -> Path:
     directory = Path(storage_path).expanduser().resolve()
     root = store_root.expanduser().resolve()
     if not directory.is_relative_to(root):
-        raise PermissionDenied(f"adapter directory {directory} is outside the adapter store {root}")
+        raise PermissionDenied("its stored directory is outside the adapter store "
+                               "(a worker's adapter_store must be the registry's)")
     return directory
 
 
-def _read_config(directory: Path) -> dict:
-    config = json.loads((directory / CONFIG_FILE).read_text())
+def _parse_config(data: bytes) -> tuple[int, float]:
+    """(r, lora_alpha) of the adapter_config.json bytes `data`."""
+    config = strict_json_loads(data, CONFIG_FILE)
+    if not isinstance(config, dict):
+        raise InvalidArgument(f"{CONFIG_FILE} must hold a JSON object")
     if config.get("peft_type") != "LORA":
-        raise InvalidArgument(f"{directory}: not a LoRA adapter (peft_type={config.get('peft_type')!r})")
+        raise InvalidArgument(f"not a LoRA adapter (peft_type={config.get('peft_type')!r})")
     unsupported = [key for key in ("use_dora", "use_rslora", "fan_in_fan_out") if config.get(key)]
     unsupported += [key for key in ("rank_pattern", "alpha_pattern") if config.get(key)]
     if unsupported:
-        raise InvalidArgument(f"{directory}: unsupported LoRA options {unsupported}")
-    return config
+        raise InvalidArgument(f"unsupported LoRA options {unsupported}")
+    return check_lora_hyperparameters(config.get("r"), config.get("lora_alpha"), CONFIG_FILE)
 
 
-def _served_targets(ref: AdapterRef, tensors: dict[str, torch.Tensor], layout: AdapterLayout,
+def _verified_files(ref: AdapterRef, directory: Path) -> tuple[bytes, bytes]:
+    """(config, weights) bytes, read once each, whose content digest is the registry's record."""
+    config, weights = (directory / CONFIG_FILE).read_bytes(), (directory / WEIGHTS_FILE).read_bytes()
+    digest = content_digest(hashlib.sha256(config).hexdigest(), hashlib.sha256(weights).hexdigest())
+    if digest != ref.sha256.lower():
+        raise FailedPrecondition(
+            f"checksum mismatch: the stored {CONFIG_FILE} and {WEIGHTS_FILE} hash to "
+            f"{digest[:16]}..., the registry recorded {ref.sha256[:16]}...; the files changed after "
+            "registration: register the adapter again")
+    return config, weights
+
+
+def _served_targets(tensors: dict[str, torch.Tensor], layout: AdapterLayout,
                     layer_paths: dict[str, str]) -> list[str]:
     """The PEFT target names the adapter adapts, read from its tensor names: adapter_config.json may
     name them by a regex (r".*language_model.*\\.(q_proj|v_proj)") rather than a list."""
@@ -70,9 +86,9 @@ def _served_targets(ref: AdapterRef, tensors: dict[str, torch.Tensor], layout: A
     paths = {match.group(1) for name in tensors if (match := in_layer.fullmatch(name))}
     unknown = sorted(paths - set(layer_paths.values()))
     if unknown:
-        raise InvalidArgument(f"adapter {ref.name}: target modules {unknown} are not served")
+        raise InvalidArgument(f"target modules {unknown} are not served")
     if not paths:
-        raise InvalidArgument(f"adapter {ref.name}: no LoRA tensors under {layout.layers_prefix}")
+        raise InvalidArgument(f"no LoRA tensors under {layout.layers_prefix}")
     return sorted(target for target, path in layer_paths.items() if path in paths)
 
 
@@ -81,27 +97,28 @@ def load_adapter(ref: AdapterRef, store_root: Path, layout: AdapterLayout, layer
     """Load and verify `ref`. `layout`: where the base model's family keeps LoRA tensors;
     `layer_paths`: PEFT target name -> module path in a decoder layer, for the targets served."""
     directory = resolve_in_store(ref.storage_path, store_root)
-    weights_file = directory / WEIGHTS_FILE
-    if not weights_file.is_file():
-        pickled = " (a pickle adapter_model.bin is there; it is never loaded)" if (directory / "adapter_model.bin").exists() else ""
-        raise FailedPrecondition(f"adapter {ref.name}: {weights_file} not found{pickled}")
-    config = _read_config(directory)
-    data = weights_file.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != ref.sha256.lower():
-        raise FailedPrecondition(f"adapter {ref.name}: sha256 {digest} does not match the registry's {ref.sha256}")
-    tensors = load_safetensors(data)
+    for name in (WEIGHTS_FILE, CONFIG_FILE):
+        if not (directory / name).is_file():
+            pickled = (" (a pickle adapter_model.bin is there; it is never loaded)"
+                       if name == WEIGHTS_FILE and (directory / "adapter_model.bin").exists() else "")
+            raise FailedPrecondition(f"{name} not found in its stored directory{pickled}")
+    config, weights = _verified_files(ref, directory)
+    rank, alpha = _parse_config(config)
+    tensors = load_safetensors(weights)
 
-    refuse_vision_tensors(layout, tensors, f"adapter {ref.name}")
-    targets = _served_targets(ref, tensors, layout, layer_paths)
+    refuse_vision_tensors(layout, tensors, "the adapter")
+    targets = _served_targets(tensors, layout, layer_paths)
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in range(num_layers):
         for target in targets:
             names = [layout.tensor_name(layer, layer_paths[target], which) for which in "AB"]
             if not all(name in tensors for name in names):
-                raise InvalidArgument(f"adapter {ref.name}: missing {names[0]} or its B")
-            modules[(layer, target)] = (tensors.pop(names[0]), tensors.pop(names[1]))
+                raise InvalidArgument(f"missing {names[0]} or its B")
+            a, b = tensors.pop(names[0]), tensors.pop(names[1])
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+                raise InvalidArgument(f"{CONFIG_FILE} says r={rank} but {names[0]} has shape "
+                                      f"{list(a.shape)} and its B {list(b.shape)}")
+            modules[(layer, target)] = (a, b)
     if tensors:
-        raise InvalidArgument(f"adapter {ref.name}: unexpected tensors, e.g. {sorted(tensors)[:3]}")
-    rank = int(config["r"])
-    return LoRAWeights(name=ref.name, rank=rank, scaling=float(config["lora_alpha"]) / rank, modules=modules)
+        raise InvalidArgument(f"unexpected tensors, e.g. {sorted(tensors)[:3]}")
+    return LoRAWeights(name=ref.name, rank=rank, scaling=alpha / rank, modules=modules)

@@ -7,14 +7,28 @@ may adapt only the language model. The registry validates adapters by it; the wo
         LLaVA's vision tower: PEFT puts LoRA there too when target_modules are bare names like "q_proj"
     base_model.model.model.language_model.layers.3.self_attn.q_proj.lora_A.weight  Qwen2-VL
     base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight                  Qwen2-VL's vision tower
+
+Also the stored adapter's two files, the content address over both (`content_digest`), and the
+bounds on its LoRA hyper-parameters, which the registry checks at import and the worker at load.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.common.errors import InvalidArgument
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+DIGEST_SCHEME = "tessera-adapter-v1"
+# Bounds on the LoRA hyper-parameters we serve. Published recipes use r <= 256 and alpha <= 2 * r;
+# past these an adapter_config.json is a typo or an attack (alpha 1e308 makes every output inf).
+MAX_LORA_RANK = 1024
+MAX_LORA_ALPHA = 4096.0
+_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -52,3 +66,40 @@ def refuse_vision_tensors(layout: AdapterLayout, tensor_names: Iterable[str], ad
             "'q_proj' (LLaVA) or 'qkv' (Qwen2-VL) also match the vision tower: name the language model's modules "
             "instead, e.g. "
             r"target_modules='.*language_model.*\.(q_proj|k_proj|v_proj|o_proj)'")
+
+
+def content_digest(config_sha256: str, weights_sha256: str) -> str:
+    """An adapter's content address (common.proto Adapter.sha256): the sha256 of a manifest naming both
+    files' sha256, so a change to either file, alpha included, changes the address:
+
+        tessera-adapter-v1
+        adapter_config.json 5d41402a...
+        adapter_model.safetensors 7c211433...
+    """
+    manifest = f"{DIGEST_SCHEME}\n{CONFIG_FILE} {config_sha256}\n{WEIGHTS_FILE} {weights_sha256}\n"
+    return hashlib.sha256(manifest.encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def directory_digest(directory: Path) -> str:
+    """The content address of the adapter in `directory` (its two files, streamed)."""
+    return content_digest(file_sha256(directory / CONFIG_FILE), file_sha256(directory / WEIGHTS_FILE))
+
+
+def check_lora_hyperparameters(rank: object, alpha: object, where: str) -> tuple[int, float]:
+    """(r, lora_alpha) if servable: 1 <= r <= MAX_LORA_RANK, 0 < alpha <= MAX_LORA_ALPHA and finite;
+    InvalidArgument naming `where` otherwise."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_LORA_RANK:
+        raise InvalidArgument(f"{where}: r must be an integer from 1 to {MAX_LORA_RANK}, got {rank!r}")
+    # The chained comparison is False for NaN and +-inf too.
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha <= MAX_LORA_ALPHA:
+        raise InvalidArgument(
+            f"{where}: lora_alpha must be a finite number in (0, {MAX_LORA_ALPHA:g}], got {alpha!r}")
+    return rank, float(alpha)

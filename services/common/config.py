@@ -137,6 +137,24 @@ class LauncherConfig:
 
 
 @dataclasses.dataclass(slots=True)
+class TlsConfig:
+    """Mutual TLS between the roles (services/common/tls.py; README "Security")."""
+
+    # Off (plaintext, with a warning at each role's start) only when set false explicitly.
+    enabled: bool = True
+    dir: str = ""  # "" -> {home}/tls: ca.pem and <role>.pem, <role>-key.pem per role
+    ca_key: str = ""  # "" -> {dir}/ca-key.pem; read only where certificates are issued
+    # Names each role's certificate carries besides localhost, 127.0.0.1, ::1 and the hosts this
+    # config binds or dials it at: compose service names, Kubernetes DNS names ("*.workers.ns.svc").
+    registry_hosts: list[str] = dataclasses.field(default_factory=list)
+    gateway_hosts: list[str] = dataclasses.field(default_factory=list)
+    worker_hosts: list[str] = dataclasses.field(default_factory=list)
+    # The gateway's public gRPC port never asks clients for a certificate: false, plaintext like the
+    # REST port; true, TLS with the gateway's certificate (clients verify it with ca.pem).
+    public_grpc_tls: bool = False
+
+
+@dataclasses.dataclass(slots=True)
 class TesseraConfig:
     home: str = "~/.tessera"  # db, adapter store, demo assets, run state
     log_level: str = "INFO"
@@ -144,6 +162,7 @@ class TesseraConfig:
     gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
     worker: WorkerConfig = dataclasses.field(default_factory=WorkerConfig)
     launcher: LauncherConfig = dataclasses.field(default_factory=LauncherConfig)
+    tls: TlsConfig = dataclasses.field(default_factory=TlsConfig)
 
     # Derived paths: one place that decides where things live.
     @property

@@ -7,6 +7,8 @@ and an unknown adapter NOT_FOUND/404 everywhere, never a blanket INTERNAL/500.
 
 from __future__ import annotations
 
+import math
+
 import grpc
 
 
@@ -22,6 +24,13 @@ class TesseraError(Exception):
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
+
+    def retry_after_header(self) -> str | None:
+        """When to retry, for both doors (HTTP `Retry-After`, gRPC trailing metadata `retry-after`):
+        whole seconds, at least 1, on overload and unavailability; None for errors a retry cannot fix."""
+        if self.grpc_code not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+            return None
+        return str(max(1, math.ceil(self.retry_after_s or 1)))
 
 
 class InvalidArgument(TesseraError):
@@ -54,6 +63,12 @@ class FailedPrecondition(TesseraError):
     error_type = "conflict_error"
 
 
+class AdapterLoadFailed(FailedPrecondition):
+    """A worker could not load a registered adapter (checksum mismatch, unreadable or invalid stored
+    files): the request is fine, the stored adapter is not, and retrying cannot help until an admin
+    registers it again, hence FAILED_PRECONDITION / 409."""
+
+
 class Unauthenticated(TesseraError):
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
     http_status = 401
@@ -82,6 +97,12 @@ class DeadlineExceeded(TesseraError):
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
     http_status = 504
     error_type = "timeout_error"
+
+
+class RequestTimeout(DeadlineExceeded):
+    """The client's own request did not arrive in time (a slow upload): 408 over HTTP."""
+
+    http_status = 408
 
 
 class Internal(TesseraError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -21,15 +22,46 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, TesseraError):
-        if exc.retry_after_s is not None:
-            context.set_trailing_metadata((("retry-after", f"{exc.retry_after_s:.3f}"),))
+        if (retry_after := exc.retry_after_header()) is not None:
+            # The same whole seconds as HTTP's Retry-After, and as gRPC's own pushback, which
+            # clients with a retry policy honour.
+            context.set_trailing_metadata((("retry-after", retry_after),
+                                           ("grpc-retry-pushback-ms", str(int(retry_after) * 1000))))
         await context.abort(exc.grpc_code, exc.message)
     log.exception("unhandled error in gRPC handler")
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Unparsed:
+    """A request message that did not parse, e.g. a string field holding invalid UTF-8."""
+
+    error: str
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """The request's parser, returning _Unparsed instead of raising: a raising deserializer is
+    UNKNOWN plus a logged traceback in grpc; bad bytes are the client's INVALID_ARGUMENT."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError for protobuf; any parser's failure is about the bytes
+            return _Unparsed(str(exc))
+
+    return deserialize
+
+
+async def _refuse_unparsed(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Unparsed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request message does not parse: {request.error}")
+
+
 def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _refuse_unparsed(request, context)
         try:
             return await fn(request, context)
         except Exception as exc:
@@ -42,6 +74,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
 
 def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await _refuse_unparsed(request, context)
         try:
             async for item in fn(request, context):
                 yield item
@@ -54,7 +87,8 @@ def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIt
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Maps TesseraError subclasses to their status codes; anything else is INTERNAL (and logged)."""
+    """Maps TesseraError subclasses to their status codes, a request that does not parse to
+    INVALID_ARGUMENT; anything else is INTERNAL (and logged)."""
 
     async def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
         handler = await continuation(handler_call_details)
@@ -63,12 +97,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return grpc.unary_unary_rpc_method_handler(
             _wrap_unary(handler.unary_unary),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_lenient(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 
@@ -98,10 +132,17 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
-async def start_grpc_server(address: str, registrar: Registrar, service_names: Sequence[str]) -> GrpcServer:
-    """Bind `address` ("host:port"; port 0 picks a free one), register servicers, start."""
+async def start_grpc_server(address: str, registrar: Registrar, service_names: Sequence[str],
+                            credentials: grpc.ServerCredentials | None = None, *,
+                            interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> GrpcServer:
+    """Bind `address` ("host:port"; port 0 picks a free one), register servicers, start.
+
+    `credentials`: TLS (services/common/tls.py: the registry and workers require a cluster client
+    certificate); None serves plaintext. `interceptors` run first, before the error mapping (e.g.
+    the gateway's API-key check).
+    """
     server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor()],
+        interceptors=[*interceptors, ErrorMappingInterceptor()],
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -111,20 +152,28 @@ async def start_grpc_server(address: str, registrar: Registrar, service_names: S
     registrar(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     await server.start()
     wrapped = GrpcServer(server, health_servicer, service_names, port)
     await wrapped.set_serving(True)
-    log.info("gRPC server listening on %s (port %d)", address, port)
+    log.info("gRPC server listening on %s (port %d, %s)", address, port,
+             "plaintext" if credentials is None else "TLS")
     return wrapped
 
 
-def check_health(address: str, timeout_s: float = 1.0, service: str = "") -> bool:
-    """True if the gRPC server at `address` answers SERVING (blocking; for launchers and tests)."""
+def check_health(address: str, timeout_s: float = 1.0, service: str = "",
+                 credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """True if the gRPC server at `address` answers SERVING (blocking; for launchers and tests).
+
+    `credentials`: what the server requires (tls.health_probe_credentials); None dials plaintext."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+        with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
             return reply.status == health_pb2.HealthCheckResponse.SERVING

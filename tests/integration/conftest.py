@@ -1,7 +1,9 @@
 """Fixtures that run the real system: `tessera demo-assets` then `tessera up` on loopback.
 
 Everything runs as real processes on free ports under a temporary TESSERA_HOME,
-exactly as a user would start it, so these tests exercise every role boundary.
+exactly as a user would start it, so these tests exercise every role boundary, with mutual TLS
+between the roles on (the default): a test that calls a worker or the registry directly dials it
+as the gateway does, with the gateway's cluster certificate (`RunningSystem.internal_channel`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+import grpc
 import pytest
 import requests
 
+from services.common.config import TesseraConfig, load_config
 from services.common.grpc_server import check_health
+from services.common.tls import TlsError, health_probe_credentials, load_role_credentials
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,10 +57,24 @@ class RunningSystem:
         children = self.launcher_state()["children"]
         return int(next(c["pid"] for c in children if c["role"] == role))
 
-    def wait_healthy(self, address: str, timeout_s: float = 120.0) -> None:
+    @property
+    def config(self) -> TesseraConfig:
+        return load_config(environ=self.env)
+
+    def internal_channel(self, address: str) -> grpc.Channel:
+        """A channel to the registry or a worker, presenting the gateway's cluster certificate."""
+        return grpc.secure_channel(address, load_role_credentials(self.config, "gateway").channel())
+
+    def wait_healthy(self, address: str, role: str, timeout_s: float = 120.0) -> None:
+        """Until `role` at `address` answers its health check (probed as `tessera health --role` does)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if check_health(address, timeout_s=1.0):
+            try:
+                credentials = health_probe_credentials(self.config, role)
+            except TlsError:  # `tessera up` has not written the certificates yet
+                time.sleep(0.2)
+                continue
+            if check_health(address, timeout_s=1.0, credentials=credentials):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"{address} not healthy after {timeout_s}s")
@@ -127,8 +146,9 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
         admin_key=(home / "admin_api_key").read_text().strip() if (home / "admin_api_key").exists() else "",
     )
     try:
-        for address in (running.registry_grpc, running.worker_grpc, running.gateway_grpc):
-            running.wait_healthy(address, timeout_s=180)
+        for address, role in ((running.registry_grpc, "registry"), (running.worker_grpc, "worker"),
+                              (running.gateway_grpc, "gateway")):
+            running.wait_healthy(address, role, timeout_s=180)
         running.admin_key = (home / "admin_api_key").read_text().strip()
         running.wait_worker_registered()
         yield running

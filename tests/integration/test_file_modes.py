@@ -7,7 +7,9 @@ from pathlib import Path
 
 from tests.integration.conftest import RunningSystem
 
-WRITTEN_BY_THE_TEST = {"launcher.log"}  # the fixture's own capture of the launcher's output
+# Written by the tests themselves: the fixture's capture of the launcher's output, and the adapter
+# directories other tests prepare for registration.
+WRITTEN_BY_THE_TESTS = ("launcher.log", "uploads")
 
 
 def _group_or_other_bits(path: Path) -> int:
@@ -16,7 +18,8 @@ def _group_or_other_bits(path: Path) -> int:
 
 def test_home_database_run_state_and_stored_adapters_are_private(system: RunningSystem) -> None:
     home = system.home
-    written = [p for p in home.rglob("*") if p.name not in WRITTEN_BY_THE_TEST and not p.is_symlink()]
+    written = [p for p in home.rglob("*")
+               if p.relative_to(home).parts[0] not in WRITTEN_BY_THE_TESTS and not p.is_symlink()]
     must_exist = [home / "registry.db", home / "run" / "launcher.json", home / "admin_api_key", home / "adapters"]
     assert all(p.exists() for p in must_exist), [p for p in must_exist if not p.exists()]
     assert any(p.is_file() and p.parent.parent == home / "adapters" for p in written), "no stored adapter file"

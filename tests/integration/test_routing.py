@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import grpc
 import pytest
 import requests
 
@@ -41,19 +40,19 @@ class Cluster:
     http_base: str  # the second gateway's …/v1
 
     def adapter(self, name: str) -> common_pb2.Adapter:
-        with grpc.insecure_channel(self.system.registry_grpc) as channel:
+        with self.system.internal_channel(self.system.registry_grpc) as channel:
             adapters = registry_pb2_grpc.RegistryStub(channel).ListAdapters(registry_pb2.ListAdaptersRequest())
         return next(a for a in adapters.adapters if a.name == name)
 
     def stats(self, worker: str) -> common_pb2.WorkerStats:
-        with grpc.insecure_channel(worker) as channel:
+        with self.system.internal_channel(worker) as channel:
             return worker_pb2_grpc.WorkerServiceStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
 
     def state(self, worker: str, until: Callable[[worker_pb2.WorkerState], bool] = lambda s: True,
               timeout_s: float = 30.0) -> worker_pb2.WorkerState:
         """The first pushed state of `worker` that satisfies `until`."""
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(worker) as channel:
+        with self.system.internal_channel(worker) as channel:
             for state in worker_pb2_grpc.WorkerServiceStub(channel).WatchState(
                     worker_pb2.WatchStateRequest(interval_ms=20), timeout=timeout_s):
                 if until(state) or time.monotonic() > deadline:
@@ -78,10 +77,10 @@ def cluster(system: RunningSystem) -> Iterator[Cluster]:
     try:
         processes.append(spawn_role("worker", env, log))
         worker_b = f"127.0.0.1:{ports['WORKER__GRPC_PORT']}"
-        system.wait_healthy(worker_b, timeout_s=120)
+        system.wait_healthy(worker_b, "worker", timeout_s=120)
         processes.append(spawn_role("gateway", env, log))
-        system.wait_healthy(f"127.0.0.1:{ports['GATEWAY__GRPC_PORT']}", timeout_s=60)
-        with grpc.insecure_channel(system.registry_grpc) as channel:
+        system.wait_healthy(f"127.0.0.1:{ports['GATEWAY__GRPC_PORT']}", "gateway", timeout_s=60)
+        with system.internal_channel(system.registry_grpc) as channel:
             registry = registry_pb2_grpc.RegistryStub(channel)
             deadline = time.monotonic() + 60
             while len(registry.ListWorkers(registry_pb2.ListWorkersRequest(base_model=BASE, healthy_only=True),
@@ -95,8 +94,8 @@ def cluster(system: RunningSystem) -> Iterator[Cluster]:
         log.close()
 
 
-def _generate_on(worker: str, adapter: common_pb2.Adapter, max_tokens: int) -> None:
-    with grpc.insecure_channel(worker) as channel:
+def _generate_on(system: RunningSystem, worker: str, adapter: common_pb2.Adapter, max_tokens: int) -> None:
+    with system.internal_channel(worker) as channel:
         replies = list(worker_pb2_grpc.WorkerServiceStub(channel).Generate(worker_pb2.WorkerGenerateRequest(
             request_id=f"warm-{adapter.name}", base_model=BASE, adapter=adapter, text="warm up",
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens)), timeout=60))
@@ -104,7 +103,7 @@ def _generate_on(worker: str, adapter: common_pb2.Adapter, max_tokens: int) -> N
 
 
 def test_requests_for_an_adapter_resident_on_one_worker_go_to_it(cluster: Cluster) -> None:
-    _generate_on(cluster.worker_a, cluster.adapter("demo-r16"), max_tokens=2)  # now resident on A
+    _generate_on(cluster.system, cluster.worker_a, cluster.adapter("demo-r16"), max_tokens=2)  # now resident on A
     a0, b0 = cluster.stats(cluster.worker_a), cluster.stats(cluster.worker_b)
     assert "demo-r16" in a0.resident_adapters and "demo-r16" not in b0.resident_adapters
 
@@ -124,7 +123,7 @@ def test_a_placement_that_would_break_the_tpot_slo_is_avoided(cluster: Cluster) 
     SLO (affinity, batching) and to B under a TPOT SLO that A's predicted TPOT breaks and B's meets."""
     busy, prompt, max_tokens = 8, "Describe a busy worker.", 8
     r64 = cluster.adapter("demo-r64")
-    channel = grpc.insecure_channel(cluster.worker_a)
+    channel = cluster.system.internal_channel(cluster.worker_a)
     stub = worker_pb2_grpc.WorkerServiceStub(channel)
     calls = [stub.Generate(worker_pb2.WorkerGenerateRequest(
         request_id=f"busy-{i}", base_model=BASE, adapter=r64, text=f"Keep worker A busy, part {i}.",

@@ -55,7 +55,7 @@ def vision_worker(system: RunningSystem, request: pytest.FixtureRequest) -> Iter
         process = spawn_role("worker", env, log)
         try:
             address = f"127.0.0.1:{ports['WORKER__GRPC_PORT']}"
-            system.wait_healthy(address, timeout_s=180)
+            system.wait_healthy(address, "worker", timeout_s=180)
             _wait_routable(system, model.base_model)
             yield model
         finally:

@@ -31,7 +31,7 @@ def test_worker_killed_mid_stream_errors_then_recovers(system):
     while time.monotonic() < deadline and system.child_pid("worker") == old_pid:
         time.sleep(0.2)
     assert system.child_pid("worker") != old_pid, "launcher did not restart the worker"
-    system.wait_healthy(system.worker_grpc)
+    system.wait_healthy(system.worker_grpc, "worker")
     system.wait_worker_registered()
     reply = client.chat.completions.create(model="demo-r8", messages=[{"role": "user", "content": "again"}],
                                            max_tokens=4, temperature=0)

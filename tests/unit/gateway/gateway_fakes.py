@@ -153,6 +153,7 @@ class GatewayEnv:
         for i in range(workers):
             self.add_worker(FakeWorker(name=f"worker{i}"))
         self.config = TesseraConfig()
+        self.config.tls.enabled = False  # the fakes serve plaintext; tests/unit/services/test_mutual_tls.py covers TLS
         gw = self.config.gateway
         gw.http_port = gw.grpc_port = gw.metrics_port = 0
         gw.registry_address = f"127.0.0.1:{self.registry_port}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 
 import grpc
@@ -46,10 +47,19 @@ def test_stop_token_ids_reach_the_worker(env: GatewayEnv, stub: inference_pb2_gr
     assert list(env.workers[0].requests[-1].sampling.stop_token_ids) == [9, 4]
 
 
-def test_generate_keeps_the_callers_request_id(stub: inference_pb2_grpc.InferenceStub) -> None:
-    request = chat_request(BASE, max_tokens=1)
-    request.request_id = "client-chosen-id"
-    assert {r.request_id for r in stub.Generate(request, timeout=10)} == {"client-chosen-id"}
+def test_two_clients_with_the_same_request_id_both_complete_under_ids_the_gateway_assigns(
+        env: GatewayEnv, stub: inference_pb2_grpc.InferenceStub) -> None:
+    """The client's request_id is a label: the gateway keys (router, worker) by its own ids."""
+    env.workers[0].delay_s = 0.02  # long enough for the two streams to overlap
+    request = chat_request(BASE, max_tokens=5)
+    request.request_id = "same-label"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(lambda: list(stub.Generate(request, timeout=10))) for _ in range(2)]
+        answers = [s.result() for s in streams]
+    assert all([r.WhichOneof("payload") for r in responses] == ["delta"] * 5 + ["final"] for responses in answers)
+    ids = [{r.request_id for r in responses} for responses in answers]
+    assert all(len(i) == 1 for i in ids) and ids[0] != ids[1] and "same-label" not in ids[0] | ids[1]
+    assert {sent.request_id for sent in env.workers[0].requests} == ids[0] | ids[1]
 
 
 def test_list_models(stub: inference_pb2_grpc.InferenceStub) -> None:

@@ -141,9 +141,10 @@ def test_remote_image_url_when_enabled(env: GatewayEnv) -> None:
 @pytest.mark.parametrize(("body", "param", "phrase"), [
     (_chat(*[_image(data_url(PNG))] * (MAX_IMAGES + 1)), "messages", f"3 images; the limit is {MAX_IMAGES}"),
     (_chat(_image(data_url(PNG)), model=BASE), "messages", "does not take images"),
-    (_chat({"type": "image_url", "image_url": "data:image/png;base64,AAAA"}), "messages[0].content[0]",
-     "must hold image_url: {'url': str}"),
-    (_chat({"type": "input_audio", "input_audio": {}}), "messages[0].content[0]", "got type 'input_audio'"),
+    (_chat({"type": "image_url", "image_url": "data:image/png;base64,AAAA"}), "messages[0].content[0].image_url",
+     "image_url must be an object"),
+    (_chat({"type": "input_audio", "input_audio": {}}), "messages[0].content[0].type",
+     'must be one of "text", "image_url", got "input_audio"'),
 ], ids=["too-many-images", "text-model", "url-not-object", "unknown-part"])
 def test_bad_image_requests_are_400(env: GatewayEnv, body: dict, param: str, phrase: str) -> None:
     before = len(_sent(env))

@@ -48,18 +48,56 @@ def test_beyond_the_bound_rest_is_429_and_grpc_resource_exhausted(env: GatewayEn
     assert rejected.json()["error"]["type"] == "overloaded_error"
     assert f"base model '{BASE}' is overloaded: 2 requests in flight" in rejected.json()["error"]["message"]
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert float(dict(info.value.trailing_metadata())["retry-after"]) > 0
+    trailers = dict(info.value.trailing_metadata())
+    assert int(trailers["retry-after"]) >= 1, "whole seconds, as over HTTP"
+    assert int(trailers["grpc-retry-pushback-ms"]) == 1000 * int(trailers["retry-after"])
     for result in results:  # nothing lost from the accepted ones
         assert result.status_code == 200 and result.json()["usage"]["completion_tokens"] == 20
     assert requests.post(f"{env.http_base}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+
+
+def test_retry_after_grows_with_the_queue_ahead_on_both_doors() -> None:
+    """Bound 1, requests taking ~1.5 s: while one runs, a place frees every ~1.5 s, so each request
+    rejected meanwhile is told to come back later than the one before it, whichever door it came by:
+    the hints spread the retries instead of inviting them all back at once."""
+    env = GatewayEnv(max_queued=1)
+    env.workers[0].delay_s = 0.075  # x 20 tokens
+
+    def rest_hint() -> int:
+        response = requests.post(f"{env.http_base}/v1/chat/completions", json=CHAT, timeout=30)
+        assert response.status_code == 429
+        return int(response.headers["Retry-After"])
+
+    def grpc_hint() -> int:
+        with pytest.raises(grpc.RpcError) as info:
+            list(inference_pb2_grpc.InferenceStub(channel).Generate(inference_pb2.GenerateRequest(
+                model=BASE, text="hi", sampling=common_pb2.SamplingParams(max_tokens=3)), timeout=30))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return int(dict(info.value.trailing_metadata())["retry-after"])
+
+    slow = {**CHAT, "max_tokens": 20}
+    try:
+        # One finished request gives the mean latency the hints derive from.
+        assert requests.post(f"{env.http_base}/v1/chat/completions", json=slow, timeout=30).status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, grpc.insecure_channel(env.grpc_address) as channel:
+            holding = pool.submit(requests.post, f"{env.http_base}/v1/chat/completions", json=slow, timeout=30)
+            while not env.workers[0].running:
+                threading.Event().wait(0.01)
+            hints = [rest_hint(), grpc_hint(), rest_hint(), grpc_hint()]
+            assert holding.result().status_code == 200
+    finally:
+        env.close()
+    assert hints[0] >= 2, "the first place frees in ~1.5 s"
+    assert all(later > earlier for earlier, later in zip(hints, hints[1:])), hints
 
 
 @pytest.mark.parametrize("slo, param, message", [
     ([50], "tessera_slo", "tessera_slo must be an object"),
     ({"tpot": 50}, "tessera_slo", "unknown fields ['tpot']"),
     ({"tpot_ms": "fast"}, "tessera_slo.tpot_ms", "must be a number"),
-    ({"ttft_ms": 0}, "tessera_slo.ttft_ms", "must be a number of milliseconds in (0, 3600000]"),
-    ({"tpot_ms": -5}, "tessera_slo.tpot_ms", "got -5.0"),
+    ({"ttft_ms": 0}, "tessera_slo.ttft_ms", "must be a number between 1 and 3600000"),
+    ({"ttft_ms": 5e-324}, "tessera_slo.ttft_ms", "must be a number between 1 and 3600000"),
+    ({"tpot_ms": -5}, "tessera_slo.tpot_ms", "got -5"),
 ])
 def test_malformed_rest_slo_is_400(env: GatewayEnv, slo: object, param: str, message: str) -> None:
     response = requests.post(f"{env.http_base}/v1/chat/completions", json={**CHAT, "tessera_slo": slo}, timeout=30)

@@ -108,7 +108,7 @@ def test_chat_stream_wire_format_with_usage(env: GatewayEnv) -> None:
 
 
 @pytest.mark.parametrize(("body", "param", "phrase"), [
-    ("{not json", None, "JSON object"),
+    ("{not json", None, "not valid JSON"),
     ("[1, 2]", None, "JSON object"),
     ({"messages": CHAT["messages"]}, "model", "model is required"),
     ({**CHAT, "messages": []}, "messages", "non-empty list"),
@@ -117,8 +117,8 @@ def test_chat_stream_wire_format_with_usage(env: GatewayEnv) -> None:
     ({**CHAT, "max_tokens": 10**30}, "max_tokens", "between 1 and 64"),
     ({**CHAT, "max_tokens": "ten"}, "max_tokens", "must be an integer"),
     ({**CHAT, "temperature": 9}, "temperature", "between 0 and 2"),
-    ({**CHAT, "stop_token_ids": [3, -1]}, "stop_token_ids", "stop_token_ids[1] must be a token id"),
-    ({**CHAT, "stop_token_ids": [False]}, "stop_token_ids", "must be a list of integers"),
+    ({**CHAT, "stop_token_ids": [3, -1]}, "stop_token_ids[1]", "stop_token_ids[1] must be an integer between 0"),
+    ({**CHAT, "stop_token_ids": [False]}, "stop_token_ids[0]", "must be an integer"),
 ])
 def test_validation_errors_are_400_naming_the_param(env: GatewayEnv, body: object, param: str | None,
                                                     phrase: str) -> None:

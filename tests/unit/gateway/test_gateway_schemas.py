@@ -73,7 +73,14 @@ def test_stop_token_ids_reach_the_proto_from_both_endpoints() -> None:
 def test_completion_rejects_stop_token_ids() -> None:
     with pytest.raises(InvalidArgument) as info:
         parse_completion_request({"model": "m", "prompt": "hi", "stop_token_ids": [1, -2]}, CONFIG)
-    assert info.value.param == "stop_token_ids" and "stop_token_ids[1]" in info.value.message
+    assert info.value.param == "stop_token_ids[1]" and "stop_token_ids[1] must be" in info.value.message
+
+
+def test_integral_numbers_are_integers_as_in_json_schema() -> None:
+    """JSON has one number type: 5.0 is the integer 5 (JSON Schema's `integer`), 5.5 is not."""
+    sampling = parse_chat_request({**CHAT, "max_tokens": 5.0, "logprobs": True, "top_logprobs": 2.0,
+                                   "stop_token_ids": [1.0], "seed": 3.0}, CONFIG).generate.sampling
+    assert (sampling.max_tokens, sampling.logprobs, list(sampling.stop_token_ids), sampling.seed) == (5, 2, [1], 3)
 
 
 def test_text_parts_are_joined_and_max_completion_tokens_is_accepted() -> None:
@@ -84,16 +91,20 @@ def test_text_parts_are_joined_and_max_completion_tokens_is_accepted() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param", "phrase"), [
-    ({"model": ""}, "model", "model is required"),
-    ({"model": 3}, "model", "model is required"),
+    ({"model": ""}, "model", "model must be a non-empty string"),
+    ({"model": 3}, "model", "model must be a non-empty string, got 3"),
+    ({"model": "m" * 257}, "model", "model is too long: 257 characters, the limit is 256"),
     ({"messages": []}, "messages", "non-empty list"),
     ({"messages": "hi"}, "messages", "non-empty list"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "must be one of"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "string or a list"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]", "must be a base64 data URL"),
-    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]", "'audio'"),
-    ({"messages": [{"role": "user", "content": "x" * 51}]}, "messages", "too long"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0].type", '"audio"'),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text", "is required"),
+    ({"messages": [{"role": "user", "content": "x" * 51}]}, "messages[0].content", "too long"),
+    ({"messages": [{"role": "user", "content": "x" * 30}, {"role": "user", "content": "x" * 30}]}, "messages",
+     "too long: 60 characters"),
     ({"max_tokens": -1}, "max_tokens", "between 1 and 100"),
     ({"max_tokens": 0}, "max_tokens", "between 1 and 100"),
     ({"max_tokens": 10**20}, "max_tokens", "between 1 and 100"),
@@ -106,20 +117,24 @@ def test_text_parts_are_joined_and_max_completion_tokens_is_accepted() -> None:
     ({"temperature": "hot"}, "temperature", "must be a number"),
     ({"top_p": 0}, "top_p", "(0, 1]"),
     ({"top_p": 1.5}, "top_p", "(0, 1]"),
-    ({"top_k": -1}, "top_k", "non-negative"),
+    ({"top_k": -1}, "top_k", "between 0 and 2147483647"),
+    ({"top_k": 2**70}, "top_k", "between 0 and 2147483647"),
+    ({"seed": 2**64}, "seed", "between 0 and 18446744073709551615"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
-    ({"stop": [""]}, "stop", "non-empty"),
-    ({"stop": [1]}, "stop", "list of strings"),
+    ({"stop": [""]}, "stop[0]", "non-empty"),
+    ({"stop": [1]}, "stop[0]", "must be a non-empty string"),
+    ({"stop": 1}, "stop", "a non-empty string or a list of non-empty strings"),
+    ({"stop": ["x" * 1025]}, "stop[0]", "too long: 1025 characters, the limit is 1024"),
     ({"seed": -1}, "seed", "between 0 and"),
-    ({"stop_token_ids": 5}, "stop_token_ids", "must be a list of integers"),
-    ({"stop_token_ids": [1, True]}, "stop_token_ids", "must be a list of integers"),
-    ({"stop_token_ids": [1.0]}, "stop_token_ids", "must be a list of integers"),
-    ({"stop_token_ids": ["1"]}, "stop_token_ids", "must be a list of integers"),
-    ({"stop_token_ids": [None]}, "stop_token_ids", "must be a list of integers"),
-    ({"stop_token_ids": [4, -1]}, "stop_token_ids", "stop_token_ids[1] must be a token id between 0 and"),
-    ({"stop_token_ids": [2**31]}, "stop_token_ids", "stop_token_ids[0] must be a token id between 0 and"),
-    ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64 ids, got 65"),
-    ({"n": 2}, "n", "only n=1"),
+    ({"stop_token_ids": 5}, "stop_token_ids", "must be a list of integers between 0 and 2147483647"),
+    ({"stop_token_ids": [1, True]}, "stop_token_ids[1]", "must be an integer"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids[0]", "must be an integer"),
+    ({"stop_token_ids": ["1"]}, "stop_token_ids[0]", "must be an integer"),
+    ({"stop_token_ids": [None]}, "stop_token_ids[0]", "must be an integer"),
+    ({"stop_token_ids": [4, -1]}, "stop_token_ids[1]", "stop_token_ids[1] must be an integer between 0 and"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids[0]", "stop_token_ids[0] must be an integer between 0 and"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64 items, got 65"),
+    ({"n": 2}, "n", "n must be 1, got 2"),
     ({"stream": "yes"}, "stream", "boolean"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     ({"logprobs": 1}, "logprobs", "must be a boolean"),
@@ -128,7 +143,7 @@ def test_text_parts_are_joined_and_max_completion_tokens_is_accepted() -> None:
     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "requires logprobs to be true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "between 0 and 20"),
-    ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs", "must be an integer"),
+    ({"logprobs": True, "top_logprobs": 2.5}, "top_logprobs", "must be an integer"),
 ])
 def test_chat_rejects(fields: dict, param: str, phrase: str) -> None:
     error = chat_error(**fields)
@@ -174,7 +189,12 @@ def test_proto_zero_values_mean_default() -> None:
     (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(logprobs=-1)),
      "logprobs"),
     (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(stop_token_ids=[2, -1])),
-     "stop_token_ids"),
+     "stop_token_ids[1]"),
+    (inference_pb2.GenerateRequest(model="m" * 257, text="hi"), "model"),
+    (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(stop=["a", ""])),
+     "stop[1]"),
+    (inference_pb2.GenerateRequest(model="m", text="hi", sampling=common_pb2.SamplingParams(stop=["x" * 1025])),
+     "stop[0]"),
     (inference_pb2.GenerateRequest(model="m", text="hi",
                                    sampling=common_pb2.SamplingParams(stop_token_ids=[1] * 65)), "stop_token_ids"),
 ])

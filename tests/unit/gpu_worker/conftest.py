@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from gpu_worker.intake import GenerationRequest
 from gpu_worker.stats import EngineStats
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.llava import LlavaImageEncoder
+from services.common.adapter_layout import directory_digest
 from services.common.config import WorkerConfig
 from services.demo_assets import (DEMO_ADAPTERS, DEMO_BASE_MODEL, DEMO_QWEN2VL_ADAPTERS, DEMO_QWEN2VL_BASE_MODEL,
                                   DEMO_VISION_ADAPTERS, DEMO_VISION_BASE_MODEL, ClipShape, DemoAdapterSpec, LlamaShape,
@@ -48,8 +48,7 @@ def _adapters(base: Path, store: Path, specs: tuple[DemoAdapterSpec, ...], base_
     adapters = {}
     for spec in specs:
         directory = build_lora_adapter(base, store / spec.name, spec)
-        digest = hashlib.sha256((directory / "adapter_model.safetensors").read_bytes()).hexdigest()
-        adapters[spec.name] = AdapterRef(spec.name, base_name, spec.rank, digest, str(directory))
+        adapters[spec.name] = AdapterRef(spec.name, base_name, spec.rank, directory_digest(directory), str(directory))
     return adapters
 
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from gpu_worker.lora.adapter_pool import AdapterPool
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
 from gpu_worker.models.llama import LORA_TARGETS
-from services.common.adapter_layout import TEXT_LAYOUT
-from services.common.errors import FailedPrecondition, PermissionDenied
+from services.common.adapter_layout import TEXT_LAYOUT, directory_digest
+from services.common.errors import AdapterLoadFailed, FailedPrecondition, InvalidArgument, PermissionDenied
 from services.common.scheduling.eviction import LRU, LFUDecay
 
 
@@ -27,9 +30,63 @@ def test_loads_peft_names_with_scaling(tiny_assets):
     assert a.shape == (16, 64) and b.shape == (64, 16)
 
 
-def test_wrong_sha256_is_refused(tiny_assets):
+def test_wrong_digest_is_refused(tiny_assets):
     ref = dataclasses.replace(tiny_assets.adapters["demo-r8"], sha256="0" * 64)
-    with pytest.raises(FailedPrecondition, match="sha256"):
+    with pytest.raises(FailedPrecondition, match="checksum mismatch"):
+        _load(ref, tiny_assets.store)
+
+
+@pytest.fixture
+def stored_copy(tiny_assets):
+    """A copy of demo-r8's stored directory (inside the store), and its registry record: tests damage it."""
+    directory = Path(tempfile.mkdtemp(prefix="copy-", dir=tiny_assets.store))
+    shutil.copytree(tiny_assets.adapters["demo-r8"].storage_path, directory, dirs_exist_ok=True)
+    yield directory, dataclasses.replace(tiny_assets.adapters["demo-r8"], storage_path=str(directory))
+    shutil.rmtree(directory)
+
+
+def _set_alpha(directory: Path, alpha: float) -> None:
+    path = directory / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["lora_alpha"] = alpha
+    path.write_text(json.dumps(config))
+
+
+def _flip_last_weight_byte(directory: Path) -> None:
+    path = directory / "adapter_model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate_config(directory: Path) -> None:
+    path = directory / "adapter_config.json"
+    path.write_bytes(path.read_bytes()[:20])
+
+
+@pytest.mark.parametrize("tamper", [_truncate_config, lambda d: _set_alpha(d, 3200), _flip_last_weight_byte],
+                         ids=["config-truncated", "alpha-32-to-3200", "weights-one-bit"])
+def test_a_stored_file_changed_after_registration_fails_the_checksum(stored_copy, tiny_assets, tamper):
+    directory, ref = stored_copy
+    assert _load(ref, tiny_assets.store).scaling == 2.0  # intact: loads
+    tamper(directory)
+    with pytest.raises(FailedPrecondition, match="checksum mismatch"):
+        _load(ref, tiny_assets.store)
+
+
+@pytest.mark.parametrize("config_text, message", [
+    ('{"peft_type": "LORA", "r": 8, "lora_alpha": NaN}', "NaN is not allowed"),
+    ('{"peft_type": "LORA", "r": 8, "lora_alpha": 1e999}', "1e999 overflows"),
+    ('{"peft_type": "LORA", "r": 8, "lora_alpha": 1e308}', "lora_alpha must be a finite number in"),
+    ('{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "x": ' + "[" * 5000 + "]" * 5000 + "}", "deeper than"),
+    ('{"peft_type": "LORA", "r": 4, "lora_alpha": 16}', "says r=4 but"),
+])
+def test_a_recorded_but_unservable_config_is_refused_at_load(stored_copy, tiny_assets, config_text, message):
+    """A record whose digest covers a bad config (written by hand, or by an older registry) still fails cleanly."""
+    directory, ref = stored_copy
+    (directory / "adapter_config.json").write_text(config_text)
+    ref = dataclasses.replace(ref, sha256=directory_digest(directory))
+    with pytest.raises(InvalidArgument, match=message):
         _load(ref, tiny_assets.store)
 
 
@@ -117,3 +174,23 @@ def test_pool_with_lfu_decay_keeps_the_frequently_used_adapter():
     _use(pool, "cold")                                # released last: LRU would evict hot
     _use(pool, "new")
     assert pool.resident() == ["hot", "new"]
+
+
+@pytest.mark.parametrize("error", [ValueError("bad value"), OSError(5, "Input/output error", "/store/x/adapter_config.json"),
+                                   RuntimeError("CUDA error: out of memory"), FailedPrecondition("checksum mismatch")],
+                         ids=["ValueError", "OSError", "RuntimeError", "TesseraError"])
+def test_any_load_failure_becomes_adapter_load_failed_and_leaves_the_pool_as_it_was(error):
+    layer = _Layer()
+
+    def load(ref):
+        if ref.name == "broken":
+            raise error
+        return LoRAWeights(ref.name, 4, 1.0, {(0, "q_proj"): (ref.name, None)})
+
+    pool = AdapterPool({(0, "q_proj"): (layer, 0)}, num_slots=1, load=load)
+    _use(pool, "good")
+    with pytest.raises(AdapterLoadFailed, match="adapter broken could not be loaded") as failure:
+        pool.acquire(_ref("broken"))
+    assert "/store/x" not in failure.value.message  # a file's name, never the store's paths
+    assert pool.resident() == [] and layer.slots == {} and pool.num_pinned() == 0
+    assert pool.acquire(_ref("good")) == 0  # the slot went back to the free list

@@ -4,7 +4,6 @@ scaling, each alone and with an adapter in one batch."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from gpu_worker.builder import build_engine
 from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.sequence import SamplingParams
+from services.common.adapter_layout import directory_digest
 from services.common.config import WorkerConfig
 from services.demo_assets import DemoAdapterSpec, build_lora_adapter
 from tests.reference import ReferenceModels, assert_same_greedy
@@ -57,8 +57,7 @@ def family_assets(request, tiny_assets, tmp_path_factory):
     base = _save_sharded(request.param, root, tiny_assets.base_dir)
     store = root / "store"
     adapter_dir = build_lora_adapter(base, store / ADAPTER.name, ADAPTER)
-    digest = hashlib.sha256((adapter_dir / "adapter_model.safetensors").read_bytes()).hexdigest()
-    ref = AdapterRef(ADAPTER.name, request.param, ADAPTER.rank, digest, str(adapter_dir))
+    ref = AdapterRef(ADAPTER.name, request.param, ADAPTER.rank, directory_digest(adapter_dir), str(adapter_dir))
     return request.param, base, store, ref
 
 

@@ -18,6 +18,8 @@ from services.common.errors import InvalidArgument
 from services.common.grpc_server import start_grpc_server
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from .conftest import idle_stats
+
 PERF_MODEL = "cpu-tessera-demo-llama"
 
 
@@ -58,8 +60,9 @@ def test_generate_streams_deltas_then_final_and_stats(engine_factory, tiny_asset
 
     replies, stats = asyncio.run(_with_server(engine, body))
     deltas, final = replies[:-1], replies[-1]
-    assert all(r.WhichOneof("payload") == "delta" and r.request_id == "g1" for r in deltas)
+    assert all(r.WhichOneof("payload") == "delta" for r in deltas)
     assert final.WhichOneof("payload") == "final"
+    assert len({r.request_id for r in replies}) == 1 and replies[0].request_id != "g1", "the worker's own id"
     assert sum(len(r.delta.token_ids) for r in deltas) == final.final.usage.completion_tokens == 6
     assert "".join(r.delta.text for r in deltas) == final.final.text
     assert final.final.finish_reason == common_pb2.FINISH_REASON_LENGTH
@@ -94,6 +97,32 @@ def test_client_cancel_aborts_the_sequence(engine_factory, tiny_assets):
 
     stats = asyncio.run(_with_server(engine, body))
     assert stats.running_requests == 0 and stats.generated_tokens_total < 200
+
+
+def test_two_callers_with_the_same_request_id_get_independent_requests_under_the_workers_ids(
+        engine_factory, tiny_assets):
+    """The caller's request_id is a label: one caller cancelling does not touch the other's request."""
+    engine = engine_factory()
+
+    async def body(stub):
+        request = _request(tiny_assets, text="hello", sampling=common_pb2.SamplingParams(max_tokens=200))
+        cancelled = stub.Generate(request)
+        first = await cancelled.read()
+        request.sampling.max_tokens = 8
+        completed = stub.Generate(request)  # same request_id "g1", while the first one runs
+        replies = [await completed.read()]
+        cancelled.cancel()
+        while (reply := await completed.read()) is not grpc.aio.EOF:
+            replies.append(reply)
+        return first, replies
+
+    first, replies = asyncio.run(_with_server(engine, body))
+    final = replies[-1].final
+    assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH and final.usage.completion_tokens == 8
+    assert sum(len(r.delta.token_ids) for r in replies[:-1]) == 8
+    ids = {r.request_id for r in replies}
+    assert len(ids) == 1 and first.request_id not in ids and "g1" not in ids | {first.request_id}
+    assert idle_stats(engine).running_requests == 0
 
 
 def test_logprobs_stream_with_each_token_and_its_text(engine_factory, tiny_assets):
@@ -142,20 +171,18 @@ def test_token_texts_decode_each_id_alone(engine_factory, tiny_assets):
 def test_stop_token_ids_stop_the_stream_and_out_of_vocabulary_is_invalid(engine_factory, tiny_assets):
     engine = engine_factory()
 
-    async def generate(stub, request_id: str, **sampling):
+    async def generate(stub, **sampling):
         request = _request(tiny_assets, text="hello", sampling=common_pb2.SamplingParams(max_tokens=8, **sampling))
-        # A fresh id each time: the engine frees an id just after it sends the final reply.
-        request.request_id = request_id
         return [r async for r in stub.Generate(request)]
 
     async def body(stub):
-        free = await generate(stub, "free")
+        free = await generate(stub)
         tokens = [t for r in free if r.HasField("delta") for t in r.delta.token_ids]
-        stopped = await generate(stub, "stopped", stop_token_ids=[tokens[1]])
+        stopped = await generate(stub, stop_token_ids=[tokens[1]])
         errors = []
-        for i, bad in enumerate(([engine.vocab_size], [0, -1])):
+        for bad in ([engine.vocab_size], [0, -1]):
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await generate(stub, f"bad{i}", stop_token_ids=bad)
+                await generate(stub, stop_token_ids=bad)
             errors.append(err.value)
         return tokens, stopped, errors
 

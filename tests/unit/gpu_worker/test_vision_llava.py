@@ -15,7 +15,8 @@ from PIL import Image
 from gpu_worker.intake import GenerationRequest
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.sequence import SamplingParams
-from services.common.errors import InvalidArgument
+from services.common.adapter_layout import directory_digest
+from services.common.errors import AdapterLoadFailed, InvalidArgument
 from tests.images import gradient_image
 from tests.reference import VisionReferenceModels, assert_same_greedy
 
@@ -122,8 +123,6 @@ def test_preemption_recomputes_images_and_matches(llava_engine_factory, llava_as
 
 def test_vision_tower_adapter_is_refused(llava_engine_factory, llava_assets):
     """PEFT with bare target names ("q_proj") adapts the CLIP tower's projections too: refused, saying why."""
-    import hashlib
-
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
@@ -133,11 +132,10 @@ def test_vision_tower_adapter_is_refused(llava_engine_factory, llava_assets):
     directory = llava_assets.store / "vision-qv"
     base = AutoModelForImageTextToText.from_pretrained(llava_assets.base_dir, dtype=torch.float32)
     get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).save_pretrained(directory)
-    digest = hashlib.sha256((directory / "adapter_model.safetensors").read_bytes()).hexdigest()
-    ref = AdapterRef("vision-qv", llava_assets.name, 4, digest, str(directory))
+    ref = AdapterRef("vision-qv", llava_assets.name, 4, directory_digest(directory), str(directory))
     engine = llava_engine_factory()
     request = GenerationRequest("vision-adapter", PROMPTS["one_image"], SamplingParams(max_tokens=2), ref)
-    with pytest.raises(InvalidArgument, match=r"adapts the vision tower or projector .*vision_tower\.encoder"):
+    with pytest.raises(AdapterLoadFailed, match=r"adapts the vision tower or projector .*vision_tower\.encoder"):
         run_all(engine, [request])
 
 

@@ -8,7 +8,6 @@ Qwen2VLProcessor (it needs torchvision), equals that processor's; adapters on th
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from unittest import mock
 
@@ -21,8 +20,9 @@ from gpu_worker.models.qwen2vl import Qwen2VLImageEncoder
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt, PromptEncoder
 from gpu_worker.sequence import SamplingParams, Sequence
 from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
+from services.common.adapter_layout import directory_digest
 from services.common.architectures import IMAGE_ARCHITECTURES
-from services.common.errors import InvalidArgument
+from services.common.errors import AdapterLoadFailed, InvalidArgument
 from tests.images import gradient_image
 from tests.reference import VisionReferenceModels, assert_same_greedy
 
@@ -213,10 +213,9 @@ def test_vision_tower_adapter_is_refused(qwen2vl_engine_factory, qwen2vl_assets)
     directory = qwen2vl_assets.store / "vision-qkv"
     base = AutoModelForImageTextToText.from_pretrained(qwen2vl_assets.base_dir, dtype=torch.float32)
     get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "qkv"])).save_pretrained(directory)
-    digest = hashlib.sha256((directory / "adapter_model.safetensors").read_bytes()).hexdigest()
-    ref = AdapterRef("vision-qkv", qwen2vl_assets.name, 4, digest, str(directory))
+    ref = AdapterRef("vision-qkv", qwen2vl_assets.name, 4, directory_digest(directory), str(directory))
     request = GenerationRequest("vision-adapter", PROMPTS["one_image"], SamplingParams(max_tokens=2), ref)
-    with pytest.raises(InvalidArgument, match=r"adapts the vision tower or projector .*visual\.blocks"):
+    with pytest.raises(AdapterLoadFailed, match=r"adapts the vision tower or projector .*visual\.blocks"):
         run_all(qwen2vl_engine_factory(), [request])
 
 

@@ -112,6 +112,32 @@ def edit_config(key: str, value: object) -> Callable[[Path], None]:
     return mutate
 
 
+def replace_in_config(old: str, new: str) -> Callable[[Path], None]:
+    """Edit adapter_config.json as text: for what json.dumps cannot write (1e999, deep nesting)."""
+    def mutate(adapter: Path) -> None:
+        path = adapter / "adapter_config.json"
+        text = path.read_text()
+        assert old in text
+        path.write_text(text.replace(old, new, 1))
+    return mutate
+
+
+def header_metadata(raw_json: str) -> Callable[[Path], None]:
+    """Rewrite the safetensors header with `"__metadata__": <raw_json>` (the data section unchanged)."""
+    def mutate(adapter: Path) -> None:
+        path = adapter / "adapter_model.safetensors"
+        data = path.read_bytes()
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + length])
+        header["__metadata__"] = "PLACEHOLDER"
+        encoded = json.dumps(header).replace('"PLACEHOLDER"', raw_json).encode()
+        path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length:])
+    return mutate
+
+
+DEEP = "[" * 5000 + "]" * 5000  # Python's json raises RecursionError on it
+
+
 def truncate(adapter: Path) -> None:
     path = adapter / "adapter_model.safetensors"
     data = path.read_bytes()
@@ -154,6 +180,26 @@ def shift_offsets(adapter: Path) -> None:
     (edit_config("modules_to_save", ["lm_head"]), 400, "modules_to_save"),
     (edit_config("layers_to_transform", [0]), 400, "layers_to_transform"),
     (edit_config("peft_type", "IA3"), 400, "peft_type must be 'LORA'"),
+    # lora_alpha: finite, > 0 and <= 4096 (services/common/adapter_layout.py MAX_LORA_ALPHA).
+    (edit_config("lora_alpha", float("nan")), 400, "adapter_config.json is not valid JSON: NaN is not allowed"),
+    (edit_config("lora_alpha", float("inf")), 400, "adapter_config.json is not valid JSON: Infinity is not allowed"),
+    (edit_config("lora_alpha", float("-inf")), 400, "-Infinity is not allowed"),
+    (replace_in_config('"lora_alpha": 4', '"lora_alpha": 1e999'), 400, "1e999 overflows a 64-bit float"),
+    (edit_config("lora_alpha", 1e308), 400, "lora_alpha must be a finite number in (0, 4096], got 1e+308"),
+    (edit_config("lora_alpha", 10**400), 400, "lora_alpha must be a finite number in (0, 4096]"),
+    (edit_config("lora_alpha", 0), 400, "lora_alpha must be a finite number in (0, 4096], got 0"),
+    (edit_config("lora_alpha", -4), 400, "lora_alpha must be a finite number in (0, 4096], got -4"),
+    (edit_config("lora_alpha", "4"), 400, "lora_alpha must be a finite number in (0, 4096], got '4'"),
+    # r: 1..1024 (MAX_LORA_RANK), and no more than the smaller side of every target projection.
+    (edit_config("r", 0), 400, "r must be an integer from 1 to 1024, got 0"),
+    (edit_config("r", -2), 400, "r must be an integer from 1 to 1024, got -2"),
+    (edit_config("r", 2048), 400, "r must be an integer from 1 to 1024, got 2048"),
+    (edit_config("r", 2.0), 400, "r must be an integer from 1 to 1024, got 2.0"),
+    (edit_config("r", 40), 400, "r=40 exceeds the base model's v_proj (64 -> 32); r may be at most 32"),
+    (replace_in_config("{", '{"nested": ' + DEEP + ", "), 400, "adapter_config.json nests objects or arrays deeper"),
+    (replace_in_config("{", '{"nested": ' + "[" * 65 + "]" * 65 + ", "), 400, "deeper than 64 levels"),
+    (header_metadata(DEEP), 400, "adapter_model.safetensors: header nests objects or arrays deeper"),
+    (header_metadata('{"scale": NaN}'), 400, "NaN is not allowed (finite numbers only) (corrupt header)"),
     (truncate, 400, "truncated"),
     (corrupt_header, 400, "corrupt header"),
     (huge_header_length, 400, "exceeds"),
@@ -207,3 +253,23 @@ def test_paths_outside_import_roots_are_refused(client: FlaskClient, imports: Pa
     assert response.status_code == 403 and "outside the allowed import roots" in error_of(response)["message"]
     # Traversal that lands outside.
     assert register(client, "a", imports / ".." / "outside").status_code == 403
+
+
+def test_an_adapter_may_not_take_a_base_models_name_nor_the_reverse(client: FlaskClient, imports: Path) -> None:
+    clash = register(client, BASE_MODEL, imports / "attn-qv")
+    assert clash.status_code == 409
+    assert error_of(clash)["message"].startswith(f"{BASE_MODEL!r} is already a base model's name")
+    assert register(client, "qv", imports / "attn-qv").status_code == 201
+    reverse = client.post("/admin/v1/base-models", headers=AUTH, json={"name": "qv", "path": str(imports / "base")})
+    assert reverse.status_code == 409
+    assert error_of(reverse)["message"].startswith("'qv' is already an adapter's name")
+    assert [b["name"] for b in client.get("/admin/v1/base-models", headers=AUTH).get_json()["base_models"]] == [BASE_MODEL]
+
+
+@pytest.mark.parametrize("body, message", [
+    ('{"name": "x", "base_model": "b", "path": "/x", "task_head": {"threshold": NaN}}', "NaN is not allowed"),
+    ('{"name": "x", "base_model": "b", "path": "/x", "task_head": {"deep": ' + DEEP + "}}", "nests objects or arrays"),
+])
+def test_request_bodies_with_nan_or_deep_nesting_are_400(client: FlaskClient, body: str, message: str) -> None:
+    response = client.post("/admin/v1/adapters", headers={**AUTH, "Content-Type": "application/json"}, data=body)
+    assert response.status_code == 400 and message in error_of(response)["message"]

@@ -7,7 +7,7 @@ import pytest
 
 from registry.records import ModuleShape, Tier
 from registry.store import RegistryStore
-from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from services.common.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
 
 from .conftest import BASE_MODEL, FakeClock
 
@@ -38,7 +38,11 @@ def test_base_model_refuses_unsupported_architecture(store: RegistryStore, impor
 def test_adapter_is_stored_by_content_and_verified(store: RegistryStore, imports: Path, tmp_path: Path) -> None:
     record = store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"), task_head={"labels": ["x"]})
     source = (imports / "all-proj" / "adapter_model.safetensors").read_bytes()
-    assert record.sha256 == hashlib.sha256(source).hexdigest()
+    config = (imports / "all-proj" / "adapter_config.json").read_bytes()
+    # The content address covers both files: the sha256 of a manifest of their sha256 (common.proto).
+    manifest = (f"tessera-adapter-v1\nadapter_config.json {hashlib.sha256(config).hexdigest()}\n"
+                f"adapter_model.safetensors {hashlib.sha256(source).hexdigest()}\n")
+    assert record.sha256 == hashlib.sha256(manifest.encode()).hexdigest()
     assert record.size_bytes == len(source)
     assert (record.rank, record.alpha) == (4, 8.0)
     assert record.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -46,6 +50,7 @@ def test_adapter_is_stored_by_content_and_verified(store: RegistryStore, imports
     assert stored == tmp_path / "store" / record.sha256
     assert sorted(p.name for p in stored.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert (stored / "adapter_model.safetensors").read_bytes() == source
+    assert (stored / "adapter_config.json").read_bytes() == config
     assert store.get_adapter("a1") == record
     assert record.task_head == {"labels": ["x"]}
     # No staging leftovers.
@@ -64,16 +69,19 @@ def test_identical_weights_share_one_blob_until_the_last_is_deleted(store: Regis
     assert store.list_adapters() == []
 
 
-def test_identical_weights_with_other_lora_settings_are_refused(store: RegistryStore, imports: Path) -> None:
+def test_identical_weights_with_another_alpha_are_stored_apart(store: RegistryStore, imports: Path) -> None:
     shutil.copytree(imports / "all-proj", imports / "copy")
     config_path = imports / "copy" / "adapter_config.json"
     config = json.loads(config_path.read_text())
     config["lora_alpha"] = 32
     config_path.write_text(json.dumps(config))
-    store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"))
-    with pytest.raises(FailedPrecondition, match="same weights"):
-        store.register_adapter("a2", BASE_MODEL, str(imports / "copy"))
-    assert Path(store.get_adapter("a1").storage_path).is_dir()
+    first = store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"))
+    second = store.register_adapter("a2", BASE_MODEL, str(imports / "copy"))
+    assert (first.alpha, second.alpha) == (8.0, 32.0)
+    assert first.sha256 != second.sha256 and first.storage_path != second.storage_path
+    assert json.loads((Path(second.storage_path) / "adapter_config.json").read_text())["lora_alpha"] == 32
+    store.delete_adapter("a2")
+    assert Path(first.storage_path).is_dir() and not Path(second.storage_path).exists()
 
 
 def test_adapter_errors(store: RegistryStore, imports: Path, tmp_path: Path) -> None:
@@ -139,3 +147,25 @@ def test_placements_replace_and_follow_deletes(store: RegistryStore, imports: Pa
     assert store.list_placements() == []
     with pytest.raises(NotFound):
         store.replace_placements(w2, [])
+
+
+def test_adapter_and_base_model_names_never_clash(store: RegistryStore, imports: Path) -> None:
+    """Requests name a base model or an adapter in one `model` field: a name means one thing."""
+    with pytest.raises(AlreadyExists, match=f"{BASE_MODEL!r} is already a base model's name"):
+        store.register_adapter(BASE_MODEL, BASE_MODEL, str(imports / "attn-qv"))
+    store.register_adapter("qv", BASE_MODEL, str(imports / "attn-qv"))
+    with pytest.raises(AlreadyExists, match="'qv' is already an adapter's name"):
+        store.register_base_model("qv", str(imports / "base"))
+    assert [b.name for b in store.list_base_models()] == [BASE_MODEL]
+    assert [a.name for a in store.list_adapters()] == ["qv"]
+
+
+@pytest.mark.parametrize("stored_file", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_damaged_stored_copy_is_replaced_by_the_next_import_of_the_same_files(
+        store: RegistryStore, imports: Path, stored_file: str) -> None:
+    first = store.register_adapter("a1", BASE_MODEL, str(imports / "attn-qv"))
+    damaged = Path(first.storage_path) / stored_file
+    damaged.write_bytes(damaged.read_bytes()[:-1])
+    second = store.register_adapter("a2", BASE_MODEL, str(imports / "attn-qv"))
+    assert second.storage_path == first.storage_path
+    assert (Path(second.storage_path) / stored_file).read_bytes() == (imports / "attn-qv" / stored_file).read_bytes()

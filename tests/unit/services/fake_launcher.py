@@ -24,7 +24,7 @@ def main() -> int:
     fail_role = os.environ.get("FAKE_FAIL_ROLE")
 
     def command(role: str) -> list[str]:
-        return [sys.executable, FAKE_ROLE, *(["--exit", "3"] if role == fail_role else [ports[role]])]
+        return [sys.executable, FAKE_ROLE, *(["--exit", "3"] if role == fail_role else [ports[role], role])]
 
     return launch(config, command)
 

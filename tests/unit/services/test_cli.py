@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 import yaml
 
 from services.cli import DemoRegistrationError, main, register_demo_assets
+from services.common.adapter_layout import directory_digest
 from services.common.config import TesseraConfig
 from services.demo_assets import DEMO_BASE_MODEL, DemoAssets
 from services.common.errors import NotFound
@@ -37,23 +37,51 @@ def test_a_bad_config_exits_2_with_the_key_named(monkeypatch, capsys) -> None:
     assert "gateway.http_port" in capsys.readouterr().err
 
 
-def test_health_exits_0_while_serving_and_1_once_gone(capsys) -> None:
+def _serve_fake_role(role: str) -> tuple[str, subprocess.Popen]:
+    """fake_role.py as `role` (secured as that role is, from the environment's config) on a free port."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    address = f"127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("fake_role.py")), str(port)])
+    return f"127.0.0.1:{port}", subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("fake_role.py")), str(port), role])
+
+
+def test_health_exits_0_while_serving_and_1_once_gone(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+    address, server = _serve_fake_role("gateway")  # the public port: plaintext by default
     try:
         deadline = time.monotonic() + 10
-        while main(["health", address, "--timeout", "0.5"]) != 0:
+        while main(["health", address, "--role", "gateway", "--timeout", "0.5"]) != 0:
             assert time.monotonic() < deadline, "fake role never became healthy"
             time.sleep(0.1)
         assert f"{address}: SERVING" in capsys.readouterr().out
     finally:
         server.terminate()
         server.wait()
-    assert main(["health", address, "--timeout", "0.5"]) == 1
+    assert main(["health", address, "--role", "gateway", "--timeout", "0.5"]) == 1
     assert "NOT SERVING" in capsys.readouterr().out
+
+
+def test_health_probes_an_internal_role_with_its_cluster_certificate(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+    assert main(["certs"]) == 0
+    address, server = _serve_fake_role("registry")  # requires a cluster client certificate
+    try:
+        deadline = time.monotonic() + 10
+        while main(["health", address, "--role", "registry", "--timeout", "0.5"]) != 0:
+            assert time.monotonic() < deadline, "fake registry never became healthy"
+            time.sleep(0.1)
+        # Probed as the public gateway port is (no certificate), the registry does not answer.
+        assert main(["health", address, "--role", "gateway", "--timeout", "0.5"]) == 1
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def test_health_of_an_internal_role_without_certificates_names_the_fix(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+    assert main(["health", "127.0.0.1:1", "--role", "worker"]) == 2
+    assert "tessera certs" in capsys.readouterr().err
 
 
 @dataclasses.dataclass
@@ -87,8 +115,8 @@ class FakeStore:
 
     def register_adapter(self, name: str, base_model: str, source_dir: str) -> FakeRecord:
         assert base_model in self.base_models
-        sha = hashlib.sha256((Path(source_dir) / "adapter_model.safetensors").read_bytes()).hexdigest()
-        self.adapters[name] = FakeRecord(name, sha256=sha)
+        # The registry records the content digest of both files (common.proto, Adapter.sha256).
+        self.adapters[name] = FakeRecord(name, sha256=directory_digest(Path(source_dir)))
         return self.adapters[name]
 
 
@@ -98,6 +126,7 @@ def make_assets(root: Path) -> DemoAssets:
         adapter_dirs[name] = root / name
         adapter_dirs[name].mkdir(parents=True)
         (adapter_dirs[name] / "adapter_model.safetensors").write_bytes(name.encode())
+        (adapter_dirs[name] / "adapter_config.json").write_text('{"lora_alpha": 16}')
     return DemoAssets(base_dir=root / "base", adapter_dirs=adapter_dirs)
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 
 from services.common.config import LauncherConfig, load_config
 from services.common.grpc_server import check_health
+from services.common.tls import health_probe_credentials, tls_paths
 from services.launcher import LaunchError, check_ports_free, restart_delay_s, role_specs
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -51,6 +53,12 @@ def fake_env(home: Path) -> dict[str, str]:
         "PYTHONPATH": str(REPO_ROOT),
     })
     return env
+
+
+def healthy(env: dict[str, str], role: str, port_key: str) -> bool:
+    """`tessera health --role ROLE`'s probe: internal roles with their own cluster certificate."""
+    config = load_config(environ=env)
+    return check_health(f"127.0.0.1:{env[port_key]}", credentials=health_probe_credentials(config, role))
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> object:
@@ -109,7 +117,6 @@ def test_restarts_a_crashed_child_and_stops_everything_on_sigint(tmp_path: Path,
                        and len(s["children"]) == 3 and s, 20, "all roles started")
     assert started["launcher_pid"] == process.pid
     assert started["urls"]["openai_rest"] == f"http://127.0.0.1:{env['TESSERA_GATEWAY__HTTP_PORT']}/v1"
-    worker_address = f"127.0.0.1:{env['TESSERA_WORKER__GRPC_PORT']}"
     wait_for(lambda: check_health(f"127.0.0.1:{env['TESSERA_GATEWAY__GRPC_PORT']}"), 20, "gateway healthy")
 
     worker = next(c for c in started["children"] if c["role"] == "worker")
@@ -120,7 +127,7 @@ def test_restarts_a_crashed_child_and_stops_everything_on_sigint(tmp_path: Path,
     new_worker = next(c for c in restarted["children"] if c["role"] == "worker")
     assert new_worker["pid"] != worker["pid"]
     assert [c["restarts"] for c in restarted["children"] if c["role"] != "worker"] == [0, 0]
-    wait_for(lambda: check_health(worker_address), 10, "restarted worker healthy")
+    wait_for(lambda: healthy(env, "worker", "TESSERA_WORKER__GRPC_PORT"), 10, "restarted worker healthy")
 
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=15) == 0
@@ -138,8 +145,8 @@ def test_a_role_dying_during_startup_fails_the_launch_naming_it(tmp_path: Path, 
     assert process.wait(timeout=20) == 1
     _, err = process.communicate()
     assert "worker exited with code 3 during startup" in err
-    registry_address = f"127.0.0.1:{env['TESSERA_REGISTRY__GRPC_PORT']}"
-    assert not check_health(registry_address), "the registry started before the failure must be stopped"
+    assert not healthy(env, "registry", "TESSERA_REGISTRY__GRPC_PORT"), \
+        "the registry started before the failure must be stopped"
 
 
 def test_a_port_in_use_is_named_with_its_role(tmp_path: Path) -> None:
@@ -175,3 +182,28 @@ def test_a_grpc_port_of_zero_is_refused() -> None:
     config = load_config(environ={"TESSERA_WORKER__GRPC_PORT": "0"})
     with pytest.raises(LaunchError, match="worker.grpc_port is 0"):
         role_specs(config)
+
+
+def test_up_creates_the_cluster_certificates_and_probes_internal_roles_over_mutual_tls(tmp_path: Path,
+                                                                                       launcher) -> None:
+    env = fake_env(tmp_path)
+    process = launcher(env)
+    wait_for(lambda: check_health(f"127.0.0.1:{env['TESSERA_GATEWAY__GRPC_PORT']}"), 20, "every role healthy")
+    paths = tls_paths(load_config(environ=env))
+    assert stat.S_IMODE(paths.dir.stat().st_mode) == 0o700
+    files = sorted(p.name for p in paths.dir.iterdir())
+    assert files == sorted(["ca.pem", "ca-key.pem", *(f"{r}{s}.pem" for r in ("registry", "gateway", "worker")
+                                                      for s in ("", "-key"))])
+    assert {stat.S_IMODE((paths.dir / f).stat().st_mode) for f in files} == {0o600}
+    registry = f"127.0.0.1:{env['TESSERA_REGISTRY__GRPC_PORT']}"
+    assert healthy(env, "registry", "TESSERA_REGISTRY__GRPC_PORT")
+    assert not check_health(registry), "a plaintext probe must not reach the registry"
+    before = {f: (paths.dir / f).read_bytes() for f in files}
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=15) == 0
+
+    again = launcher(env)  # a second `tessera up` keeps the certificates it finds
+    wait_for(lambda: healthy(env, "worker", "TESSERA_WORKER__GRPC_PORT"), 20, "worker healthy again")
+    assert {f: (paths.dir / f).read_bytes() for f in files} == before
+    again.send_signal(signal.SIGINT)
+    assert again.wait(timeout=15) == 0
