@@ -1,0 +1,49 @@
+"""benchmarks/served_bench.py --tiny on the CPU: the system as separate processes (mutual TLS on) against
+the same requests in-process, every request completed both ways and the ratios printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MAX_TOKENS = 6
+
+
+@pytest.mark.timeout(240)
+def test_tiny_run_completes_every_request_both_ways_and_prints_the_ratios(tmp_path: Path):
+    out, logs = tmp_path / "served.json", tmp_path / "logs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.served_bench", "--tiny", "--streams", "3", "5", "--max-tokens",
+         str(MAX_TOKENS), "--adapters", "2", "--home-parent", str(tmp_path), "--log-dir", str(logs),
+         "--json", str(out)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["mutual_tls"] is True and report["adapters"] == 2
+    assert [row["streams"] for row in report["rows"]] == [3, 5]
+    for row in report["rows"]:
+        n = row["streams"]
+        for how in ("served", "in_process"):
+            side = row[how]
+            # No EOS in the tokenizer: every request generates exactly max_tokens, through both paths.
+            assert side["completed"] == n and side["all_completed"] and side["errors"] == [], (how, side)
+            assert side["tokens"] == n * MAX_TOKENS, (how, side)
+            assert side["tokens_per_s"] > 0 and 0 < side["ttft_p50_ms"] <= side["ttft_p99_ms"], (how, side)
+        assert row["ratio"] == pytest.approx(row["served"]["tokens_per_s"] / row["in_process"]["tokens_per_s"])
+        assert f"N={n:4d}" in proc.stdout and f"ratio {row['ratio']:.3f}" in proc.stdout
+    # Each role ran as its own process, its own log: the worker loaded the registered checkpoint, and the
+    # registry's and the worker's gRPC ports spoke TLS. The temporary home is gone.
+    assert sorted(p.name for p in logs.iterdir()) == ["gateway.log", "registry.log", "worker.log"]
+    worker_log, registry_log = (logs / "worker.log").read_text(), (logs / "registry.log").read_text()
+    assert "loading bench-llama from" in worker_log and "on cpu" in worker_log
+    assert ", TLS)" in worker_log and ", TLS)" in registry_log
+    assert not list(tmp_path.glob("served-bench-*"))
