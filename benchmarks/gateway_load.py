@@ -138,6 +138,8 @@ async def _read_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     out.retry_after = headers.get("retry-after")
     if out.status != 200:
         out.ttft_s = time.perf_counter() - out.sent_at
+        if out.status != 429 and (length := int(headers.get("content-length", 0))):  # say why it failed
+            out.error = f"{out.status}: " + (await reader.readexactly(length)).decode(errors="replace")[:200]
         return
     while True:  # chunked: <hex size>\r\n<data>\r\n ... 0\r\n\r\n
         size = int((await reader.readline()).strip(), 16)
@@ -242,26 +244,28 @@ async def direct(worker: str, credentials: grpc.ChannelCredentials, n: int, max_
         return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-async def normal_request_s(http_port: int) -> float:
-    """GET /v1/models on a new connection: seconds until its whole answer."""
+async def normal_request_s(http_port: int, path: str = "/v1/models", headers: str = "") -> float:
+    """GET `path` on a new connection (`headers`: extra header lines, each ending in CRLF): seconds
+    until its whole answer, which must be a 200."""
     started = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", http_port)
-    writer.write(f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:{http_port}\r\nConnection: close\r\n\r\n".encode())
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{http_port}\r\n{headers}Connection: close\r\n\r\n".encode())
     answer = await reader.read()
     writer.close()
     assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
     return time.perf_counter() - started
 
 
-async def idle_delay(http_port: int, idle: int, repeats: int = 20) -> tuple[float, float, int]:
-    """Median seconds of a normal request without, then with `idle` idle connections open, and how
-    many of those were still open at the end (a server may close them after its header timeout)."""
-    without = statistics.median([await normal_request_s(http_port) for _ in range(repeats)])
+async def idle_delay(http_port: int, idle: int, repeats: int = 20, path: str = "/v1/models",
+                     headers: str = "") -> tuple[float, float, int]:
+    """Median seconds of a normal request (normal_request_s) without, then with `idle` idle connections
+    open, and how many of those were still open at the end (a server may close them after its header timeout)."""
+    without = statistics.median([await normal_request_s(http_port, path, headers) for _ in range(repeats)])
     connections = [await asyncio.open_connection("127.0.0.1", http_port) for _ in range(idle)]
     for _, writer in connections:
         writer.write(IDLE_PROBE)
     await asyncio.sleep(0.2)
-    with_idle = statistics.median([await normal_request_s(http_port) for _ in range(repeats)])
+    with_idle = statistics.median([await normal_request_s(http_port, path, headers) for _ in range(repeats)])
     still_open = sum(not reader.at_eof() for reader, _ in connections)
     for _, writer in connections:
         writer.close()

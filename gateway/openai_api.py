@@ -74,9 +74,16 @@ class Reply:
     shape: Shape
     api: ApiRequest
     created: int
+    # The gateway's id for the request, which its gRPC responses and the worker's traffic carry: the
+    # core assigns it, so it is known from the first response on (`with_id`); the REST `id` derives from it.
+    request_id: str = ""
+
+    def with_id(self, first: common_pb2.GenerateResponse) -> Reply:
+        return dataclasses.replace(self, request_id=first.request_id)
 
     def head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.shape.id_prefix + self.api.generate.request_id, "object": obj,
+        assert self.request_id, "the id is the gateway's, known from the first response"
+        return {"id": self.shape.id_prefix + self.request_id, "object": obj,
                 "created": self.created, "model": self.api.generate.model}
 
     def logprobs(self, deltas: Sequence[common_pb2.TokenDelta], start: int = 0) -> dict[str, Any] | None:
@@ -159,6 +166,7 @@ async def _respond(reply: Reply, responses: AsyncIterator[common_pb2.GenerateRes
     async with contextlib.aclosing(responses):  # type: ignore[type-var]
         try:
             first = await anext(responses)
+            reply = reply.with_id(first)
             whole = None if reply.api.stream else await _completion(reply, first, responses)
         except Exception as exc:
             error = _as_tessera_error(exc, reply)
@@ -190,7 +198,7 @@ def _json(body: dict[str, Any]) -> bytes:
 def _as_tessera_error(exc: Exception, reply: Reply) -> TesseraError:
     if isinstance(exc, TesseraError):
         return exc
-    log.exception("request %s failed", reply.api.generate.request_id)
+    log.exception("request %s failed", reply.request_id or "(before the gateway's first response)")
     return Internal(f"internal error: {type(exc).__name__}")
 
 
@@ -203,7 +211,7 @@ async def _completion(reply: Reply, first: common_pb2.GenerateResponse,
         deltas.append(response.delta)
         response = await anext(responses, None)
         if response is None:
-            raise Internal(f"request {reply.api.generate.request_id} ended without a final message")
+            raise Internal(f"request {reply.request_id} ended without a final message")
     final = response.final
     return {**reply.head(reply.shape.object),
             "choices": [reply.shape.choice(final.text, _finish_reason(final), reply.logprobs(deltas))],

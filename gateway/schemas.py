@@ -19,7 +19,6 @@ objectives routing places the request by (docs/routing.md).
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from typing import Any
 
 from services.common.config import GatewayConfig
@@ -264,10 +263,6 @@ def _prompt(body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else prompt[0]  # OpenAI accepts a batch; we accept a batch of one
 
 
-def _request_id() -> str:
-    return uuid.uuid4().hex
-
-
 def parse_chat_request(body: Any, config: GatewayConfig) -> ApiRequest:
     """Validate a /v1/chat/completions body."""
     body = check_body(body, "ChatCompletionRequest", config)
@@ -275,7 +270,7 @@ def parse_chat_request(body: Any, config: GatewayConfig) -> ApiRequest:
     max_tokens_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     request = inference_pb2.GenerateRequest(
         model=body["model"], chat=_messages(body, config),
-        sampling=_sampling(body, max_tokens_key, _chat_logprobs(body)), request_id=_request_id(), slo=_slo(body))
+        sampling=_sampling(body, max_tokens_key, _chat_logprobs(body)), slo=_slo(body))
     stream, include_usage = _stream_options(body)
     return ApiRequest(validate_generate_request(request, config), stream, include_usage)
 
@@ -285,6 +280,6 @@ def parse_completion_request(body: Any, config: GatewayConfig) -> ApiRequest:
     body = check_body(body, "CompletionRequest", config)
     request = inference_pb2.GenerateRequest(
         model=body["model"], text=_prompt(body),
-        sampling=_sampling(body, "max_tokens", _completion_logprobs(body)), request_id=_request_id(), slo=_slo(body))
+        sampling=_sampling(body, "max_tokens", _completion_logprobs(body)), slo=_slo(body))
     stream, include_usage = _stream_options(body)
     return ApiRequest(validate_generate_request(request, config), stream, include_usage)

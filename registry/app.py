@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from flask import Flask, Response, jsonify
 from werkzeug.exceptions import HTTPException
@@ -13,6 +14,11 @@ from registry.store import RegistryStore
 from services.common.errors import TesseraError
 
 log = logging.getLogger(__name__)
+
+
+def error_body(exc: TesseraError) -> dict[str, Any]:
+    """The admin API's JSON error object (admin_api.json_error's shape), for the HTTP server's own refusals."""
+    return {"error": {"message": exc.message, "type": exc.error_type, "code": exc.http_status}}
 
 
 def _tessera_error(exc: TesseraError) -> tuple[Response, int]:

@@ -1,4 +1,4 @@
-"""The registry role's process: admin REST API (waitress), gRPC Registry service, metrics."""
+"""The registry role's process: admin REST API and gRPC Registry service on one event loop, metrics."""
 
 from __future__ import annotations
 
@@ -7,18 +7,21 @@ import logging
 import os
 import secrets
 
-from registry.app import create_admin_app
+from registry.app import create_admin_app, error_body
 from registry.grpc_service import SERVICE_NAME, add_registry_service
 from registry.store import RegistryStore
 from services.common.config import TesseraConfig
 from services.common.grpc_server import start_grpc_server
-from services.common.http_server import WsgiServer
+from services.common.http_server import HttpLimits, LoopHttpServer
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
 from services.common.runtime import run_until_signalled
 from services.common.tls import cluster_credentials
 
 log = logging.getLogger(__name__)
+
+# The admin API takes small JSON bodies (names and paths); the other limits are the gateway's.
+ADMIN_LIMITS = HttpLimits(max_body_bytes=1024 * 1024)
 
 
 def resolve_admin_api_key(config: TesseraConfig) -> str:
@@ -48,10 +51,13 @@ def serve(config: TesseraConfig) -> None:
     store = RegistryStore.from_config(config)
     settings = config.registry
     start_metrics_server(settings.host, settings.metrics_port)
-    admin = WsgiServer(create_admin_app(store, resolve_admin_api_key(config)),
-                       settings.host, settings.admin_port, settings.http_threads).start()
+    admin_app = create_admin_app(store, resolve_admin_api_key(config))
 
     async def main(stop: asyncio.Event) -> None:
+        # uvicorn on this loop, as the gateway's REST port: idle or slow clients hold no thread and
+        # are closed after HttpLimits' timeouts; Flask handlers run on `http_threads` threads.
+        admin = await LoopHttpServer.start(admin_app, settings.host, settings.admin_port,
+                                           threads=settings.http_threads, limits=ADMIN_LIMITS, error_body=error_body)
         grpc_server = await start_grpc_server(
             f"{settings.host}:{settings.grpc_port}",
             add_registry_service(store, settings.heartbeat_interval_ms), [SERVICE_NAME],
@@ -60,9 +66,9 @@ def serve(config: TesseraConfig) -> None:
                  settings.host, grpc_server.port, settings.host, admin.port)
         await stop.wait()
         await grpc_server.stop()
+        await admin.close()
 
     try:
         run_until_signalled(main)
     finally:
-        admin.close()
         store.close()

@@ -13,6 +13,5 @@ def setup_logging(role: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # Per-request WSGI logs and Alembic's plugin chatter are noise at INFO.
-    for noisy in ("waitress", "alembic"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    # Alembic's plugin chatter is noise at INFO.
+    logging.getLogger("alembic").setLevel(max(logging.WARNING, root.level))

@@ -2,12 +2,14 @@
 docs/benchmarks/gateway.md): a second gateway with admission bound BOUND in front of the system's
 worker takes 2 x BOUND concurrent SSE streams at once, then serves a normal request beside IDLE idle
 connections. Streams are raw asyncio sockets; the gateway's own in-flight gauge says when it has
-admitted a request."""
+admitted a request. The registry's admin port, on the same server helper, keeps the same bound on
+idle connections (waitress, its old server, let 120 of them time admin requests out)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +22,7 @@ pytestmark = pytest.mark.integration
 BOUND = 100  # the second gateway's max_queued_per_model
 STREAMS = 2 * BOUND
 IDLE = 100
+ADMIN_IDLE = 150  # past waitress's 100 connections
 
 
 @dataclass
@@ -67,4 +70,13 @@ def test_idle_connections_delay_a_normal_request_by_less_than_100_ms(gateway: Bo
     alone_s, beside_idle_s, still_open = asyncio.run(idle_delay(gateway.http_port, IDLE))
 
     assert still_open == IDLE, "the idle connections were held open while the request was served"
+    assert beside_idle_s - alone_s < 0.1, (alone_s, beside_idle_s)
+
+
+def test_idle_connections_delay_an_admin_request_by_less_than_100_ms(system: RunningSystem) -> None:
+    admin = urlsplit(system.admin_base)
+    alone_s, beside_idle_s, still_open = asyncio.run(idle_delay(
+        admin.port, ADMIN_IDLE, path=f"{admin.path}/adapters", headers=f"Authorization: Bearer {system.admin_key}\r\n"))
+
+    assert still_open == ADMIN_IDLE, "the idle connections were held open while the request was served"
     assert beside_idle_s - alone_s < 0.1, (alone_s, beside_idle_s)

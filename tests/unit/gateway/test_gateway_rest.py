@@ -237,3 +237,14 @@ def test_health_and_unknown_routes(env: GatewayEnv) -> None:
     response = requests.get(f"{env.http_base}/v1/nothing")
     assert response.status_code == 404 and "error" in response.json()
     assert requests.get(f"{env.http_base}/v1/chat/completions").status_code == 405
+
+
+def test_the_rest_id_is_the_gateways_request_id_that_the_worker_sees(env: GatewayEnv) -> None:
+    chat = requests.post(f"{env.http_base}/v1/chat/completions", json=CHAT, timeout=20).json()
+    assert chat["id"] == "chatcmpl-" + env.workers[0].requests[-1].request_id
+
+    streamed = requests.post(f"{env.http_base}/v1/completions", timeout=20,
+                             json={"model": BASE, "prompt": "one", "max_tokens": 2, "stream": True})
+    chunks = [json.loads(p) for p in sse_payloads(streamed)[:-1]]  # the last payload is [DONE]
+    gateway_id = env.workers[0].requests[-1].request_id
+    assert gateway_id and {c["id"] for c in chunks} == {"cmpl-" + gateway_id}

@@ -29,7 +29,7 @@ def test_chat_defaults_and_fields() -> None:
     assert sampling.max_tokens == CONFIG.default_max_tokens
     assert (sampling.temperature, sampling.top_p, sampling.top_k, list(sampling.stop)) == (1.0, 0.5, 3, ["x"])
     assert sampling.HasField("seed") and sampling.seed == 0
-    assert api.generate.request_id
+    assert not api.generate.request_id, "the REST id is the gateway's (openai_api), not a label made here"
 
 
 @pytest.mark.parametrize(("fields", "wanted"), [

@@ -1,5 +1,5 @@
-"""services/common/http_server.py: the waitress server beside the asyncio loop starts, serves and
-closes; the loop server (uvicorn + FlaskAsgi) streams LoopResponses on the loop and keeps its limits."""
+"""services/common/http_server.py: the loop server (uvicorn + FlaskAsgi) streams LoopResponses on the
+loop and keeps its limits."""
 
 from __future__ import annotations
 
@@ -17,24 +17,7 @@ from flask import Flask
 
 from services.common.errors import TesseraError
 from services.common.flask_asgi import Head, LoopResponse
-from services.common.http_server import HttpLimits, LoopHttpServer, WsgiServer
-
-
-def _app() -> Flask:
-    app = Flask(__name__)
-    app.get("/ping")(lambda: "pong")
-    return app
-
-
-def test_serves_and_close_frees_the_port_even_when_the_loop_has_already_ended():
-    server = WsgiServer(_app(), "127.0.0.1", 0, threads=2).start()
-    assert requests.get(f"http://127.0.0.1:{server.port}/ping", timeout=5).text == "pong"
-    server.close()
-    assert not server._thread.is_alive()
-    server.close()  # the loop and its trigger are gone: closing again must neither raise nor write to a stale fd
-    with socket.socket() as s:  # the port is free again
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", server.port))
+from services.common.http_server import HttpLimits, LoopHttpServer
 
 
 def _error_body(exc: TesseraError) -> dict[str, Any]:
