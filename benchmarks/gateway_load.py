@@ -25,7 +25,7 @@ Then --idle TCP connections are opened (each sends half a request line and nothi
 normal request (GET /v1/models on a new connection) is timed, median of 20, with and without them.
 The load client runs in this process, on the same cores as the system.
 
-    PYTHONPATH=.:protos python3 -m benchmarks.gateway_load --streams 100 500 2000 --idle 500 [--json OUT]
+    PYTHONPATH=.:protos python3 -m benchmarks.gateway_load --streams 100 500 2000 --idle 500 [--json OUT] [--log OUT]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -42,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -138,20 +139,26 @@ async def _read_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     out.retry_after = headers.get("retry-after")
     if out.status != 200:
         out.ttft_s = time.perf_counter() - out.sent_at
-        if out.status != 429 and (length := int(headers.get("content-length", 0))):  # say why it failed
-            out.error = f"{out.status}: " + (await reader.readexactly(length)).decode(errors="replace")[:200]
+        if out.status != 429:  # say why it failed: the body, whole (Content-Length) or chunked
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                body = b"".join([chunk async for chunk in _chunks(reader)])
+            else:
+                body = await reader.readexactly(int(headers.get("content-length", 0)))
+            out.error = f"{out.status}: " + body.decode(errors="replace")[:200]
         return
-    while True:  # chunked: <hex size>\r\n<data>\r\n ... 0\r\n\r\n
-        size = int((await reader.readline()).strip(), 16)
-        if size == 0:
-            return
-        data = await reader.readexactly(size + 2)
+    async for data in _chunks(reader):
         if out.ttft_s is None and data.startswith(b"data: {"):
             out.ttft_s = time.perf_counter() - out.sent_at
         if b"data: [DONE]" in data:
             out.done = True
         elif b'data: {"error"' in data:
             out.error = data.decode(errors="replace")[:200]
+
+
+async def _chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """A chunked body's chunks (<hex size>\r\n<data>\r\n ... 0\r\n\r\n), each without its CRLF."""
+    while size := int((await reader.readline()).strip(), 16):
+        yield (await reader.readexactly(size + 2))[:-2]
 
 
 async def gauge(port: int, name: str) -> float | None:
@@ -287,8 +294,10 @@ class System:
 
 
 @contextmanager
-def running_system(max_streams: int, max_in_flight: int, max_tokens: int) -> Iterator[System]:
-    """`tessera up` in a temporary home on free ports, the worker sized to batch `max_streams`."""
+def running_system(max_streams: int, max_in_flight: int, max_tokens: int,
+                   keep_log: Path | None = None) -> Iterator[System]:
+    """`tessera up` in a temporary home on free ports, the worker sized to batch `max_streams`;
+    `keep_log`: where to copy the roles' log (tessera up's output) when they have stopped."""
     blocks_per_stream = -(-(32 + max_tokens) // 16)  # the prompt's ~10 tokens and the output, in 16-token blocks
     with tempfile.TemporaryDirectory(prefix="gateway-load-") as home:
         ports = {name: free_port() for name in (
@@ -323,6 +332,8 @@ def running_system(max_streams: int, max_in_flight: int, max_tokens: int) -> Ite
                 except subprocess.TimeoutExpired:
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
+                if keep_log is not None:
+                    shutil.copyfile(log_path, keep_log)
 
 
 def _wait_until_serving(system: System, process: subprocess.Popen, log_path: Path, timeout_s: float = 300) -> None:
@@ -344,11 +355,12 @@ def main() -> None:
     parser.add_argument("--max-in-flight", type=int, default=2048, help="the gateway's max_queued_per_model")
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--log", type=Path, help="copy the roles' log (tessera up's output) here")
     args = parser.parse_args()
     import uvloop  # the client's loop, as the roles'
 
     rows = []
-    with running_system(max(args.streams), args.max_in_flight, args.max_tokens) as system:
+    with running_system(max(args.streams), args.max_in_flight, args.max_tokens, args.log) as system:
         credentials = load_role_credentials(load_config(environ=system.env), "gateway").channel()
         print(f"{os.cpu_count()}-core CPU, demo model, {args.max_tokens} tokens a stream, "
               f"admission bound {args.max_in_flight}")

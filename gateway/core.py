@@ -81,7 +81,7 @@ class GatewayCore:
             candidates = [w for w in await self._cache.workers_for(base_model) if w.address not in failed]
             addresses = [w.address for w in candidates]
             self._feed.watch(addresses)
-            await self._feed.settled(addresses, self._config.state_stale_s)
+            await self._feed.settled(addresses, self._config.state_stale_s, self._config.state_stale_s)
             address = self._router.pick(routing, base_model, candidates).address
             self._router.started(address, request.request_id, routing.slo.tpot_s)
             streamed = final = False

@@ -170,15 +170,17 @@ async def _respond(reply: Reply, responses: AsyncIterator[common_pb2.GenerateRes
             whole = None if reply.api.stream else await _completion(reply, first, responses)
         except Exception as exc:
             error = _as_tessera_error(exc, reply)
-            headers = [("Content-Type", "application/json")]
+            body = _json(error_body(error))
+            headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
             if (retry_after := error.retry_after_header()) is not None:  # 429 and 503
                 headers.append(("Retry-After", retry_after))
             yield _head(route, error.http_status, headers)
-            yield _json(error_body(error))
+            yield body
             return
         if whole is not None:
-            yield _head(route, 200, [("Content-Type", "application/json")])
-            yield _json(whole)
+            body = _json(whole)
+            yield _head(route, 200, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            yield body
             return
         yield _head(route, 200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
                                  ("X-Accel-Buffering", "no")])

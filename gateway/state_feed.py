@@ -5,6 +5,11 @@ it keeps one server-streaming WatchState call open, and each pushed state (every
 `state_interval_ms`) becomes that worker's report. A stream that ends (the worker died or
 restarted) forgets the worker at once — out of rotation — and the next request re-subscribes;
 a stream that merely stalls goes stale in the table after `state_stale_s`.
+
+A state is stamped when the gateway reads it, so a busy gateway makes a live worker look stale
+too (2,000 requests arriving at once on two cores left 1.2 s between two states read, and 800 of
+them were refused as if no worker reported): a request that finds its open stream's last state old
+waits for the next one (`settled`), and only a stream silent for that long too leaves it no worker.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class StateFeed:
         self._clock = clock
         self._streams: dict[str, asyncio.Task[None]] = {}
         self._settled: dict[str, asyncio.Event] = {}  # per stream: set by its first state or its end
+        self._news: dict[str, asyncio.Event] = {}  # per stream: set (and replaced) by each state and its end
+        self._reported_at: dict[str, float] = {}  # per stream: its last state's stamp
         self._retry_at: dict[str, float] = {}
 
     def watch(self, addresses: Collection[str]) -> None:
@@ -73,20 +80,33 @@ class StateFeed:
             stream = self._streams.get(address)
             if (stream is None or stream.done()) and now >= self._retry_at.get(address, 0.0):
                 self._settled[address] = asyncio.Event()
+                self._news[address] = asyncio.Event()
+                self._reported_at.pop(address, None)
                 self._streams[address] = asyncio.create_task(self._follow(address), name=f"watch {address}")
 
-    async def settled(self, addresses: Collection[str], timeout_s: float) -> None:
+    async def settled(self, addresses: Collection[str], stale_s: float, timeout_s: float) -> None:
         """Until the stream to each of `addresses` has pushed a first state or failed (workers just
-        subscribed to: the first request after a start sees them all), at most `timeout_s`."""
+        subscribed to: the first request after a start sees them all), at most `timeout_s`; then,
+        while an open stream's last state is older than `stale_s` (the gateway's loop or the worker
+        fell behind), until it pushes the next, again at most `timeout_s`."""
         waits = [asyncio.create_task(self._settled[a].wait()) for a in addresses
                  if a in self._settled and not self._settled[a].is_set()]
-        if not waits:
-            return
-        try:
-            await asyncio.wait(waits, timeout=timeout_s)
-        finally:
-            for wait in waits:
-                wait.cancel()
+        if waits:
+            try:
+                await asyncio.wait(waits, timeout=timeout_s)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+        horizon = self._clock() - stale_s
+        late = [a for a in addresses if a in self._reported_at and self._reported_at[a] < horizon
+                and not self._streams[a].done()]
+        if late:
+            news = [asyncio.create_task(self._news[a].wait()) for a in late]
+            try:
+                await asyncio.wait(news, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in news:
+                    wait.cancel()
 
     async def close(self) -> None:
         for stream in self._streams.values():
@@ -112,10 +132,19 @@ class StateFeed:
                 # yet, so the table keeps counting it (twice at worst, never not at all).
                 at = self._clock() - self._interval_ms / 1e3
                 self._table.report(worker_state(address, message, self._tightest(address), at))
+                self._reported_at[address] = at
                 settled.set()
+                self._announce(address)
         except TesseraError as exc:
             log.info("state stream from %s ended: %s", address, exc.message)
         finally:
             settled.set()
             self._table.forget(address)
+            self._reported_at.pop(address, None)
+            self._announce(address)
             self._retry_at[address] = self._clock() + RESUBSCRIBE_AFTER_S
+
+    def _announce(self, address: str) -> None:
+        """Wake the requests waiting for this stream's next state (or its end)."""
+        self._news[address].set()
+        self._news[address] = asyncio.Event()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
@@ -78,6 +79,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
     fail_after: abort with UNAVAILABLE after that many deltas (a worker dying mid-stream).
     reject: abort at once with this (code, details), e.g. INVALID_ARGUMENT for a long prompt.
+    silent_until: time.monotonic() until which its WatchState streams stay open but push nothing.
     """
 
     name: str
@@ -89,10 +91,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     address: str = ""
     base_model: str = BASE
     running: dict[str, worker_pb2.LoadEntry] = dataclasses.field(default_factory=dict)  # request id -> entry
+    silent_until: float = 0.0
 
     async def WatchState(self, request, context) -> AsyncIterator[worker_pb2.WorkerState]:
         """Its running requests, as a real worker reports them (PERF_MODEL: a kind the gateway knows)."""
         while True:
+            if (silence_s := self.silent_until - time.monotonic()) > 0:
+                await asyncio.sleep(silence_s)
             yield worker_pb2.WorkerState(base_model=self.base_model, perf_model=PERF_MODEL, running=list(self.running.values()),
                                          max_batch=8, gpu_adapter_slots=4, free_kv_tokens=100_000)
             await asyncio.sleep(request.interval_ms / 1e3)
