@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -52,6 +52,8 @@ import grpc
 from services.common.config import load_config
 from services.common.tls import load_role_credentials
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+from benchmarks.http_client import chunks, exchange, post_json, read_body, read_head
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASE_MODEL = "tessera-demo-llama"
@@ -104,61 +106,36 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def completion_request(port: int, max_tokens: int) -> bytes:
-    body = json.dumps({"model": BASE_MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
-                       "temperature": 0}).encode()
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return post_json(port, "/v1/completions", {"model": BASE_MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
+                                               "stream": True, "temperature": 0})
 
 
 async def sse_stream(port: int, request: bytes, timeout_s: float) -> Stream:
     """Send `request` on a new connection and read its answer (chunked SSE or a whole error)."""
     out = Stream()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError as exc:
-        out.error = f"connect: {exc}"
-        return out
-    try:
-        await asyncio.wait_for(_read_answer(reader, writer, request, out), timeout_s)
-    except (asyncio.TimeoutError, OSError, ValueError, IndexError, asyncio.IncompleteReadError) as exc:
-        out.error = out.error or f"{type(exc).__name__}: {exc}"
-    finally:
-        writer.close()
-    return out
 
+    def sent() -> None:
+        out.sent_at = time.perf_counter()
 
-async def _read_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes, out: Stream) -> None:
-    writer.write(request)
-    await writer.drain()
-    out.sent_at = time.perf_counter()
-    out.status = int((await reader.readline()).split()[1])
-    headers = {}
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.decode("latin-1").partition(":")
-        headers[name.strip().lower()] = value.strip()
-    out.retry_after = headers.get("retry-after")
-    if out.status != 200:
-        out.ttft_s = time.perf_counter() - out.sent_at
-        if out.status != 429:  # say why it failed: the body, whole (Content-Length) or chunked
-            if headers.get("transfer-encoding", "").lower() == "chunked":
-                body = b"".join([chunk async for chunk in _chunks(reader)])
-            else:
-                body = await reader.readexactly(int(headers.get("content-length", 0)))
-            out.error = f"{out.status}: " + body.decode(errors="replace")[:200]
-        return
-    async for data in _chunks(reader):
-        if out.ttft_s is None and data.startswith(b"data: {"):
+    async def read(reader: asyncio.StreamReader) -> None:
+        out.status, headers = await read_head(reader)
+        out.retry_after = headers.get("retry-after")
+        if out.status != 200:
             out.ttft_s = time.perf_counter() - out.sent_at
-        if b"data: [DONE]" in data:
-            out.done = True
-        elif b'data: {"error"' in data:
-            out.error = data.decode(errors="replace")[:200]
+            if out.status != 429:  # say why it failed
+                out.error = f"{out.status}: " + (await read_body(reader, headers)).decode(errors="replace")[:200]
+            return
+        async for data in chunks(reader):
+            if out.ttft_s is None and data.startswith(b"data: {"):
+                out.ttft_s = time.perf_counter() - out.sent_at
+            if b"data: [DONE]" in data:
+                out.done = True
+            elif b'data: {"error"' in data:
+                out.error = data.decode(errors="replace")[:200]
 
-
-async def _chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-    """A chunked body's chunks (<hex size>\r\n<data>\r\n ... 0\r\n\r\n), each without its CRLF."""
-    while size := int((await reader.readline()).strip(), 16):
-        yield (await reader.readexactly(size + 2))[:-2]
+    failure = await exchange(port, request, read, timeout_s, sent)
+    out.error = out.error or failure
+    return out
 
 
 async def gauge(port: int, name: str) -> float | None:

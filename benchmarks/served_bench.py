@@ -55,6 +55,7 @@ import torch
 from transformers import LlamaConfig, PreTrainedTokenizerBase
 
 from benchmarks.engine_bench import LLAMA2_7B, RANK, TARGETS
+from benchmarks.http_client import chunks, exchange, post_json, read_head
 from benchmarks.serving import bench_tokenizer
 from gpu_worker.builder import build_engine
 from gpu_worker.engine import Engine
@@ -244,57 +245,41 @@ class Batch:
 
 async def rest_stream(port: int, request: Request, timeout_s: float) -> Result:
     """One streaming completion on a new connection: chunked SSE read to `data: [DONE]`."""
-    body = json.dumps({"model": request.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
-                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    message = post_json(port, "/v1/completions", {
+        "model": request.model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}})
     out = Result()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError as exc:
-        out.error = f"connect: {exc}"
-        return out
-    try:
-        await asyncio.wait_for(_read_stream(reader, writer, head + body, out), timeout_s)
-    except (asyncio.TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
-        out.error = out.error or f"{type(exc).__name__}: {exc}"
-    finally:
-        writer.close()
-    return out
+    sent_at = 0.0
 
+    def sent() -> None:
+        nonlocal sent_at
+        sent_at = time.perf_counter()
 
-async def _read_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, message: bytes,
-                       out: Result) -> None:
-    writer.write(message)
-    await writer.drain()
-    sent = time.perf_counter()
-    status = int((await reader.readline()).split()[1])
-    headers = {}
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.decode("latin-1").partition(":")
-        headers[name.strip().lower()] = value.strip()
-    if status != 200 or headers.get("transfer-encoding") != "chunked":
-        out.error = f"HTTP {status}: {(await reader.read(300)).decode(errors='replace')}"
-        return
-    pending = b""
-    while True:  # <hex size>\r\n<data>\r\n ... 0\r\n\r\n
-        size = int((await reader.readline()).strip(), 16)
-        if size == 0:
+    async def read(reader: asyncio.StreamReader) -> None:
+        status, headers = await read_head(reader)
+        if status != 200 or headers.get("transfer-encoding") != "chunked":
+            out.error = f"HTTP {status}: {(await reader.read(300)).decode(errors='replace')}"
             return
-        pending += (await reader.readexactly(size + 2))[:-2]
-        *events, pending = pending.split(b"\n\n")
-        for event in events:
-            data = event.removeprefix(b"data: ")
-            if data == b"[DONE]":
-                out.done = not out.error
-                continue
-            chunk = json.loads(data)
-            if "error" in chunk:
-                out.error = json.dumps(chunk["error"])[:200]
-            elif chunk.get("usage"):
-                out.tokens = chunk["usage"]["completion_tokens"]
-            elif out.ttft_s is None and any(c.get("text") for c in chunk.get("choices", ())):
-                out.ttft_s = time.perf_counter() - sent
+        pending = b""
+        async for chunk in chunks(reader):
+            pending += chunk
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                data = event.removeprefix(b"data: ")
+                if data == b"[DONE]":
+                    out.done = not out.error
+                    continue
+                body = json.loads(data)
+                if "error" in body:
+                    out.error = json.dumps(body["error"])[:200]
+                elif body.get("usage"):
+                    out.tokens = body["usage"]["completion_tokens"]
+                elif out.ttft_s is None and any(c.get("text") for c in body.get("choices", ())):
+                    out.ttft_s = time.perf_counter() - sent_at
+
+    failure = await exchange(port, message, read, timeout_s, sent)
+    out.error = out.error or failure
+    return out
 
 
 def rest_batch(port: int, requests: list[Request], timeout_s: float) -> Batch:
