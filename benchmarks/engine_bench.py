@@ -35,9 +35,8 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast
 from benchmarks.serving import BASE_MODEL, BENCH_TOKEN_PREFIX, bench_request, bench_tokenizer, running_engine, serve
 from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
 from gpu_worker.engine import StepRecord
-from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
-from gpu_worker.profile import random_adapters
+from gpu_worker.profile import random_adapter_ref, random_adapters
 from gpu_worker.sampler import sample
 from gpu_worker.scheduler import ScheduledBatch, ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
@@ -115,8 +114,8 @@ def new_sequences(parts: EngineParts, count: int, prompt_len: int, adapters: lis
         seq = Sequence(f"bench-{i}", ids, SamplingParams(max_tokens=4096), None, None)
         name = adapters[i % len(adapters)]
         if name is not None:
-            seq.adapter = AdapterRef(name, BASE_MODEL, RANK, "", "")
-            seq.slot = parts.adapters.acquire(seq.adapter)
+            seq.adapter = random_adapter_ref(name, BASE_MODEL, RANK)
+            seq.slot, seq.rank = parts.adapters.load_now(seq.adapter)
         seqs.append(seq)
     return seqs
 
@@ -125,7 +124,7 @@ def release(parts: EngineParts, seqs: list[Sequence]) -> None:
     for seq in seqs:
         parts.scheduler.blocks.free(seq)
         if seq.adapter is not None:
-            parts.adapters.release(seq.adapter.name)
+            parts.adapters.depart(seq.adapter)
 
 
 def run_step(parts: EngineParts, seqs: list[Sequence], num_new: list[int]) -> None:
@@ -169,12 +168,13 @@ def decode_step_seconds(parts: EngineParts, seqs: list[Sequence], steps: int) ->
     return statistics.median(times)
 
 
-def e2e_prompt(tokenizer: PreTrainedTokenizerFast, fillers: list[str], generator: torch.Generator) -> str:
-    """A random prompt of exactly E2E_PROMPT tokens: BOS, then `fillers` (the bench tokenizer's added
+def e2e_prompt(tokenizer: PreTrainedTokenizerFast, fillers: list[str], generator: torch.Generator,
+               tokens: int = E2E_PROMPT) -> str:
+    """A random prompt of exactly `tokens` tokens: BOS, then `fillers` (the bench tokenizer's added
     tokens, one token each) drawn at random."""
-    picks = torch.randint(0, len(fillers), (E2E_PROMPT - 1,), generator=generator).tolist()
+    picks = torch.randint(0, len(fillers), (tokens - 1,), generator=generator).tolist()
     text = "".join(fillers[i] for i in picks)
-    assert len(tokenizer(text)["input_ids"]) == E2E_PROMPT, text[:80]
+    assert len(tokenizer(text)["input_ids"]) == tokens, text[:80]
     return text
 
 

@@ -29,7 +29,7 @@ import shlex
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from itertools import product
 from pathlib import Path
@@ -40,7 +40,8 @@ import triton
 
 from kernels import reference, tiling
 from kernels.batch import LoRABatch
-from kernels.lora_stack import LoRAStack
+from kernels.adapter_arena import AdapterArena
+from kernels.lora_stack import LoRAStack, packed_elems, packed_layout
 from kernels.tuner import timing
 
 from benchmarks.lora_impls import IMPLS, OPS, Impl
@@ -163,23 +164,32 @@ def random_stack(case: Case, copies: int, dtype: torch.dtype, device: torch.devi
                  generator: torch.Generator) -> LoRAStack:
     """Each copy's used adapters in slots of their own (`copy_batch`), with their ranks and
     scalings and fresh weights (A ~ N(0, 1/hidden), B ~ N(0, 1/r): y and expand's delta are
-    O(scaling) for x ~ N(0, 1)). Unused adapters get no slot: a one-token batch of 64 adapters
-    rotates thousands of copies of the one it uses.
+    O(scaling) for x ~ N(0, 1)), packed at their true ranks into an arena of just their size.
+    Unused adapters get no slot: a one-token batch of 64 adapters rotates thousands of copies of
+    the one it uses.
 
-    Filled in a few whole-stack ops rather than slot by slot with set_slot (thousands of slots
-    for small cases), leaving what set_slot would: zero rank padding, ranks, scalings, host_ranks.
+    Filled a rank at a time (that rank's slots side by side in the arena: their A blocks are one
+    strided view, their B blocks another) and placed in one table update, rather than slot by slot
+    with set_slot (thousands of slots for small cases).
     """
     used = case.used_adapters()
     adapters = [used[s % len(used)] for s in range(copies * len(used))]  # [slots] adapter in each
     ranks = [case.adapter_ranks[j] for j in adapters]
-    stack = LoRAStack.empty(len(adapters), case.hidden, (case.hidden,), case.max_rank, dtype, device)
-    rank_t = torch.tensor(ranks, device=device)                               # [slots]
-    keep = torch.arange(case.max_rank, device=device) < rank_t[:, None]       # [slots, max_rank]
-    stack.a[:, 0].normal_(generator=generator).mul_(keep[:, :, None] / case.hidden ** 0.5)
-    stack.b.normal_(generator=generator).mul_(keep[:, :, None] / rank_t[:, None, None] ** 0.5)
-    stack.ranks[:, 0] = rank_t
-    stack.scalings.copy_(torch.tensor([case.adapter_scalings[j] for j in adapters]))
-    stack.host_ranks = [[r] for r in ranks]
+    hidden = case.hidden
+    arena = AdapterArena(sum(packed_elems(hidden, (hidden,), [r]) for r in ranks), dtype, device)
+    stack = LoRAStack.empty(len(adapters), hidden, (hidden,), case.max_rank, arena)
+    offsets = [0] * len(ranks)
+    for rank in sorted(set(ranks)):
+        slots = [slot for slot, r in enumerate(ranks) if r == rank]
+        (a_rel,), (b_rel,), size = packed_layout(hidden, (hidden,), [rank])
+        for slot in slots:
+            offsets[slot] = arena.alloc(size)
+        first = offsets[slots[0]]
+        assert offsets[slots[-1]] == first + (len(slots) - 1) * size  # a fresh arena fills in order
+        block = arena.data[first:first + len(slots) * size].view(len(slots), size)  # [slots, size]
+        block[:, a_rel:a_rel + rank * hidden].normal_(generator=generator).mul_(hidden ** -0.5)
+        block[:, b_rel:b_rel + rank * hidden].normal_(generator=generator).mul_(rank ** -0.5)
+    stack.place_many(range(len(ranks)), offsets, [[r] for r in ranks], [[case.adapter_scalings[j]] for j in adapters])
     return stack
 
 
@@ -217,7 +227,7 @@ def check_case(case: Case, impls: dict[str, Impl], device: torch.device | str, d
     # A base output well under the O(1) delta: bf16's rounding of out + delta (2^-9 of it) stays
     # within the delta's tolerance, and an expand that overwrote out would still show.
     out = random_rows(1, case, dtype, device, generator)[0] * 0.1
-    stack32 = replace(stack, a=stack.a.float(), b=stack.b.float())
+    stack32 = stack.copy(torch.float32, device)
     want_y = reference.lora_shrink(x.float(), stack32, batch)[0]  # [tokens, 1, max_rank]
     want_delta = torch.zeros(case.tokens, case.hidden, device=device)
     reference.lora_expand(want_delta, want_y[None], stack32, batch)
@@ -300,7 +310,7 @@ def measure_case(case: Case, impls: dict[str, Impl], device: torch.device | str,
         seconds["expand"][name] = timer([functools.partial(op.expand, out, y) for op, out, y in zip(ops, outs, ys)])
     return [Row(case, op, min_bytes(op, case), copies, seconds[op],
                 tiling.config_dict(TUNED_LOOKUP[op](stack, batches[0])),
-                tiling.config_dict(tiling.static_config(op, stack.a.device))) for op in OPS]
+                tiling.config_dict(tiling.static_config(op, stack.device))) for op in OPS]
 
 
 # ---- summary and report --------------------------------------------------------------------

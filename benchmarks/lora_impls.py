@@ -1,11 +1,14 @@
 """The implementations kernel_bench runs of one LoRA op contract (`LoRAOp`): Tessera's Triton kernels
 with the tuned table's or one static configuration (`Atmm`), and the two usual torch baselines
 (`TorchLoop`, PEFT-like; `GatherBmm`, dLoRA-like). Each is bound to one (stack, batch) outside any
-timing."""
+timing. The baselines read the same adapter weights as the kernels: PEFT-like, each adapter's own
+tensors (views of the arena); dLoRA-like, stacked copies padded to the stack's max rank, as such
+systems keep them."""
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -41,7 +44,7 @@ class Atmm:
 
     def __init__(self, stack: LoRAStack, batch: LoRABatch, static: bool) -> None:
         self.stack, self.batch = stack, batch
-        self.configs = {op: tiling.static_config(op, stack.a.device) if static else None for op in OPS}
+        self.configs = {op: tiling.static_config(op, stack.device) if static else None for op in OPS}
 
     def shrink(self, x: torch.Tensor) -> torch.Tensor:
         return triton_shrink.lora_shrink(x, self.stack, self.batch, self.configs["shrink"])
@@ -75,19 +78,19 @@ class TorchLoop:
 
     def __init__(self, stack: LoRAStack, batch: LoRABatch) -> None:
         self.stack, self.num_tokens = stack, batch.num_tokens
-        scalings = stack.scalings.tolist()  # host floats, as PEFT keeps them
-        self.groups = [(_index(rows, stack.a.device), slot, stack.host_ranks[slot][0], scalings[slot])
-                       for slot, rows in slot_rows(batch).items()]
+        # (rows, A [rank, hidden], Bᵀ [rank, hidden], scaling as a host float, as PEFT keeps them)
+        self.groups = [(_index(rows, stack.device), stack.a_weight(slot, 0), stack.b_weight(slot, 0),
+                        stack.host_scalings[slot][0]) for slot, rows in slot_rows(batch).items()]
 
     def shrink(self, x: torch.Tensor) -> torch.Tensor:
         y = x.new_zeros(self.num_tokens, self.stack.max_rank)  # [tokens, max_rank]
-        for rows, slot, rank, scaling in self.groups:
-            y[rows, :rank] = (x[rows] @ self.stack.a[slot, 0, :rank].t()) * scaling
+        for rows, a, _, scaling in self.groups:
+            y[rows, :a.shape[0]] = (x[rows] @ a.t()) * scaling
         return y
 
     def expand(self, out: torch.Tensor, y: torch.Tensor) -> None:
-        for rows, slot, rank, _ in self.groups:
-            b_t = self.stack.b[slot, :rank]  # [rank, hidden]
+        for rows, _, b_t, _ in self.groups:
+            rank = b_t.shape[0]
             if isinstance(rows, slice):
                 out[rows].addmm_(y[rows, :rank], b_t)
             else:
@@ -106,8 +109,9 @@ class GatherBmm:
     def __init__(self, stack: LoRAStack, batch: LoRABatch) -> None:
         groups = slot_rows(batch)
         longest = max(map(len, groups.values()))
-        device = stack.a.device
+        device = stack.device
         self.stack, self.num_tokens = stack, batch.num_tokens
+        self.a, self.b = padded_weights(stack)
         self.rank = max(stack.host_ranks[slot][0] for slot in groups)  # the batch's largest
         self.slots = torch.tensor(list(groups), dtype=torch.int64, device=device)  # [G]
         self.idx_pad = torch.tensor([rows + [0] * (longest - len(rows)) for rows in groups.values()],
@@ -118,20 +122,37 @@ class GatherBmm:
                                  device=device)  # [tokens in groups] token of each valid position
 
     def shrink(self, x: torch.Tensor) -> torch.Tensor:
-        a_pad = self.stack.a[self.slots, 0, :self.rank]                    # [G, R, hidden]
+        a_pad = self.a[self.slots, :self.rank]                             # [G, R, hidden]
         y_pad = torch.bmm(x[self.idx_pad], a_pad.transpose(1, 2))         # [G, L, R]
-        y_pad.mul_(self.stack.scalings[self.slots][:, None, None])
+        y_pad.mul_(self.stack.scalings[self.slots, 0][:, None, None])
         y = x.new_zeros(self.num_tokens, self.stack.max_rank)              # [tokens, max_rank]
         y[self.rows, :self.rank] = y_pad.flatten(0, 1)[self.valid]
         return y
 
     def expand(self, out: torch.Tensor, y: torch.Tensor) -> None:
-        b_pad = self.stack.b[self.slots, :self.rank]                       # [G, R, hidden]
+        b_pad = self.b[self.slots, :self.rank]                             # [G, R, hidden]
         delta = torch.bmm(y[self.idx_pad, :self.rank], b_pad)              # [G, L, hidden]
         out.index_add_(0, self.rows, delta.flatten(0, 1)[self.valid])
 
     def dense(self, y: torch.Tensor) -> torch.Tensor:
         return y.float()
+
+
+# stack -> its padded copies, built once per stack (outside any timing) for all its GatherBmm ops
+_PADDED: weakref.WeakKeyDictionary[LoRAStack, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def padded_weights(stack: LoRAStack) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stack's one-slice adapters stacked by slot and zero-padded to its max rank, as vLLM-like and
+    dLoRA-like systems keep them: (A [slots, max_rank, hidden], Bᵀ [slots, max_rank, hidden])."""
+    if stack not in _PADDED:
+        a = stack.arena.data.new_zeros(stack.num_slots, stack.max_rank, stack.in_features)
+        b = stack.arena.data.new_zeros(stack.num_slots, stack.max_rank, stack.out_features)
+        for slot, (rank,) in enumerate(stack.host_ranks):
+            a[slot, :rank] = stack.a_weight(slot, 0)
+            b[slot, :rank] = stack.b_weight(slot, 0)
+        _PADDED[stack] = (a, b)
+    return _PADDED[stack]
 
 
 IMPLS: dict[str, Impl] = {

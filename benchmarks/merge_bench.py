@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.lora_stack import LoRAStack
+from kernels.adapter_arena import AdapterArena
+from kernels.lora_stack import LoRAStack, packed_elems
 from kernels import merge_weights, restore_weights
 from kernels.merge import MergeTarget, merge_weights_reference
 from kernels.triton.merge import (MERGE_CONFIGS, RESTORE_CONFIG, MergeConfig, RestoreConfig, merge_weights_triton,
@@ -36,15 +37,17 @@ DTYPE = torch.bfloat16
 
 
 def build_targets() -> list[MergeTarget]:
+    """A 7B's q,k,v and o of 32 layers, one rank-64 adapter on every slice, all in one arena (as a worker's)."""
+    projections = [sizes for _layer in range(32) for sizes in ((4096, 4096, 4096), (4096,))]
+    arena = AdapterArena(sum(packed_elems(4096, sizes, [64] * len(sizes)) for sizes in projections), DTYPE, "cuda")
     targets = []
-    for _layer in range(32):
-        for sizes in ((4096, 4096, 4096), (4096,)):
-            stack = LoRAStack.empty(1, 4096, sizes, 64, DTYPE, "cuda")
-            stack.set_slot(0, {s: (torch.randn(64, 4096, device="cuda", dtype=DTYPE) * .01,
-                                   torch.randn(n, 64, device="cuda", dtype=DTYPE) * .01)
-                               for s, n in enumerate(sizes)}, 2.0)
-            w = torch.randn(sum(sizes), 4096, device="cuda", dtype=DTYPE)
-            targets.append(MergeTarget(w, torch.empty_like(w), stack))
+    for sizes in projections:
+        stack = LoRAStack.empty(1, 4096, sizes, 64, arena)
+        stack.set_slot(0, {s: (torch.randn(64, 4096, device="cuda", dtype=DTYPE) * .01,
+                               torch.randn(n, 64, device="cuda", dtype=DTYPE) * .01)
+                           for s, n in enumerate(sizes)}, 2.0)
+        w = torch.randn(sum(sizes), 4096, device="cuda", dtype=DTYPE)
+        targets.append(MergeTarget(w, torch.empty_like(w), stack))
     return targets
 
 

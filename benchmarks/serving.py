@@ -16,7 +16,7 @@ from gpu_worker.builder import EngineParts
 from gpu_worker.delivery import RequestHandle
 from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.intake import GenerationRequest
-from gpu_worker.lora.loader import AdapterRef
+from gpu_worker.profile import random_adapter_ref
 from gpu_worker.sequence import SamplingParams
 from services.demo_assets import build_tokenizer
 
@@ -37,7 +37,7 @@ def bench_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
 
 
 def bench_request(request_id: str, prompt: str, max_tokens: int, adapter: str | None, rank: int) -> GenerationRequest:
-    ref = AdapterRef(adapter, BASE_MODEL, rank, "", "") if adapter else None
+    ref = random_adapter_ref(adapter, BASE_MODEL, rank) if adapter else None
     return GenerationRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens), ref)
 
 

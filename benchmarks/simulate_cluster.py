@@ -2,9 +2,11 @@
 
 Discrete-event, virtual time, CPU only. The workers' step times come from a perf model JSON
 (services/common/scheduling/perf_model.py; default: a Llama-2-7B on one H200, derived from this repo's
-engine benchmark), the routing from the gateway's own policy objects. Prints a markdown table per
-policy: SLO attainment, TPOT and TTFT (mean, p99), GPU adapter cache hit rate, adapters' GPU
-memory, worker utilisation. See docs/benchmarks/routing.md.
+engine benchmark), the routing from the gateway's own policy objects, each worker's adapter tiers
+from the real worker's bookkeeping (`AdapterTiers`, byte budgets) with its two load stages (disk ->
+host on loader threads, host -> GPU on one copy stream). Prints a markdown table per policy: SLO
+attainment, TPOT and TTFT (mean, p99), GPU adapter cache hit rate, adapters' GPU memory, worker
+utilisation. See docs/benchmarks/routing.md.
 
     PYTHONPATH=. python benchmarks/simulate_cluster.py --workers 60 --rate-scale 8 --out /tmp/sim --plot
     PYTHONPATH=. python benchmarks/simulate_cluster.py --sweep load --sweep-values 2,4,8,12 --out /tmp/load
@@ -22,7 +24,7 @@ from pathlib import Path
 from benchmarks.cluster_sim import report
 from benchmarks.cluster_sim.cluster import EVICTIONS, ClusterConfig, RunResult, simulate, stderr_progress
 from benchmarks.cluster_sim.worker import WorkerConfig
-from benchmarks.cluster_sim.workload import Popularity, build_requests, load_trace, parse_rank_mix
+from benchmarks.cluster_sim.workload import Popularity, adapter_ranks, build_requests, load_trace, parse_rank_mix
 from services.common.scheduling.adapter_tiers import LoadCosts
 from services.common.scheduling.perf_model import PerfModel
 from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, Policy,
@@ -32,6 +34,7 @@ from gateway.scheduling.tessera_policy import TesseraPolicy
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "AzureLLMInferenceTrace_conv.csv"
 DEFAULT_MODEL = REPO / "benchmarks" / "perf_models" / "h200-llama-2-7b.json"
+GIB = 2**30
 
 PolicyFactory = Callable[[argparse.Namespace, PerfModel, LoadCosts], Policy]
 POLICIES: dict[str, PolicyFactory] = {
@@ -63,15 +66,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drift", type=float, default=0.2, help="fraction of popularity ranks reshuffled per period")
     p.add_argument("--drift-every-min", type=float, default=10.0, help="drift period, in trace minutes")
     p.add_argument("--rank-mix", default="8:1,16:1,32:1,64:1,128:1", help="LoRA rank:weight list")
-    p.add_argument("--gpu-adapter-slots", type=int, default=32)
-    p.add_argument("--host-adapter-slots", type=int, default=128)
+    p.add_argument("--gpu-adapter-gib", type=float, default=WorkerConfig.gpu_adapter_bytes / GIB,
+                   help="GPU adapter memory per worker (default: 32 rank-64 adapters)")
+    p.add_argument("--host-adapter-gib", type=float, default=WorkerConfig.host_adapter_bytes / GIB,
+                   help="pinned host adapter memory per worker (default: 128 rank-64 adapters)")
+    p.add_argument("--loader-threads", type=int, default=WorkerConfig.loader_threads,
+                   help="disk -> host loads a worker runs at once")
     p.add_argument("--host-copies", type=int, default=1, help="initial host copies of each adapter (0: cold start)")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--kv-tokens", type=int, default=200_000)
     p.add_argument("--host-gb-per-s", type=float, default=LoadCosts.host_bytes_per_s / 1e9,
-                   help="adapter load rate host -> GPU")
+                   help="adapter copy rate host -> GPU")
     p.add_argument("--disk-gb-per-s", type=float, default=LoadCosts.disk_bytes_per_s / 1e9,
-                   help="adapter load rate disk -> GPU (read, sha256, copy)")
+                   help="adapter load rate disk -> host, per loader thread (read, sha256, parse)")
     p.add_argument("--eviction", choices=EVICTIONS, default="lfu")
     p.add_argument("--lfu-half-life-s", type=float, default=60.0)
     p.add_argument("--tpot-slo-factor", type=float, default=1.5, help="TPOT SLO = this × the TPOT alone")
@@ -113,13 +120,14 @@ def run_all(args: argparse.Namespace, model: PerfModel) -> list[RunResult]:
     requests = build_requests(trace, popularity, args.rate_scale, model, args.tpot_slo_factor,
                               args.ttft_slo_factor, args.seed)
     worker = WorkerConfig(max_batch=args.max_batch, kv_tokens=args.kv_tokens,
-                          gpu_adapter_slots=args.gpu_adapter_slots, host_adapter_slots=args.host_adapter_slots)
+                          gpu_adapter_bytes=round(args.gpu_adapter_gib * GIB),
+                          host_adapter_bytes=round(args.host_adapter_gib * GIB), loader_threads=args.loader_threads)
     cluster = ClusterConfig(workers=args.workers, worker=worker, eviction=args.eviction,
                             lfu_half_life_s=args.lfu_half_life_s, host_copies=args.host_copies)
     results = []
     for name in args.policies.split(","):
-        result = simulate(requests, popularity.names(), POLICIES[name](args, model, load_costs), model, load_costs,
-                          cluster, progress=None if args.quiet else stderr_progress)
+        result = simulate(requests, adapter_ranks(popularity, args.seed), POLICIES[name](args, model, load_costs),
+                          model, load_costs, cluster, progress=None if args.quiet else stderr_progress)
         if not args.quiet:
             print(f"\r{name}: done in {result.wall_s:.1f} s".ljust(60), file=sys.stderr)
         results.append(result)
@@ -151,8 +159,10 @@ def main(argv: list[str] | None = None) -> None:
         else:
             results = run_all(args, model)
             text = report.results_table(results)
-            title = (f"{args.workers} workers, {args.adapters} adapters, {args.gpu_adapter_slots} GPU slots, "
-                     f"rate x{args.rate_scale:g}, skew {args.skew:g}, drift {args.drift:g}")
+            eviction = f"LFU (half-life {args.lfu_half_life_s:g} s)" if args.eviction == "lfu" else "LRU"
+            title = (f"{args.workers} workers, {args.adapters} adapters, {args.gpu_adapter_gib:g} GiB GPU / "
+                     f"{args.host_adapter_gib:g} GiB host adapter memory, {args.loader_threads} loader threads, "
+                     f"{eviction}, rate x{args.rate_scale:g}, skew {args.skew:g}, drift {args.drift:g}")
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(text)

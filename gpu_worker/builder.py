@@ -15,7 +15,8 @@ from gpu_worker.block_manager import BlockManager, blocks_for
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.kv_cache import CacheShape, PagedKVCache, cuda_blocks_that_fit
-from gpu_worker.lora.adapter_pool import AdapterPool
+from gpu_worker.lora.adapter_manager import AdapterManager
+from gpu_worker.lora.gpu_memory import GpuAdapterMemory
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
 from gpu_worker.lora.merge_switch import MergeSwitch
 from gpu_worker.model_runner import ModelRunner
@@ -26,10 +27,11 @@ from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from gpu_worker.sequence import SamplingParams, Sequence
 from gpu_worker.vision.image_cache import CachedImageEncoder, ImageFeatureCache
 from gpu_worker.vision.images import ImageEncoder
-from kernels import NO_SLOT
+from kernels import NO_SLOT, AdapterArena
 from services.common.adapter_layout import TEXT_LAYOUT, AdapterLayout
 from services.common.config import ConfigError, WorkerConfig
 from services.common.errors import FailedPrecondition
+from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ class EngineParts:
     model: LlamaForCausalLM
     runner: ModelRunner
     scheduler: Scheduler
-    adapters: AdapterPool
+    adapters: AdapterManager
     orchestrator: Orchestrator
 
 
@@ -81,12 +83,22 @@ def async_scheduling_on(setting: str, device: torch.device) -> bool:
 def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store: Path,
                    load: Callable[[AdapterRef], LoRAWeights] | None = None, *,
                    image_encoder: ImageEncoder | None = None, adapter_layout: AdapterLayout = TEXT_LAYOUT) -> EngineParts:
-    """Adapter slots, KV cache, scheduler, orchestrator and runner (with CUDA graphs on CUDA) for `model`.
-    `load` replaces reading adapters from the store (benchmarks use random weights);
+    """Adapter tiers, KV cache, scheduler, orchestrator and runner (with CUDA graphs on CUDA) for `model`.
+    `load` replaces reading adapters from the store (benchmarks use random weights; it runs on the
+    adapter loader threads);
     `image_encoder` serves a vision-language model's images; `adapter_layout` names its LoRA tensors."""
     config = model.config
     device = model.lm_head.weight.device
-    model.init_lora_slots(worker.adapter_slots, worker.max_lora_rank, worker.lora_targets)
+    # One arena for every adapter weight, allocated before the KV cache is sized.
+    dtype = model.lm_head.weight.dtype
+    largest = model.lora_adapter_elems(worker.max_lora_rank, worker.lora_targets) * dtype.itemsize
+    budget = worker.adapter_gpu_bytes or worker.adapter_slots * largest
+    if budget < largest:
+        raise ConfigError(f"worker.adapter_gpu_bytes: {budget} bytes cannot hold one adapter of rank "
+                          f"{worker.max_lora_rank} on {', '.join(worker.lora_targets)} ({largest} bytes)")
+    arena = AdapterArena(budget // dtype.itemsize, dtype, device)
+    seats = GpuAdapterMemory.seats(budget, largest, worker.max_lora_rank)
+    model.init_lora_slots(seats, worker.max_lora_rank, worker.lora_targets, arena)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = CacheShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.lm_head.weight.dtype, device)
     num_blocks = _num_kv_blocks(model, shape, worker)
@@ -105,13 +117,13 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
                                      f"to {worker.max_lora_rank} (max_lora_rank)")
         return weights
 
-    adapters = AdapterPool(model.lora_layers(worker.lora_targets), worker.adapter_slots, load_checked)
-    scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
-                          BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters)
+    layers = model.lora_layers(worker.lora_targets)
     merge_switch = None
     if worker.merge_after_steps > 0 and worker.adapter_slots > 0:
-        modules = list({id(m): m for m, _ in model.lora_layers(worker.lora_targets).values()}.values())
-        merge_switch = MergeSwitch(modules)
+        merge_switch = MergeSwitch(list({id(m): m for m, _ in layers.values()}.values()))
+    adapters = adapter_manager(GpuAdapterMemory(layers, arena, worker.max_lora_rank, merge_switch), load_checked, worker)
+    scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
+                          BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters)
     if device.type == "cuda" and worker.warm_up_kernels:
         _warm_up_kernels(model, worker, shape, merge_switch)
     graphs = None
@@ -122,6 +134,32 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
         if image_encoder is not None else None
     return EngineParts(model, ModelRunner(model, kv_cache, device, graphs, merge_switch, images), scheduler, adapters,
                        Orchestrator(merge_switch, worker.merge_after_steps))
+
+
+def adapter_manager(memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAWeights],
+                    worker: WorkerConfig) -> AdapterManager:
+    """The adapter tiers as worker.adapter_* say: the GPU tier is `memory`, the host tier
+    adapter_host_bytes (0: four times the GPU tier's bytes)."""
+    host_bytes = worker.adapter_host_bytes or 4 * memory.budget_bytes
+    if host_bytes < memory.budget_bytes:
+        raise ConfigError(f"worker.adapter_host_bytes: the host tier holds a copy of every GPU adapter, so it needs "
+                          f"at least the GPU tier's {memory.budget_bytes} bytes, got {host_bytes}")
+    if worker.adapter_loader_threads < 1 or worker.adapter_failure_ttl_s < 0:
+        raise ConfigError("worker.adapter_loader_threads must be >= 1 and worker.adapter_failure_ttl_s >= 0")
+    return AdapterManager(memory, read, host_bytes=host_bytes, loader_threads=worker.adapter_loader_threads,
+                          eviction=_eviction(worker), failure_ttl_s=worker.adapter_failure_ttl_s,
+                          synchronous=worker.adapter_synchronous_loads)
+
+
+def _eviction(worker: WorkerConfig) -> Eviction:
+    if worker.adapter_eviction == "lru":
+        return LRU()
+    if worker.adapter_eviction != "lfu":
+        raise ConfigError(f"worker.adapter_eviction: expected lfu or lru, got {worker.adapter_eviction!r}")
+    if not worker.adapter_eviction_half_life_s > 0:
+        raise ConfigError(f"worker.adapter_eviction_half_life_s must be positive, got "
+                          f"{worker.adapter_eviction_half_life_s}")
+    return LFUDecay(worker.adapter_eviction_half_life_s)
 
 
 def _warm_up_kernels(model: LlamaForCausalLM, worker: WorkerConfig, shape: CacheShape,
@@ -145,7 +183,7 @@ def _warm_up_kernels(model: LlamaForCausalLM, worker: WorkerConfig, shape: Cache
         if shape.dtype in (torch.float16, torch.bfloat16):  # what kernels.linear sends to the skinny kernel
             projections = [(m.weight, m.bias) for m in modules] + [(model.lm_head.weight, None)]
             linear = warm_up_linear(projections, SKINNY_MAX_ROWS)
-        lora = warm_up_lora(stacks, worker.max_batch_tokens, worker.adapter_slots) if stacks else 0
+        lora = warm_up_lora(stacks, worker.max_batch_tokens, min(stacks[0].num_slots, worker.max_num_seqs)) if stacks else 0
         if merge_switch is not None:
             merge_switch.warm_up()
     log.info("kernels warmed up: %d attention, %d matmul and %d LoRA shrink/expand variants%s, compiled or "

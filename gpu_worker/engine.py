@@ -5,7 +5,10 @@ and tokenizes it on one of the engine's intake threads, so bad input fails in th
 prompt or image delays only itself, never the caller's event loop (`submit` does the same on the
 calling thread). The engine thread streams each step's outputs to the handles (delivery.py). `abort`
 retires a request whose client went away. All scheduler state is touched by the engine thread only;
-other threads talk to it through the inbox.
+other threads talk to it through the inbox. A request's adapter starts loading as the engine thread
+takes the request from the inbox (lora/adapter_manager.py); the load runs beside the steps, and a
+finished load posts to the inbox, so an engine with nothing to run but requests waiting for their
+adapters sleeps on the inbox until one is ready.
 
 A step's host work is split around the device. What the next schedule needs (token ids, whether
 each request finished, freeing finished requests' blocks) runs as soon as the tokens arrive
@@ -33,7 +36,7 @@ from transformers import PreTrainedTokenizerBase, ProcessorMixin
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.delivery import RequestHandle, RequestOutput, Streams, aborted_output, deliver
 from gpu_worker.intake import GenerationRequest, Intake
-from gpu_worker.lora.adapter_pool import AdapterPool
+from gpu_worker.lora.adapter_manager import AdapterManager
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.orchestrator import Orchestrator, StepPlan
 from gpu_worker.sampler import SampledTokens, sample
@@ -73,7 +76,7 @@ class _LaunchedStep:
 
 class Engine:
     def __init__(self, *, base_model: str, runner: ModelRunner, scheduler: Scheduler, orchestrator: Orchestrator,
-                 adapters: AdapterPool, tokenizer: PreTrainedTokenizerBase, max_context: int, max_lora_rank: int,
+                 adapters: AdapterManager, tokenizer: PreTrainedTokenizerBase, max_context: int, max_lora_rank: int,
                  async_scheduling: bool, on_step: Callable[[StepRecord], None] | None = None,
                  processor: ProcessorMixin | None = None) -> None:
         self.base_model = base_model
@@ -82,6 +85,7 @@ class Engine:
         self._orchestrator = orchestrator
         self._blocks: BlockManager = scheduler.blocks
         self._adapters = adapters
+        adapters.wake = lambda: self._inbox.put(("adapters", None))  # a load finished (loader or copy thread)
         self.max_context = max_context
         self._intake = Intake(base_model=base_model, tokenizer=tokenizer, processor=processor, max_context=max_context,
                               max_lora_rank=max_lora_rank, kv_capacity_tokens=self._blocks.capacity_tokens)
@@ -94,6 +98,7 @@ class Engine:
         self._generated_total = 0
         self._async_scheduling = async_scheduling
         self._launched: _LaunchedStep | None = None  # the step on the device whose tokens are not taken yet
+        self._stalled = False  # the last step found nothing to run: sleep on the inbox until something changes
         self._stats_lock = threading.Lock()
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -107,6 +112,7 @@ class Engine:
         self._intake_threads.shutdown(cancel_futures=True)
         self._inbox.put(None)
         self._thread.join()
+        self._adapters.close()
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:
         """Validate and tokenize `request` on this thread and queue it; its outputs stream on `loop`.
@@ -151,7 +157,7 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            idle = self._launched is None and not self._scheduler.has_work()
+            idle = self._launched is None and (self._stalled or not self._scheduler.has_work())
             if idle:
                 self._send_outputs()
             if not self._drain_inbox(block=idle):
@@ -182,7 +188,7 @@ class Engine:
         except queue.Empty:
             return True
         while True:
-            if message is None or message[0] != "add":
+            if message is None or message[0] == "abort":
                 self._settle()  # aborts and shutdown find every request as its last step left it
             if message is None:
                 for seq in self._streams.sequences():
@@ -192,8 +198,8 @@ class Engine:
             if kind == "add":
                 seq, handle = payload
                 self._streams.open(seq, handle)
-                self._scheduler.add(seq)
-            elif (seq := self._streams.find(payload)) is not None:
+                self._scheduler.add(seq)  # its adapter starts loading now
+            elif kind == "abort" and (seq := self._streams.find(payload)) is not None:
                 self._abort(seq)
             try:
                 message = self._inbox.get_nowait()
@@ -214,6 +220,7 @@ class Engine:
         until the next call."""
         previous, self._launched = self._launched, None
         batch = self._schedule()
+        self._stalled = previous is None and not (batch.items or batch.preempted or batch.failed)
         if not batch.items:
             self._skip(previous)
             return
@@ -239,7 +246,6 @@ class Engine:
         self._send_outputs()
         if previous is None:
             self._publish_stats()
-            time.sleep(0.001)  # everything waits for an adapter slot; let aborts arrive
 
     def _launch(self, batch: ScheduledBatch, plan: StepPlan, previous: _LaunchedStep | None) -> _LaunchedStep:
         """Run `batch` as `plan` says and sample on the device; the tokens reach the host in `_postprocess`."""

@@ -5,10 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from gpu_worker.engine import Engine, StepRecord
+from gpu_worker.lora.adapter_stats import LOAD_BUCKETS, AdapterTierStats
 from services.common.metrics import LATENCY_BUCKETS
 
 GENERATED_TOKENS = Counter("tessera_worker_generated_tokens_total", "Tokens sampled by the engine")
@@ -62,8 +67,50 @@ class CacheMetrics(Collector):
                                 "cache (0: none)", value=s.image_cache_capacity_bytes)
 
 
+class AdapterTierMetrics(Collector):
+    """The adapter tiers (gpu_worker/lora/adapter_manager.py) from the engine's stats snapshot, labelled by
+    tier or source tier only (no adapter names: the label sets stay fixed however many adapters come).
+    Hit rate: rate(tessera_worker_adapter_hits_total) / (that + rate(tessera_worker_adapter_misses_total))."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+        s: AdapterTierStats = self._engine.stats().adapters
+        by_tier = (("gpu", s.gpu_versions, s.gpu_bytes, s.gpu_capacity_bytes, s.gpu_evictions),
+                   ("host", s.host_versions, s.host_bytes, s.host_capacity_bytes, s.host_evictions))
+        families = (GaugeMetricFamily("tessera_worker_adapters", "Adapter versions held in a tier (the host tier "
+                                      "includes the GPU's)", labels=["tier"]),
+                    GaugeMetricFamily("tessera_worker_adapter_bytes", "Bytes adapters occupy in a tier, as budgeted",
+                                      labels=["tier"]),
+                    GaugeMetricFamily("tessera_worker_adapter_capacity_bytes", "A tier's byte budget", labels=["tier"]),
+                    CounterMetricFamily("tessera_worker_adapter_evictions", "Adapters evicted from a tier to make "
+                                        "room (from host: to disk)", labels=["tier"]))
+        for tier, *values in by_tier:
+            for family, value in zip(families, values):
+                family.add_metric([tier], value)
+        yield from families
+        yield GaugeMetricFamily("tessera_worker_adapters_loading", "Adapters on their way to the GPU",
+                                value=len(s.loading_adapters))
+        yield CounterMetricFamily("tessera_worker_adapter_hits", "Requests whose adapter was usable on the GPU "
+                                  "when they arrived", value=s.hits)
+        yield CounterMetricFamily("tessera_worker_adapter_misses", "Requests whose adapter had to be loaded",
+                                  value=s.misses)
+        yield CounterMetricFamily("tessera_worker_adapter_load_failures", "Adapter loads that failed",
+                                  value=s.load_failures)
+        loads = HistogramMetricFamily("tessera_worker_adapter_load_seconds", "Adapter loads by source tier: disk "
+                                      "(read, verify, parse, into host memory), host (copy onto the GPU)",
+                                      labels=["source"])
+        for times in s.loads:
+            cumulative = [sum(times.counts[:i + 1]) for i in range(len(LOAD_BUCKETS))]
+            buckets = [(str(le), n) for le, n in zip(LOAD_BUCKETS, cumulative)] + [("+Inf", times.count)]
+            loads.add_metric([times.source], buckets, times.sum_s)
+        yield loads
+
+
 def bind_engine_stats(engine: Engine) -> None:
-    """The gauges and cache counters read the engine's stats snapshot whenever /metrics is scraped."""
+    """The gauges, cache counters and adapter tiers read the engine's stats snapshot whenever /metrics is scraped."""
     RUNNING.set_function(lambda: engine.stats().running_requests)
     WAITING.set_function(lambda: engine.stats().waiting_requests)
     REGISTRY.register(CacheMetrics(engine))
+    REGISTRY.register(AdapterTierMetrics(engine))

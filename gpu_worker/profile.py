@@ -18,6 +18,7 @@ bound once a worker merges a hot adapter).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 import zlib
@@ -90,6 +91,12 @@ def projection_dims(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
 
 
+def random_adapter_ref(name: str, base_model: str, rank: int) -> AdapterRef:
+    """An adapter of `random_adapters`: its weights follow from its name and rank, so their hash stands
+    for the content digest that the adapter tiers key versions by."""
+    return AdapterRef(name, base_model, rank, hashlib.sha256(f"{name}/r{rank}".encode()).hexdigest(), "")
+
+
 def random_adapters(config: PretrainedConfig, targets: list[str], device: torch.device,
                     dtype: torch.dtype) -> Callable[[AdapterRef], LoRAWeights]:
     """A loader making a random adapter of `ref.rank` on every target (seeded by its name)."""
@@ -136,9 +143,8 @@ class Profiler:
             ids = torch.randint(0, self._vocab, (prompt_len,), generator=self._gen).tolist()
             seq = Sequence(f"profile-{i}", ids, SamplingParams(max_tokens=1 << 20), None, None)
             if adapter is not None:
-                seq.adapter = AdapterRef(adapter[0], "profile", adapter[1], "", "")
-                seq.slot = self._parts.adapters.acquire(seq.adapter)
-                assert seq.slot is not None, "profile needs an adapter slot per request"
+                seq.adapter = random_adapter_ref(adapter[0], "profile", adapter[1])
+                seq.slot, seq.rank = self._parts.adapters.load_now(seq.adapter)  # a slot per request
             seqs.append(seq)
         return seqs
 
@@ -162,7 +168,7 @@ class Profiler:
         for seq in seqs:
             self._parts.scheduler.blocks.free(seq)
             if seq.adapter is not None:
-                self._parts.adapters.release(seq.adapter.name)
+                self._parts.adapters.depart(seq.adapter)
 
 
 def _entries(adapters: list[Adapter], tokens: int) -> tuple[BatchEntry, ...]:

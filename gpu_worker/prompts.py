@@ -6,6 +6,16 @@ vision-language model's chat prompts go through its processor instead (with or w
 `processor.apply_chat_template` does: every message in content-part form, images decoded and
 preprocessed, each image's placeholder expanded to its image tokens. The processor is transformers'
 own (LLaVA) or one doing the same for images (Qwen2-VL: vision/qwen2vl_processor.py).
+
+A prompt too long for the context is refused after tokenizing at most a bounded prefix of its text
+(text prompts as sent, chat prompts as rendered). No token stands for more than L characters (the
+vocabulary's longest), so a text of more than (max_context + 16) * L * 2 characters cannot fit: at
+most that many of its first characters are tokenized to prove it (more than max_context + CUT_SLACK
+tokens). Ordinary text has far fewer characters per token than L (64 in the demo tokenizer, a run of
+"#"), so a prefix of (max_context + 16) * FIRST_TRY_CHARS_PER_TOKEN characters is tried first: a
+999,000-character prompt then costs a few milliseconds of tokenization, not a quarter second. A long
+text that no prefix proves too long is tokenized whole: a normalizer can shrink text, so the length
+in characters alone never refuses a prompt.
 """
 
 from __future__ import annotations
@@ -48,6 +58,25 @@ def _text_of(message: ChatMessage) -> str:
     return "".join(message.content)
 
 
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """L: the most characters of text one token id stands for, over the whole vocabulary (added and
+    special tokens included: a prompt's text may spell them). Each id decoded alone, or its raw piece
+    where that is longer: decoding alone drops a leading "▁" (SentencePiece), and a byte-level piece
+    ("Ġthe") or a byte-fallback one ("<0xE3>") has at least one character per byte it stands for."""
+    ids = list(range(len(tokenizer)))
+    decoded = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    return max(max(len(text), len(piece or "")) for text, piece in zip(decoded, pieces))
+
+
+# Tokens a prefix may count beyond the whole text's: its cut splits a word into more tokens than
+# the word has whole (the prefix is tokenized without special tokens, so they need none).
+CUT_SLACK = 8
+# More than ordinary text of any script has per token (English ~4.5 with large vocabularies, code ~3).
+FIRST_TRY_CHARS_PER_TOKEN = 8
+
+
 class PromptEncoder:
     """`processor`: a vision-language model's processor (image processor, tokenizer, chat template)."""
 
@@ -56,20 +85,27 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.processor = processor
+        # The prefixes tried on a long text, shortest first (module docstring); the last proves any
+        # text longer than it too long, unless a normalizer shrinks it.
+        bound = (max_context + 16) * longest_token_chars(tokenizer) * 2
+        self.prefix_lengths = tuple(sorted({min((max_context + 16) * FIRST_TRY_CHARS_PER_TOKEN, bound), bound}))
 
     def encode(self, prompt: Prompt, max_tokens: int) -> EncodedPrompt:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgument("prompt is empty", param="prompt")
+            self._refuse_past_context(prompt, max_tokens)
             encoded = EncodedPrompt(self.tokenizer(prompt)["input_ids"])
         elif not prompt:
             raise InvalidArgument("chat prompt has no messages", param="messages")
         elif self.processor is None:
             messages = [{"role": m.role, "content": _text_of(m)} for m in prompt]
-            encoded = EncodedPrompt(list(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]))
+            # Rendered, then tokenized as apply_chat_template(tokenize=True) does: the template holds its specials.
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            self._refuse_past_context(text, max_tokens)
+            encoded = EncodedPrompt(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         else:
-            encoded = self._encode_multimodal(prompt)
+            encoded = self._encode_multimodal(prompt, max_tokens)
         ids = encoded.token_ids
         if not ids:
             raise InvalidArgument("prompt is empty after tokenization", param="prompt")
@@ -79,7 +115,20 @@ class PromptEncoder:
                 f"context of {self.max_context}", param="max_tokens")
         return encoded
 
-    def _encode_multimodal(self, prompt: tuple[ChatMessage, ...]) -> EncodedPrompt:
+    def _refuse_past_context(self, text: str, max_tokens: int) -> None:
+        """InvalidArgument if a prefix of `text` alone holds more tokens than the context: the
+        tokenizer then never sees the rest. Returns when `text` is to be tokenized whole."""
+        for chars in self.prefix_lengths:
+            if len(text) <= chars:
+                return  # tokenizing it whole costs no more than this prefix would
+            counted = len(self.tokenizer(text[:chars], add_special_tokens=False)["input_ids"])
+            if counted > self.max_context + CUT_SLACK:
+                raise InvalidArgument(
+                    f"prompt has more than {counted - CUT_SLACK} tokens (its first {chars} characters hold "
+                    f"{counted}); with max_tokens {max_tokens} it exceeds the model's context of {self.max_context}",
+                    param="max_tokens")
+
+    def _encode_multimodal(self, prompt: tuple[ChatMessage, ...], max_tokens: int) -> EncodedPrompt:
         messages, images, digests = [], [], []
         for message in prompt:
             parts = (message.content,) if isinstance(message.content, str) else message.content
@@ -92,6 +141,9 @@ class PromptEncoder:
                 else:
                     content.append({"type": "text", "text": part})
             messages.append({"role": message.role, "content": content})
+        # Each image's placeholder is one token of the rendered text here; its expansion only adds tokens.
+        self._refuse_past_context(self.processor.apply_chat_template(messages, add_generation_prompt=True,
+                                                                     tokenize=False), max_tokens)
         try:
             out = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=True, return_tensors="pt")

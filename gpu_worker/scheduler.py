@@ -3,8 +3,10 @@
 Every step is built from the sequences' pending tokens (vLLM v1's view): a decoding sequence has
 one, a prefilling one the rest of its prompt. Running sequences go first, decodes before prefill
 chunks, so a long prompt never stalls the decodes; then waiting sequences are admitted in FIFO
-order while the step stays within max_batch_tokens and max_num_seqs, the KV cache has blocks and
-the adapter gets a slot; an admitted sequence whose leading blocks are in the prefix cache starts
+order while the step stays within max_batch_tokens and max_num_seqs and the KV cache has blocks;
+a sequence whose adapter is still loading (lora/adapter_manager.py: the load started when the
+request arrived) waits while those behind it go ahead, and one whose adapter failed to load fails at
+once, wherever it is in the queue. An admitted sequence whose leading blocks are in the prefix cache starts
 its prefill after them. A prompt longer than the remaining budget is prefilled in chunks over
 several steps. When a running sequence needs a block and none is free, the newest running
 sequence is preempted: its blocks are freed and it goes back to the head of the queue, to be
@@ -22,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gpu_worker.block_manager import BlockManager
-from gpu_worker.lora.adapter_pool import AdapterPool
+from gpu_worker.lora.adapter_manager import AdapterManager
 from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus
 from kernels import NO_SLOT
 from services.common.errors import TesseraError
@@ -56,7 +58,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, blocks: BlockManager, adapters: AdapterPool) -> None:
+    def __init__(self, limits: SchedulerLimits, blocks: BlockManager, adapters: AdapterManager) -> None:
         self.limits = limits
         self.blocks = blocks
         self.adapters = adapters
@@ -65,6 +67,9 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """A request arrived: its adapter's load starts now, and its pin holds until `finish`."""
+        if seq.adapter is not None:
+            self.adapters.arrive(seq.adapter)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -72,6 +77,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self.adapters.poll()
+        self._fail_unloadable(batch)
         budget = self.limits.max_batch_tokens
         # Decodes first (stable sort keeps admission order within each group); the tail, where
         # victims are taken from, then holds the newest prefills.
@@ -117,12 +124,8 @@ class Scheduler:
                 still_waiting.extend(self.waiting)
                 self.waiting.clear()
                 break
-            try:
-                if not self._acquire_adapter(seq):
-                    still_waiting.append(seq)  # its adapter waits for a slot; others may go ahead
-                    continue
-            except TesseraError as exc:  # any load failure arrives as AdapterLoadFailed: only `seq` fails
-                batch.failed.append((seq, exc))
+            if not self._place_adapter(seq):
+                still_waiting.append(seq)  # its adapter is loading; others may go ahead
                 continue
             self.blocks.admit(seq, prefix, num_new)
             seq.status = SequenceStatus.RUNNING
@@ -131,22 +134,29 @@ class Scheduler:
             budget -= num_new
         self.waiting = still_waiting
 
-    def _acquire_adapter(self, seq: Sequence) -> bool:
+    def _fail_unloadable(self, batch: ScheduledBatch) -> None:
+        """Fail the waiting sequences whose adapter could not be loaded (AdapterLoadFailed)."""
+        failed = [(seq, error) for seq in self.waiting
+                  if seq.adapter is not None and (error := self.adapters.failure(seq.adapter)) is not None]
+        for seq, error in failed:
+            self.waiting.remove(seq)
+            batch.failed.append((seq, error))
+
+    def _place_adapter(self, seq: Sequence) -> bool:
+        """Point `seq` at its adapter's GPU slot; False while the adapter is loading."""
         if seq.adapter is None:
             return True
-        slot = self.adapters.acquire(seq.adapter)
-        if slot is None:
+        placed = self.adapters.resident(seq.adapter)
+        if placed is None:
             return False
-        seq.slot, seq.rank = slot, self.adapters.rank(slot)
+        seq.slot, seq.rank = placed
         return True
 
     def _release(self, seq: Sequence) -> None:
-        """Give back what a running sequence holds: its KV blocks and its adapter pin."""
+        """Give back the KV blocks of a running sequence (its adapter stays pinned until `finish`)."""
         self.running.remove(seq)
         self.blocks.free(seq)
-        if seq.slot != NO_SLOT:
-            self.adapters.release(seq.adapter.name)
-            seq.slot = NO_SLOT
+        seq.slot = NO_SLOT
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -156,9 +166,12 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Retire `seq` (finished, aborted or failed): free its KV blocks and unpin its adapter."""
+        assert seq.status is not SequenceStatus.FINISHED, seq.request_id
         if seq.status is SequenceStatus.RUNNING:
             self._release(seq)
-        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+        elif seq in self.waiting:  # not when _fail_unloadable took it out
             self.waiting.remove(seq)
+        if seq.adapter is not None:
+            self.adapters.depart(seq.adapter)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason

@@ -3,6 +3,9 @@
 The worker assigns every Generate its own request id, which keys it in the engine and which every
 response carries; the caller's `request_id` is a label for the logs, so two callers sending the same
 one at once get two independent requests.
+
+Only the gateway calls a worker's methods: a caller with another role's cluster certificate gets
+PERMISSION_DENIED (services/common/peer_role.py); the gRPC health service answers any of them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.sequence import MAX_LOGPROBS, FinishReason, SamplingParams
 from gpu_worker.state_push import StateSource
 from services.common.errors import InvalidArgument
+from services.common.peer_role import require_peer_role
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -116,6 +120,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GenerateResponse]:
+        require_peer_role(context, "gateway")
         if request.base_model and request.base_model != self.engine.base_model:
             raise InvalidArgument(f"this worker serves {self.engine.base_model}, not {request.base_model}")
         generation = generation_request(request, self.engine.vocab_size)
@@ -135,10 +140,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def GetStats(self, request: worker_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> common_pb2.WorkerStats:
+        require_peer_role(context, "gateway")
         return worker_stats(self.engine)
 
     async def WatchState(self, request: worker_pb2.WatchStateRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.WorkerState]:
+        require_peer_role(context, "gateway")
         async for state in self._state.watch(request.interval_ms):
             yield state
 

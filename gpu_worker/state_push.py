@@ -1,4 +1,4 @@
-"""The worker's side of WatchState: its engine's load and adapter residency, pushed on an interval.
+"""The worker's side of WatchState: its engine's load and adapter tiers, pushed on an interval.
 
 The gateway's router reads these (gateway/state_feed.py) to price each worker with its
 performance model; a stream that stops is how the gateway notices a worker is gone.
@@ -26,12 +26,12 @@ class StateSource:
 
     def snapshot(self) -> worker_pb2.WorkerState:
         s = self.engine.stats()
-        resident = list(s.resident_adapters)
-        # No host tier yet: an adapter leaves the engine straight to the store, so host == GPU.
+        tiers = s.adapters  # by name: where a new request's adapter (its newest version) is now
         return worker_pb2.WorkerState(
             base_model=self.engine.base_model, perf_model=self.perf_model,
             running=[_entry(e) for e in s.running_load], queued=[_entry(e) for e in s.waiting_load],
-            gpu_adapters=resident, host_adapters=resident, gpu_adapter_slots=s.adapter_slots,
+            gpu_adapters=tiers.gpu_adapters, host_adapters=tiers.host_adapters,
+            loading_adapters=tiers.loading_adapters, gpu_adapter_slots=s.adapter_slots,
             max_batch=self.max_batch, free_kv_tokens=s.free_kv_tokens)
 
     async def watch(self, interval_ms: int) -> AsyncIterator[worker_pb2.WorkerState]:

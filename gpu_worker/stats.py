@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_worker.lora.adapter_pool import AdapterPool
+from gpu_worker.lora.adapter_manager import AdapterManager
+from gpu_worker.lora.adapter_stats import AdapterTierStats
 from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import Sequence
 from gpu_worker.vision.image_cache import ImageFeatureCache
@@ -30,12 +31,13 @@ class EngineStats:
     running_requests: int
     waiting_requests: int
     running_ranks: tuple[int, ...]
-    resident_adapters: tuple[str, ...]
+    resident_adapters: tuple[str, ...]  # adapter names usable on the GPU (adapters.gpu_adapters)
     free_kv_tokens: int
     preemptions_total: int
     adapter_slots: int
-    pinned_adapters: int    # adapter pins held by running sequences
+    pinned_adapters: int    # adapter pins held by live requests (one each, from arrival to end)
     generated_tokens_total: int
+    adapters: AdapterTierStats  # the adapter tiers: residency by tier, bytes, loads, hits, evictions
     prefix_cache_hit_tokens_total: int = 0  # prompt tokens whose K/V came from the prefix cache
     prefix_cache_query_tokens_total: int = 0  # tokens of sequences admitted with prefix caching on
     prefix_cache_blocks: int = 0            # KV blocks whose content is published (in use or evictable)
@@ -50,20 +52,21 @@ class EngineStats:
     waiting_load: tuple[SeqLoad, ...] = ()
 
 
-def snapshot(scheduler: Scheduler, adapters: AdapterPool, image_cache: ImageFeatureCache | None,
+def snapshot(scheduler: Scheduler, adapters: AdapterManager, image_cache: ImageFeatureCache | None,
              generated_tokens_total: int) -> EngineStats:
     """The stats now; `image_cache` is None for a text model."""
     running, blocks = scheduler.running, scheduler.blocks
     images = image_cache if image_cache is not None else _NO_IMAGE_CACHE
+    tiers = adapters.stats()
     return EngineStats(
         running_requests=len(running),
         waiting_requests=len(scheduler.waiting),
         running_ranks=tuple(seq.rank for seq in running),
-        resident_adapters=tuple(adapters.resident()),
+        resident_adapters=tiers.gpu_adapters,
         free_kv_tokens=blocks.free_tokens(),
         preemptions_total=scheduler.num_preemptions,
         adapter_slots=adapters.num_slots,
-        pinned_adapters=adapters.num_pinned(),
+        pinned_adapters=tiers.pinned,
         generated_tokens_total=generated_tokens_total,
         prefix_cache_hit_tokens_total=blocks.prefix_hit_tokens,
         prefix_cache_query_tokens_total=blocks.prefix_query_tokens,
@@ -76,7 +79,8 @@ def snapshot(scheduler: Scheduler, adapters: AdapterPool, image_cache: ImageFeat
         image_cache_bytes=images.bytes_used,
         image_cache_capacity_bytes=images.max_bytes,
         running_load=tuple(map(_seq_load, running)),
-        waiting_load=tuple(map(_seq_load, scheduler.waiting)))
+        waiting_load=tuple(map(_seq_load, scheduler.waiting)),
+        adapters=tiers)
 
 
 def _seq_load(seq: Sequence) -> SeqLoad:

@@ -6,9 +6,9 @@ CUDA tensors go to the Triton kernels (kernels/triton/, graph-capturable, no hos
 on first GPU use: CPU-only installs have no triton), anything else to the torch references. Layers
 call only these names and never branch on the platform. Each op's contract (dataclasses, shape
 checks) and its reference live beside this module, and the Triton modules import them, never the
-other way round: batch.py, lora_stack.py and reference.py (LoRA), attention.py, fused.py, merge.py.
-The LoRA kernels' tiles come from tiling.py's lookup in the tables that `python -m kernels.tuner`
-writes (tables/).
+other way round: batch.py, adapter_arena.py, lora_stack.py and reference.py (LoRA), attention.py,
+fused.py, merge.py. The LoRA kernels' tiles come from tiling.py's lookup in the tables that
+`python -m kernels.tuner` writes (tables/).
 """
 
 from __future__ import annotations
@@ -19,16 +19,17 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from kernels.adapter_arena import AdapterArena
 from kernels.attention import AttentionMetadata, paged_attention_reference
 from kernels.batch import NO_SLOT, LoRABatch
 from kernels.fused import (check_norm, check_rotary, fused_add_rms_norm_reference, rms_norm_reference,
                            rotary_store_kv_reference, silu_and_mul_reference)
-from kernels.lora_stack import LoRAStack
+from kernels.lora_stack import LoRAStack, upload_rows
 from kernels.merge import MergeTarget, merge_weights_reference, restore_weights_reference
 
-__all__ = ["NO_SLOT", "SKINNY_MAX_ROWS", "LoRABatch", "LoRAStack", "fused_add_rms_norm", "linear", "lora_expand",
-           "lora_shrink", "merge_weights", "paged_attention", "restore_weights", "rms_norm", "rotary_store_kv",
-           "silu_and_mul", "warm_up_merge"]
+__all__ = ["NO_SLOT", "SKINNY_MAX_ROWS", "AdapterArena", "LoRABatch", "LoRAStack", "upload_rows", "fused_add_rms_norm", "linear",
+           "lora_expand", "lora_shrink", "merge_weights", "paged_attention", "restore_weights", "rms_norm",
+           "rotary_store_kv", "silu_and_mul", "warm_up_merge"]
 
 # Decode steps multiply a few rows by each weight matrix: the step streams the weights once and is
 # bound by memory bandwidth. For up to SKINNY_MAX_ROWS rows of a 16-bit model on CUDA, a Triton kernel
@@ -43,8 +44,8 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Te
     """x [num_tokens, in_features] -> y [splits, num_tokens, num_slices, max_rank], float32 or (one plane) x's dtype.
 
     y holds partial sums over in_features (splits >= 1 planes, which lora_expand adds up):
-    y.sum(0)[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of segments with a slot
-    and slices of rank r > 0; other entries are unspecified.
+    y.sum(0)[t, s, :r] = scaling[slot, s] * x[t] @ A_sᵀ of the slot's adapter (rank r on slice s), for
+    tokens of segments with a slot and slices of rank r > 0; other entries are unspecified.
     """
     if x.is_cuda:
         from kernels.triton import lora_shrink as triton_shrink  # first GPU use: CPU-only installs have no triton
@@ -53,7 +54,8 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Te
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> None:
-    """out [num_tokens, out_features] += y.sum(0)[t, s, :r] @ stack.b[slot, :r, slice s columns], in place.
+    """out [num_tokens, out_features] += y.sum(0)[t, s, :r] @ B_sᵀ [r, slice s columns] of the slot's
+    adapter, in place.
 
     Accumulated in float32, for tokens of segments with a slot and slices of rank r > 0; other
     rows and columns of out are untouched.

@@ -45,7 +45,7 @@ class LoRABatch:
     slots: torch.Tensor             # int32 [capacity] slot of each group, padded with NO_SLOT
     rows: torch.Tensor | None = None  # int32 [tokens in groups] token of each position; None: identity
     max_rank: int | None = None     # bound on the rank of every adapter the groups' slots hold;
-    #                                 None: any rank a stack holds (its padding)
+    #                                 None: any rank a stack holds (its max_rank)
     mean_rank: float | None = None  # the groups' ranks averaged over their tokens, when the caller
     #                                 knows them: tiles are tuned apart for mixed-rank batches
 
@@ -70,10 +70,10 @@ class LoRABatch:
         """Groups the device tensors hold, padding included (the kernels' grid bound)."""
         return self.starts.shape[0]
 
-    def rank_bound(self, padded_rank: int) -> int:
-        """The ranks a kernel must cover for a stack padded to `padded_rank`: the batch's bound when
-        known, so that a batch of rank-8 adapters in a rank-128 stack tiles 8 ranks, not 128."""
-        return padded_rank if self.max_rank is None else min(padded_rank, self.max_rank)
+    def rank_bound(self, stack_max_rank: int) -> int:
+        """The ranks a kernel must cover for a stack serving ranks up to `stack_max_rank`: the batch's
+        bound when known, so that a batch of rank-8 adapters in a rank-128 stack tiles 8 ranks, not 128."""
+        return stack_max_rank if self.max_rank is None else min(stack_max_rank, self.max_rank)
 
     @property
     def has_lora(self) -> bool:

@@ -1,11 +1,11 @@
 """All-layer merge, the contract: fold one adapter slot's scaling · B·A into every base weight it
 targets, saving what it overwrites; and the exact reverse. Its torch reference is here too.
 
-A task is one output slice of one projection's weight: W[rows] += scaling * b[slot, :r, rows]ᵀ @
-A[slot, slice, :r]. On CUDA one Triton launch walks every tile of every task (kernels/triton/merge.py:
-a table of tensor addresses per task), writes each weight tile's old value to its backup before
-adding the delta, and a restore copies backups back, so the base weights come back bit-identical
-however often they are merged. The torch reference does the same task by task (CPU).
+A task is one output slice s of one projection's weight: W[rows of s] += scaling[slot, s] * B_s @ A_s
+of the slot's adapter (the arena holds B_sᵀ). On CUDA one Triton launch walks every tile of every
+task (kernels/triton/merge.py: a table of addresses per task), writes each weight tile's old value
+to its backup before adding the delta, and a restore copies backups back, so the base weights come
+back bit-identical however often they are merged. The torch reference does the same task by task (CPU).
 kernels/__init__.py picks the backend (`merge_weights`, `restore_weights`, `warm_up_merge`).
 """
 
@@ -37,7 +37,8 @@ def merge_weights_reference(targets: Sequence[MergeTarget], slot: int) -> None:
             if rank == 0:
                 continue
             rows = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
-            delta = (stack.b[slot, :rank, rows].float().t() @ stack.a[slot, s, :rank].float()) * stack.scalings[slot].float()
+            b, a = stack.b_weight(slot, s).float(), stack.a_weight(slot, s).float()  # Bᵀ [r, rows], A [r, in]
+            delta = (b.t() @ a) * stack.host_scalings[slot][s]
             target.weight[rows] = (target.weight[rows].float() + delta).to(target.weight.dtype)
 
 

@@ -1,8 +1,8 @@
 """Torch reference LoRA ops: per-segment, per-slice matmuls accumulated in float32.
 
 Used on CPU, and as the ground truth the Triton kernels are checked against. It walks the batch's
-host tuples and the stack's host ranks, so it never syncs with a device but cannot be captured in
-a CUDA graph.
+host tuples and the stack's host mirrors (ranks, scalings, arena offsets), so it never syncs with a
+device but cannot be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kernels.lora_stack import LoRAStack
 
 
 def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
-    """y[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of segments using a slot.
+    """y[t, s, :r_s] = scaling[slot, s] * x[t] @ A_sᵀ of the slot's adapter, for tokens of segments using a slot.
 
     x:      [num_tokens, in_features]
     returns y: float32 [1, num_tokens, num_slices, max_rank] (one plane: no split of K); entries
@@ -32,13 +32,13 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Te
         for s, rank in enumerate(stack.host_ranks[slot]):
             if rank == 0:
                 continue
-            a = stack.a[slot, s, :rank].float()  # [rank, in_features]
-            y[start:start + length, s, :rank] = (rows @ a.t()) * stack.scalings[slot]
+            a = stack.a_weight(slot, s).float()  # [rank, in_features]
+            y[start:start + length, s, :rank] = (rows @ a.t()) * stack.host_scalings[slot][s]
     return planes
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> None:
-    """out[t, slice s columns] += y.sum(0)[t, s, :r] @ stack.b[slot, :r, slice s columns], in place.
+    """out[t, slice s columns] += y.sum(0)[t, s, :r_s] @ B_sᵀ [r_s, out_size_s] of the slot's adapter, in place.
 
     out: [num_tokens, out_features] the base projection's output (any float dtype)
     y:   [splits, num_tokens, num_slices, max_rank] from lora_shrink: partial sums over K (float32, or one
@@ -56,7 +56,7 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
             if rank == 0:
                 continue
             cols = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
-            b_t = stack.b[slot, :rank, cols].float()  # [rank, out_size]
+            b_t = stack.b_weight(slot, s).float()  # [rank, out_size]
             delta = y[start:start + length, s, :rank] @ b_t  # [length, out_size] float32
             target = out[start:start + length, cols]
             target.copy_(target.float() + delta)

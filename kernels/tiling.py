@@ -2,7 +2,7 @@
 
 `python -m kernels.tuner` times candidate configurations for each shape bucket of a model on the
 local GPU and writes `kernels/tables/<gpu>.json`. At run time a call's bucket key is built from
-host ints only (the projection's shape, the padded rank, the batch's token count and its largest
+host ints only (the projection's shape, the rank bound, the batch's token count and its largest
 group, each rounded up to a tuned point) and looked up in a dict. A GPU's buckets missing from its
 own table come from tables tuned on GPUs of its architecture (an H100 runs an H200's entries: the
 same SMs, shared memory and instructions); what no such table has gets the heuristics below,
@@ -24,7 +24,7 @@ from kernels.lora_stack import LoRAStack
 
 TABLE_DIR = Path(__file__).parent / "tables"
 TOKEN_POINTS = (1, 8, 32, 128, 512, 2048, 8192)  # tuned batch sizes and group sizes
-RANK_POINTS = (16, 64, 128)  # tuned rank tiles (padded max rank; 32 uses the 64 entry)
+RANK_POINTS = (16, 64, 128)  # tuned rank tiles (the rank bound rounded up; 32 uses the 64 entry)
 # Expand sums the planes of shrink's split-K y in each of its programs: a [split, rows, rank] fp32
 # tile (rows: up to 64 of a group). Past ~8K elements that costs expand more than the split saves
 # shrink (e.g. 32 planes of rank 64 for 8-token groups; docs/benchmarks/kernels.md).
@@ -40,7 +40,7 @@ class ShrinkConfig:
     split_k: int     # programs sharing one tile's K range, each storing a partial sum (a power of 2)
     num_warps: int
     num_stages: int
-    rank_block: int = 0  # ranks per program (a power of 2); 0: the whole padded rank. Programs
+    rank_block: int = 0  # ranks per program (a power of 2); 0: the whole rank tile. Programs
     #                      past an adapter's own rank exit at once: low ranks cost no padding.
 
 
@@ -72,7 +72,7 @@ class Bucket:
     op: str                      # "shrink" | "expand"
     in_features: int
     out_sizes: tuple[int, ...]   # the projection's output slices (fused qkv: 3)
-    block_r: int                 # padded rank tile
+    block_r: int                 # rank tile (the rank bound, rounded up to a RANK_POINT)
     tokens: int                  # batch tokens, rounded up to a TOKEN_POINT
     group: int                   # largest group's tokens, rounded up to a TOKEN_POINT (<= tokens)
     mixed: bool = False          # known to mix ranks (`is_mixed`): tuned on mixed-rank batches only
@@ -112,7 +112,7 @@ def bucket_of(op: str, stack: LoRAStack, batch: LoRABatch) -> Bucket:
     sizes = tuple(hi - lo for lo, hi in zip(stack.out_offsets, stack.out_offsets[1:]))
     tokens = round_up(batch.num_tokens, TOKEN_POINTS)
     group = min(round_up(min(batch.max_group_len, batch.num_tokens), TOKEN_POINTS), tokens)
-    # The rank tile the kernels use: the batch's bound when known, else the stack's padding.
+    # The rank tile the kernels use: the batch's bound when known, else the stack's max rank.
     bound = batch.rank_bound(stack.max_rank)
     return Bucket(op, stack.in_features, sizes, round_up(bound, RANK_POINTS), tokens, group,
                   is_mixed(batch.mean_rank, bound))
@@ -187,7 +187,7 @@ def expand_config(stack: LoRAStack, batch: LoRABatch) -> ExpandConfig:
 
 
 def _lookup(op: str, stack: LoRAStack, batch: LoRABatch) -> Config:
-    return lookup(bucket_of(op, stack, batch), table_for(stack.a.device))
+    return lookup(bucket_of(op, stack, batch), table_for(stack.device))
 
 
 def lookup(bucket: Bucket, table: dict) -> Config:

@@ -2,7 +2,9 @@
 
 Store calls block on the database, so each runs in a thread (`asyncio.to_thread`)
 and the event loop keeps serving other RPCs; domain errors become status codes
-in services/common/grpc_server.py's interceptor.
+in services/common/grpc_server.py's interceptor. Any cluster certificate reads; only
+the worker's registers a worker, heartbeats and reports placements (PERMISSION_DENIED
+for the gateway's: services/common/peer_role.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from registry.proto_records import (adapter_to_proto, base_model_to_proto, place
                                     placement_to_proto, stats_to_dict, worker_to_proto)
 from registry.store import RegistryStore
 from services.common.grpc_server import Registrar
+from services.common.peer_role import require_peer_role
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 SERVICE_NAME = "tessera.v1.Registry"
@@ -45,6 +48,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
     async def RegisterWorker(self, request: registry_pb2.RegisterWorkerRequest,
                              context: grpc.aio.ServicerContext) -> registry_pb2.RegisterWorkerResponse:
+        require_peer_role(context, "worker")
         record = await asyncio.to_thread(
             self._store.register_worker, request.address, request.device, request.base_model, request.capacity)
         return registry_pb2.RegisterWorkerResponse(
@@ -52,6 +56,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
     async def Heartbeat(self, request: registry_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> registry_pb2.HeartbeatResponse:
+        require_peer_role(context, "worker")
         known = await asyncio.to_thread(self._store.heartbeat, request.worker_id, stats_to_dict(request.stats))
         return registry_pb2.HeartbeatResponse(known=known)
 
@@ -62,6 +67,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
     async def ReportPlacements(self, request: registry_pb2.ReportPlacementsRequest,
                                context: grpc.aio.ServicerContext) -> registry_pb2.ReportPlacementsResponse:
+        require_peer_role(context, "worker")
         placements = [placement_from_proto(p, request.worker_id) for p in request.placements]
         await asyncio.to_thread(self._store.replace_placements, request.worker_id, placements)
         return registry_pb2.ReportPlacementsResponse()

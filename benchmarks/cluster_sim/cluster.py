@@ -13,14 +13,14 @@ import itertools
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from benchmarks.cluster_sim.worker import SimWorker, WorkerConfig
 from benchmarks.cluster_sim.workload import SimRequest
-from services.common.scheduling.adapter_tiers import AdapterCache, LoadCosts
+from services.common.scheduling.adapter_tiers import LoadCosts, Tier
 from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
 from services.common.scheduling.perf_model import PerfModel
 from gateway.scheduling.policies import Policy, RoutingRequest
@@ -69,6 +69,8 @@ class RunResult:
     tpot_p99_s: float
     hit_rate: float         # requests whose adapter was ready on the chosen worker's GPU on arrival
     gpu_adapter_gb: float   # adapters' GPU memory per worker, time-averaged
+    gpu_evictions: int      # over all workers
+    host_evictions: int
     utilisation: float      # busy (stepping) fraction of the run, averaged over workers
     duration_s: float       # virtual seconds, first arrival to last completion
     wall_s: float
@@ -99,16 +101,21 @@ class _Metrics:
         return round(self.output_tokens / self.done) if self.done else OUTPUT_PRIOR_TOKENS
 
 
-def simulate(requests: Sequence[SimRequest], adapters: Sequence[str], policy: Policy, model: PerfModel,
+def simulate(requests: Sequence[SimRequest], adapters: Mapping[str, int], policy: Policy, model: PerfModel,
              load_costs: LoadCosts, config: ClusterConfig, progress: Callable[[str], None] | None = None) -> RunResult:
     """Replay `requests` (arrival order, indices 0..n-1) through `policy`; metrics over all of them.
-    The run starts with empty GPU tiers and `adapters` staged round-robin in the host tiers (the
-    registry's placement of a service that has been up before; `host_copies=0` starts cold)."""
+    `adapters` maps each adapter to its LoRA rank. The run starts with empty GPU tiers and `adapters`
+    staged round-robin in the host tiers (the registry's placement of a service that has been up
+    before; `host_copies=0` starts cold)."""
     assert all(r.index == i for i, r in enumerate(requests)), "request indices must be 0..n-1 in order"
     too_long = [r.index for r in requests if r.prompt + r.output > config.worker.kv_tokens]
     if too_long:
         raise ValueError(f"{len(too_long)} requests need more KV than a worker has "
                          f"({config.worker.kv_tokens} tokens), e.g. request {too_long[0]}")
+    largest = max([*adapters.values(), *(r.rank for r in requests)], default=0)
+    if load_costs.adapter_bytes(largest) > config.worker.gpu_adapter_bytes:
+        raise ValueError(f"a rank-{largest} adapter ({load_costs.adapter_bytes(largest)} B) does not fit a worker's "
+                         f"GPU adapter memory ({config.worker.gpu_adapter_bytes} B)")
     started = time.perf_counter()
     events: list[tuple[float, int, Callable[[float], None]]] = []
     order = itertools.count()
@@ -121,10 +128,8 @@ def simulate(requests: Sequence[SimRequest], adapters: Sequence[str], policy: Po
     table = WorkerStateTable(clock=lambda: now, stale_after_s=config.stale_after_s)
     workers = {}
     for i in range(config.workers):
-        cache = AdapterCache(config.worker.gpu_adapter_slots, config.worker.host_adapter_slots,
-                             config.eviction_policy())
-        worker = SimWorker(f"w{i:03d}", config.base_model, model, load_costs, cache, config.worker, schedule,
-                           metrics.finished)
+        worker = SimWorker(f"w{i:03d}", config.base_model, model, load_costs, config.eviction_policy(), config.worker,
+                           schedule, metrics.finished)
         workers[worker.address] = worker
     _stage(adapters, list(workers.values()), config)
     for worker in workers.values():
@@ -170,20 +175,21 @@ def simulate(requests: Sequence[SimRequest], adapters: Sequence[str], policy: Po
         tpot_mean_s=float(np.mean(metrics.tpot)), tpot_p99_s=float(np.percentile(metrics.tpot, 99)),
         hit_rate=metrics.hits / len(requests),
         gpu_adapter_gb=metrics.gpu_bytes / max(1, metrics.gpu_samples) / 1e9,
+        gpu_evictions=sum(w.evictions(Tier.GPU) for w in workers.values()),
+        host_evictions=sum(w.evictions(Tier.HOST) for w in workers.values()),
         utilisation=float(np.mean([w.busy_s for w in workers.values()])) / duration if duration > 0 else math.nan,
         duration_s=duration, wall_s=time.perf_counter() - started)
 
 
-def _stage(adapters: Sequence[str], workers: list[SimWorker], config: ClusterConfig) -> None:
-    needed = -(-len(adapters) * config.host_copies // len(workers))
-    if needed > config.worker.host_adapter_slots:
-        raise ValueError(f"{config.host_copies} host copies of {len(adapters)} adapters need {needed} host slots "
-                         f"per worker, there are {config.worker.host_adapter_slots}")
+def _stage(adapters: Mapping[str, int], workers: list[SimWorker], config: ClusterConfig) -> None:
     stride = len(workers) // max(1, config.host_copies)  # copies of one adapter on workers far apart
-    for i, adapter in enumerate(adapters):
+    for i, (adapter, rank) in enumerate(adapters.items()):
         for copy in range(config.host_copies):
-            staged = workers[(i + copy * stride) % len(workers)].stage(adapter)
-            assert staged, "host slots were counted above"
+            worker = workers[(i + copy * stride) % len(workers)]
+            if not worker.stage(adapter, rank):
+                raise ValueError(f"{config.host_copies} host copies of {len(adapters)} adapters do not fit "
+                                 f"{config.worker.host_adapter_bytes / 2**30:g} GiB of host adapter memory "
+                                 f"per worker ({worker.address} is full)")
 
 
 def stderr_progress(line: str) -> None:

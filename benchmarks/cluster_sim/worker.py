@@ -4,27 +4,27 @@ A step runs the decode of every running request plus the prefill of the requests
 start (not chunked), and takes decode(batch) + prefill(admitted) by the perf model. Admission is
 first come first served among requests whose adapter is ready, within `max_batch`, the KV budget
 (prompt + output tokens reserved at admission) and `max_prefill_tokens` per step; a request whose
-adapter is still loading is skipped, not blocking those behind it. Adapter loads block only the
-requests that need the adapter; one loader per worker copies one adapter at a time (FIFO), from
-host memory or disk (`LoadCosts`), into a GPU slot given by `AdapterCache` (frequency-driven
-eviction; a slot whose adapter some request holds is never taken).
+adapter is still loading is skipped, not blocking those behind it. Adapter memory and loads are the
+real worker's: byte budgets in the shared `AdapterTiers` (frequency-driven eviction; an adapter a
+request holds is never evicted) and two load stages beside serving (loads.py), so a load delays only
+the requests that need its adapter.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from benchmarks.cluster_sim.loads import Schedule, SimLoads
 from benchmarks.cluster_sim.workload import SimRequest
-from services.common.scheduling.adapter_tiers import AdapterCache, LoadCosts, Tier
+from services.common.scheduling.adapter_tiers import AdapterTiers, LoadCosts, Tier
 from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
+from services.common.scheduling.eviction import Eviction
 from services.common.scheduling.perf_model import PerfModel
 from gateway.scheduling.worker_state import WorkerState
 
-Schedule = Callable[[float, Callable[[float], None]], None]  # run callback(time) at time
 Finished = Callable[[SimRequest, float, float], None]        # (request, first token at, finished at)
 
 
@@ -33,13 +33,19 @@ class WorkerConfig:
     max_batch: int = 64
     kv_tokens: int = 200_000          # ~100 GB of KV at 512 KB per token (Llama-2-7B, bf16) on a 141 GB H200
     max_prefill_tokens: int = 8192    # per step; a longer prompt is admitted alone
-    gpu_adapter_slots: int = 32
-    host_adapter_slots: int = 128
+    gpu_adapter_bytes: int = 32 * LoadCosts().adapter_bytes(64)    # 4 GiB: 32 rank-64 q,k,v,o adapters of a 7B
+    host_adapter_bytes: int = 128 * LoadCosts().adapter_bytes(64)  # 16 GiB of pinned host memory
+    loader_threads: int = 2           # disk -> host loads at once
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "kv_tokens", "max_prefill_tokens", "gpu_adapter_slots", "host_adapter_slots"):
+        for name in ("max_batch", "kv_tokens", "max_prefill_tokens", "gpu_adapter_bytes", "host_adapter_bytes",
+                     "loader_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"worker {name} must be >= 1, got {getattr(self, name)}")
+        if self.host_adapter_bytes < self.gpu_adapter_bytes:
+            raise ValueError(f"the host tier holds a copy of every GPU adapter: host adapter memory "
+                             f"({self.host_adapter_bytes} B) must be >= GPU adapter memory "
+                             f"({self.gpu_adapter_bytes} B)")
 
 
 class _Live:
@@ -52,13 +58,15 @@ class _Live:
 
 
 class SimWorker:
-    def __init__(self, address: str, base_model: str, model: PerfModel, load_costs: LoadCosts,
-                 cache: AdapterCache, config: WorkerConfig, schedule: Schedule, finished: Finished) -> None:
+    def __init__(self, address: str, base_model: str, model: PerfModel, load_costs: LoadCosts, eviction: Eviction,
+                 config: WorkerConfig, schedule: Schedule, finished: Finished) -> None:
         self.address = address
         self._base_model = base_model
         self._model = model
-        self._load_costs = load_costs
-        self._cache = cache
+        self._tiers = AdapterTiers(config.gpu_adapter_bytes, config.host_adapter_bytes, eviction)
+        self._loads = SimLoads(self._tiers, load_costs, config.loader_threads, schedule, self._load_advanced)
+        # The wire still counts GPU adapter slots (nothing routes on it): report rank-64 adapters' worth.
+        self._gpu_adapter_slots = config.gpu_adapter_bytes // load_costs.adapter_bytes(64)
         self._config = config
         self._schedule = schedule
         self._finished = finished
@@ -70,58 +78,27 @@ class SimWorker:
         self._step = 0                        # steps completed
         self._stepping = False
         self._kv_free = config.kv_tokens
-        self._loads: deque[str] = deque()     # adapters waiting for the loader
-        self._loading: set[str] = set()       # waiting or being copied
-        self._loader_busy = False
-        self._ranks: dict[str, int] = {}
         self._events = 0                      # arrivals, step ends and load ends so far: every change is one
         self._last_report: tuple[int, WorkerState] | None = None
         self.busy_s = 0.0
 
-    def stage(self, adapter: str) -> bool:
-        """Initial placement: `adapter` into host memory, if a slot is free."""
-        return self._cache.stage_in_host(adapter)
+    def stage(self, adapter: str, rank: int) -> bool:
+        """Initial placement: `adapter` into host memory, if it fits in what is free."""
+        return self._loads.stage(adapter, rank)
 
     # ---- requests in ----------------------------------------------------------------------
 
     def receive(self, req: SimRequest, now: float) -> bool:
         """A request arrives; returns whether its adapter was ready on the GPU (a cache hit)."""
         self._events += 1
-        adapter = req.adapter
-        self._cache.touch(adapter, now)
-        self._cache.pin(adapter)
-        self._ranks[adapter] = req.rank
-        hit = self._ready(adapter)
-        if not hit and adapter not in self._loading:
-            self._loading.add(adapter)
-            self._loads.append(adapter)
-            self._start_load(now)
+        hit = self._loads.acquire(req.adapter, req.rank, now)
         self._queue.append(_Live(req))
         self._kick(now)
         return hit
 
-    def _ready(self, adapter: str) -> bool:
-        return adapter not in self._loading and self._cache.tier(adapter) is Tier.GPU
-
-    # ---- adapter loads ----------------------------------------------------------------------
-
-    def _start_load(self, now: float) -> None:
-        if self._loader_busy or not self._loads:
-            return
-        adapter = self._loads[0]
-        source = self._cache.admit_to_gpu(adapter, self._ranks[adapter])
-        if source is None:
-            return  # every GPU slot is held by a pinned adapter: retried when a request finishes
-        self._loads.popleft()
-        self._loader_busy = True
-        self._schedule(now + self._load_costs.load_s(source, self._ranks[adapter]),
-                       lambda t: self._load_done(adapter, t))
-
-    def _load_done(self, adapter: str, now: float) -> None:
+    def _load_advanced(self, now: float) -> None:
+        """SimLoads' callback: an adapter finished a stage (a copy's end makes its requests admissible)."""
         self._events += 1
-        self._loading.discard(adapter)
-        self._loader_busy = False
-        self._start_load(now)
         self._kick(now)
 
     # ---- steps ------------------------------------------------------------------------------
@@ -151,7 +128,7 @@ class SimWorker:
         blocked = False
         for live in self._queue:
             req = live.req
-            if not blocked and self._ready(req.adapter):
+            if not blocked and self._loads.ready(req.adapter):
                 need = req.prompt + req.output
                 if room > 0 and need <= self._kv_free and (req.prompt <= budget or not admitted):
                     admitted.append(live)
@@ -187,10 +164,8 @@ class SimWorker:
         req = live.req
         self._batch.remove(BatchEntry(req.adapter, req.rank, req.prompt + self._step - live.admitted_step))
         self._kv_free += req.prompt + req.output
-        self._cache.unpin(req.adapter)
+        self._loads.release(req.adapter, now)
         self._finished(req, live.first_token_s, now)
-        if self._loads and not self._loader_busy:
-            self._start_load(now)  # a slot may have come free
 
     # ---- reporting --------------------------------------------------------------------------
 
@@ -205,11 +180,14 @@ class SimWorker:
         state = WorkerState(
             address=self.address, base_model=self._base_model, kind=self._model.kind,
             running=tuple(running), queued=queued,
-            gpu_adapters=self._cache.gpu_adapters, host_adapters=self._cache.host_adapters,
-            gpu_adapter_slots=self._cache.gpu_slots, max_batch=self._config.max_batch,
+            gpu_adapters=self._tiers.gpu_adapters, host_adapters=self._tiers.host_adapters,
+            gpu_adapter_slots=self._gpu_adapter_slots, max_batch=self._config.max_batch,
             free_kv_tokens=self._kv_free, tightest_tpot_slo_s=min(slos, default=None), timestamp=now)
         self._last_report = (self._events, state)
         return state
 
     def gpu_adapter_bytes(self) -> int:
-        return self._cache.gpu_ranks() * self._load_costs.bytes_per_rank
+        return self._tiers.gpu_used
+
+    def evictions(self, tier: Tier) -> int:
+        return self._tiers.evictions[tier]

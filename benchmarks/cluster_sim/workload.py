@@ -109,6 +109,11 @@ class SimRequest:
     slo: Slo
 
 
+def adapter_ranks(popularity: Popularity, seed: int) -> dict[str, int]:
+    """Each adapter's LoRA rank, as `build_requests` with the same seed draws it."""
+    return dict(zip(popularity.names(), _draw_ranks(popularity, np.random.default_rng(seed)).tolist()))
+
+
 def build_requests(trace: Trace, popularity: Popularity, rate_scale: float, model: PerfModel,
                    tpot_slo_factor: float, ttft_slo_factor: float, seed: int) -> list[SimRequest]:
     """Requests in arrival order. SLOs: a factor × what the request takes alone on an idle worker
@@ -116,8 +121,7 @@ def build_requests(trace: Trace, popularity: Popularity, rate_scale: float, mode
     if rate_scale <= 0:
         raise ValueError(f"rate scale must be positive, got {rate_scale}")
     rng = np.random.default_rng(seed)
-    ranks_of = rng.choice(list(popularity.rank_mix), size=popularity.adapters,
-                          p=np.array(list(popularity.rank_mix.values())) / sum(popularity.rank_mix.values()))
+    ranks_of = _draw_ranks(popularity, rng)
     adapter_of = _drifting_adapters(trace, popularity, rng)
     names = popularity.names()
     requests = []
@@ -129,6 +133,12 @@ def build_requests(trace: Trace, popularity: Popularity, rate_scale: float, mode
         requests.append(SimRequest(i, float(trace.arrival_s[i]) / rate_scale, prompt, int(trace.output[i]),
                                    entry.adapter, entry.rank, slo))
     return requests
+
+
+def _draw_ranks(popularity: Popularity, rng: np.random.Generator) -> np.ndarray:
+    """[adapters] LoRA rank per adapter: the generator's first draw, so `adapter_ranks` repeats it."""
+    mix = popularity.rank_mix
+    return rng.choice(list(mix), size=popularity.adapters, p=np.array(list(mix.values())) / sum(mix.values()))
 
 
 def _drifting_adapters(trace: Trace, popularity: Popularity, rng: np.random.Generator) -> np.ndarray:

@@ -113,7 +113,7 @@ class FirstFit:
 class LeastLoadedLRUAffinity:
     """Least loaded, but a worker already holding the adapter on its GPU wins while its load is within
     `slack` requests of the least loaded: the cache-affinity router of systems whose worker caches
-    are LRU (which cache the workers run is theirs, not the policy's: see AdapterCache)."""
+    are LRU (which cache the workers run is theirs, not the policy's: see AdapterTiers)."""
 
     name = "least-loaded-lru"
 

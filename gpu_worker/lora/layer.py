@@ -1,11 +1,12 @@
 """LoRALinear: a base projection plus stacked adapter slots, applied through `kernels`.
 
-Lifecycle (as in vLLM): created with the base weight; `init_slots` allocates `num_slots` empty
-slots (one LoRAStack: every slot's A/B in one tensor, so CUDA graphs see fixed addresses);
-`set_slot` copies an adapter's A/B in, `reset_slot` empties it; each forward reads the step's
-segment -> slot mapping from the forward context. A fused projection (qkv, gate_up) has one
-output slice per original projection, and an adapter may target any subset of them. One class
-serves every projection.
+Lifecycle (as in vLLM): created with the base weight; `init_slots` gives it `num_slots` empty
+slots (one LoRAStack: per-slot tables of where each adapter's A/B lie in the model's one
+AdapterArena, packed at their true ranks; tables and arena never move, so CUDA graphs see fixed
+addresses); `set_slot` packs an adapter's A/B into the arena, `reset_slot` frees and empties it;
+each forward reads the step's segment -> slot mapping from the forward context. A fused projection
+(qkv, gate_up) has one output slice per original projection, and an adapter may target any subset
+of them, each at a rank of its own. One class serves every projection.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 import kernels
 from gpu_worker.forward_context import get_forward_context
+from kernels.lora_stack import packed_elems
 
 
 class LoRALinear(nn.Module):
@@ -31,13 +33,20 @@ class LoRALinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
         self.lora: kernels.LoRAStack | None = None
 
-    def init_slots(self, num_slots: int, max_rank: int) -> None:
-        """Allocate the adapter slots on the weight's device and dtype (after the model is moved)."""
-        self.lora = kernels.LoRAStack.empty(num_slots, self.in_features, self.out_sizes, max_rank,
-                                            self.weight.dtype, self.weight.device)
+    def init_slots(self, num_slots: int, max_rank: int, arena: kernels.AdapterArena) -> None:
+        """Give the projection its adapter slots in `arena`, the model's adapter memory (on the weight's
+        device and in its dtype: created after the model is moved)."""
+        assert arena.dtype == self.weight.dtype and arena.device == self.weight.device, (arena.dtype, arena.device)
+        self.lora = kernels.LoRAStack.empty(num_slots, self.in_features, self.out_sizes, max_rank, arena)
 
-    def set_slot(self, slot: int, slices: Mapping[int, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
-        """slices: output slice -> (A [rank, in_features], B [slice out size, rank])."""
+    def slot_elems(self, slice_ranks: Sequence[int]) -> int:
+        """Arena elements an adapter with these per-slice ranks (0: slice not targeted) needs here."""
+        return packed_elems(self.in_features, self.out_sizes, slice_ranks)
+
+    def set_slot(self, slot: int, slices: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+                 scaling: float | Mapping[int, float]) -> None:
+        """slices: output slice -> (A [rank, in_features], B [slice out size, rank]); scaling: one, or one
+        per targeted slice."""
         assert self.lora is not None, "init_slots first"
         self.lora.set_slot(slot, slices, scaling)
 

@@ -5,7 +5,8 @@ weights are read only from adapter_model.safetensors (a pickle `.bin` is never u
 content digest of adapter_config.json and the weights (services/common/adapter_layout.py) must equal
 the registry's record, and both are parsed from the very bytes that were hashed, so neither file can
 change between check and use. The config is strict JSON and its r / lora_alpha are bounded as at
-registration. Errors name the cause, not the adapter: AdapterPool names it.
+registration. Errors name the cause, not the adapter: the adapter manager names it. It runs on the
+adapter loader threads (lora/adapter_manager.py), never on the engine thread.
 """
 
 from __future__ import annotations

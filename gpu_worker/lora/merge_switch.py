@@ -51,6 +51,11 @@ class MergeSwitch:
             self._unmerge()
         return adapter is not None and self._merge(*adapter)
 
+    def release_slot(self, slot: int) -> None:
+        """`slot`'s adapter leaves GPU memory: restore the base weights if it is the one merged."""
+        if self._merged is not None and self._merged[0] == slot:
+            self._unmerge()
+
     def warm_up(self) -> None:
         """Compile the merge and restore kernels for all these projections before serving. A merge
         targets those its adapter does; the kernels differ only by the weights' dtype, alignment and

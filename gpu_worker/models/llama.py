@@ -196,10 +196,19 @@ class LlamaForCausalLM(nn.Module):
                 served[(i, target)] = (layer.get_submodule(path), out_slice)
         return served
 
-    def init_lora_slots(self, num_slots: int, max_rank: int, targets: Iterable[str]) -> None:
-        """Give the projections serving `targets` their adapter slots."""
+    def init_lora_slots(self, num_slots: int, max_rank: int, targets: Iterable[str],
+                        arena: kernels.AdapterArena) -> None:
+        """Give the projections serving `targets` their adapter slots, all in `arena`."""
         for module in {id(m): m for m, _ in self.lora_layers(targets).values()}.values():
-            module.init_slots(num_slots, max_rank)
+            module.init_slots(num_slots, max_rank, arena)
+
+    def lora_adapter_elems(self, max_rank: int, targets: Iterable[str]) -> int:
+        """Arena elements the largest servable adapter takes: rank max_rank on every slice serving `targets`."""
+        served: dict[int, tuple[LoRALinear, set[int]]] = {}
+        for module, out_slice in self.lora_layers(targets).values():
+            served.setdefault(id(module), (module, set()))[1].add(out_slice)
+        return sum(module.slot_elems([max_rank if s in slices else 0 for s in range(len(module.out_sizes))])
+                   for module, slices in served.values())
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """Copy checkpoint tensors (Hugging Face names) in; every parameter must be covered exactly."""

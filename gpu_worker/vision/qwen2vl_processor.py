@@ -39,14 +39,18 @@ class Qwen2VLPromptProcessor:
         return cls(AutoTokenizer.from_pretrained(directory), AutoImageProcessor.from_pretrained(directory))
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], *, add_generation_prompt: bool,
-                            tokenize: bool, return_dict: bool, return_tensors: str) -> BatchFeature:
+                            tokenize: bool, return_dict: bool = False,
+                            return_tensors: str | None = None) -> BatchFeature | str:
         """`conversation`: messages whose content is a list of parts, {"type": "text", "text": ...} or
         {"type": "image", "image": <PIL image>}. -> input_ids, attention_mask, mm_token_type_ids [1, n]
         and, with images, pixel_values and image_grid_thw; ValueError where the images do not fit the
-        text (as the processor's)."""
-        assert tokenize and return_dict and return_tensors == "pt", "only what PromptEncoder asks for"
+        text (as the processor's). tokenize=False: the rendered text, one placeholder per image (as the
+        processor's)."""
         text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                   tokenize=False)
+        if not tokenize:
+            return text
+        assert return_dict and return_tensors == "pt", "only what PromptEncoder asks for"
         images: list[Image.Image] = [part["image"] for message in conversation for part in message["content"]
                                      if isinstance(part, dict) and part.get("type") == "image"]
         pieces = text.split(IMAGE_TOKEN)

@@ -12,12 +12,13 @@ its slice is untargeted or its slot empty.
 
 Grids come from host ints only (num_tokens, the batch's capacity, the stack's shape;
 max_group_len only picks the configuration), and every per-step value is read from device
-tensors, so both ops can be captured in a CUDA graph and replayed with new batch and slot
-contents. Tile shapes come from the offline-tuned table (kernels/tiling.py), by shape bucket.
+tensors (the batch's groups, the slot tables, the arena), so both ops can be captured in a CUDA
+graph and replayed with new batch and slot contents, adapters loaded, moved or freed. Tile shapes come from the offline-tuned table (kernels/tiling.py), by shape bucket.
 
-Under PDL (kernels/triton/pdl.py) both kernels read the batch metadata, the ranks and their first
-weight tile before waiting on the kernel launched just before them: that kernel must not write the
-stack or the batch's device tensors. The engine loads adapters and copies batches in between steps.
+Under PDL (kernels/triton/pdl.py) both kernels read the batch metadata, the slot's table entries
+(rank and arena offset, loaded together) and their first weight tile before waiting on the kernel
+launched just before them: that kernel must not write the arena, the stack's tables or the batch's
+device tensors. The engine loads adapters and copies batches in between steps.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import tiling
+from kernels.adapter_arena import ALIGN
 from kernels.batch import LoRABatch
 from kernels.lora_stack import LoRAStack
 from kernels.tiling import ExpandConfig
@@ -46,7 +47,7 @@ def _rank_classes(block_r: int) -> int:
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
                 config: ExpandConfig | None = None, compile_only: bool = False) -> None:
-    """out[t, slice s columns] += y.sum(0)[t, s, :r] @ stack.b[slot, :r, slice s columns], in place.
+    """out[t, slice s columns] += y.sum(0)[t, s, :r] @ B_sᵀ [r, slice s columns] of the slot's adapter, in place.
 
     out: [num_tokens, out_features] the base projection's output (any float dtype)
     y:   [splits, num_tokens, num_slices, max_rank] from lora_shrink (splits a power of 2; `y_dtype`)
@@ -72,13 +73,14 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
     tile_rows = cfg.block_m * cfg.m_steps  # a program's M span
     m_tiles = m_tile_bound(batch, tile_rows)
     block_r = rank_tile(stack, batch)
-    args = (y, stack.b, out, stack.ranks, batch.starts, batch.lens, batch.slots, rows_arg(out, batch),
-            batch.capacity, *ends, *tile_starts, cfg.n_steps, stack.max_rank,
-            *y.stride(), *stack.b.stride(), out.stride(0), out.stride(1), stack.ranks.stride(0))
+    args = (y, stack.arena.data, out, stack.b_offsets, stack.ranks, batch.starts, batch.lens, batch.slots,
+            rows_arg(out, batch), batch.capacity, stack.num_slices, *ends, *tile_starts, cfg.n_steps, stack.max_rank,
+            *y.stride(), out.stride(0), out.stride(1))
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=y.shape[0],
                   GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=one_tile_per_group(batch, tile_rows),
-                  GATHER=batch.rows is not None, DOT_PRECISION=dot_precision(stack.b.dtype), STAGES=cfg.num_stages,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(out.device))
+                  GATHER=batch.rows is not None, DOT_PRECISION=dot_precision(stack.dtype), STAGES=cfg.num_stages,
+                  ARENA_ALIGN=ALIGN, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **pdl.launch_options(out.device))
     if cfg.stationary:
         launcher(_stationary_kernel, (sum(tiles), m_tiles), compile_only)(
             *args, M_STEPS=cfg.m_steps, RANK_CLASSES=_rank_classes(block_r), **common)
@@ -90,40 +92,38 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
 
 @triton.jit(**PER_STEP)
 def _expand_kernel(
-    y_ptr, b_ptr, out_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
-    num_groups, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank,
+    y_ptr, arena_ptr, out_ptr, b_offsets_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
+    num_groups, num_slices, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank,
     stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
-    stride_b_slot, stride_b_rank, stride_bn,
     stride_om, stride_on,
-    stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PREFETCH_B: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, RANK_CLASSES: tl.constexpr,
-    PDL: tl.constexpr,
+    ARENA_ALIGN: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Before the wait: what no kernel of the step writes (batch metadata, ranks, small tiles' first B tile),
+    # Before the wait: what no kernel of the step writes (batch metadata, the slot's tables, small tiles' first
+    # B tile),
     # so that it is in flight while the previous kernel drains. y and out come after it.
     # grid: (M-tile, N-tile)
     slot, rows, m_mask = find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
                                    BLOCK_M, GROUP_BLOCK, ONE_TILE, GATHER)
-    slice_idx, offs_n, span_end = _column_span(tl.program_id(1), end0, end1, end2, tile_start1, tile_start2, n_steps,
-                                               BLOCK_N)
+    slice_idx, offs_n, span_end, slice_begin, slice_end = _column_span(tl.program_id(1), end0, end1, end2,
+                                                                      tile_start1, tile_start2, n_steps, BLOCK_N)
+    rank, b_ptr, b_stride = _slot_slice(ranks_ptr, b_offsets_ptr, arena_ptr, slot, slice_idx, num_slices, slice_begin,
+                                        slice_end, ARENA_ALIGN)
     offs_r = tl.arange(0, BLOCK_R)
-    # 0 for the grid's slack past the last tile, an empty slot, or an untargeted slice
-    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx, mask=slot >= 0, other=0)
     r_mask = offs_r < rank
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
-    if PREFETCH_B:  # [BLOCK_R, BLOCK_N] tile of stack.b (Bᵀ) of the first step
+    b_ptrs = b_ptr + offs_r[:, None] * b_stride + offs_n[None, :]
+    if PREFETCH_B:  # [BLOCK_R, BLOCK_N] tile of B_sᵀ of the first step
         b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
     pdl.wait_for_inputs(PDL)
     if PIPELINE:  # plain column steps: the compiler's pipeliner streams out and B tiles through shared memory
         if rank == 0:  # out is never written
             return
         pdl.start_dependents(PDL)
-        _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
-                         n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                         stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES, SPLIT, DOT_PRECISION,
-                         STAGES)
+        _pipelined_steps(y_ptr, b_ptr, b_stride, out_ptr, rows, m_mask, slice_idx, rank, max_rank, offs_n, span_end,
+                         n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
+                         BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES, SPLIT, DOT_PRECISION, STAGES)
     else:
         # y and the first out tile do not need the rank: they are requested before branching on it
         # (branching first delays those loads by the rank's, which small expands feel).
@@ -141,7 +141,7 @@ def _expand_kernel(
             _add_product(out_ptrs, prev, y, b, m_mask[:, None] & (offs_n < span_end)[None, :], BLOCK_M, DOT_PRECISION)
             prev = nxt
             offs_n += BLOCK_N
-            b_ptrs += BLOCK_N * stride_bn
+            b_ptrs += BLOCK_N
             out_ptrs += BLOCK_N * stride_on
         for _ in range(1 if PREFETCH_B else 0, n_steps):
             n_mask = offs_n < span_end
@@ -150,39 +150,39 @@ def _expand_kernel(
             _add_product(out_ptrs, prev, y, b, m_mask[:, None] & n_mask[None, :], BLOCK_M, DOT_PRECISION)
             prev = nxt
             offs_n += BLOCK_N
-            b_ptrs += BLOCK_N * stride_bn
+            b_ptrs += BLOCK_N
             out_ptrs += BLOCK_N * stride_on
 
 
 @triton.jit(**PER_STEP)
 def _stationary_kernel(
-    y_ptr, b_ptr, out_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
-    num_groups, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank,
+    y_ptr, arena_ptr, out_ptr, b_offsets_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
+    num_groups, num_slices, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank,
     stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
-    stride_b_slot, stride_b_rank, stride_bn,
     stride_om, stride_on,
-    stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    M_STEPS: tl.constexpr, STAGES: tl.constexpr, RANK_CLASSES: tl.constexpr, PDL: tl.constexpr,
+    M_STEPS: tl.constexpr, STAGES: tl.constexpr, RANK_CLASSES: tl.constexpr, ARENA_ALIGN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # B-stationary expand (`_stationary_steps`). grid: (N-tile, M-tile of M_STEPS tiles of BLOCK_M rows), so that
     # a wave of programs covers a band of rows across all columns (M first was slower).
     slot, pos_begin, pos_end = find_span(tl.program_id(1), starts_ptr, lens_ptr, slots_ptr, num_groups,
                                          BLOCK_M * M_STEPS, GROUP_BLOCK, ONE_TILE)
-    slice_idx, offs_n, span_end = _column_span(tl.program_id(0), end0, end1, end2, tile_start1, tile_start2, n_steps,
-                                               BLOCK_N)
-    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx, mask=slot >= 0, other=0)
-    _stationary_steps(y_ptr, b_ptr, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank, offs_n,
-                      span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                      stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, M_STEPS, RANK_CLASSES, SPLIT, GATHER,
-                      DOT_PRECISION, STAGES, PDL)
+    slice_idx, offs_n, span_end, slice_begin, slice_end = _column_span(tl.program_id(0), end0, end1, end2,
+                                                                      tile_start1, tile_start2, n_steps, BLOCK_N)
+    rank, b_ptr, b_stride = _slot_slice(ranks_ptr, b_offsets_ptr, arena_ptr, slot, slice_idx, num_slices, slice_begin,
+                                        slice_end, ARENA_ALIGN)
+    _stationary_steps(y_ptr, b_ptr, b_stride, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank,
+                      offs_n, span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
+                      BLOCK_M, BLOCK_N, BLOCK_R, M_STEPS, RANK_CLASSES, SPLIT, GATHER, DOT_PRECISION, STAGES, PDL)
 
 
 @triton.jit
 def _column_span(pid_n, end0, end1, end2, tile_start1, tile_start2, n_steps, BLOCK_N: tl.constexpr):
-    """(slice, first BLOCK_N columns, end column) of N-tile pid_n. N-tiles run through slice 0, then 1, then 2,
-    and slice s spans columns [end_{s-1}, end_s) of out (end_{-1} = 0)."""
+    """(slice, first BLOCK_N columns, end column, the slice's first column, its end column) of N-tile pid_n.
+    N-tiles run through slice 0, then 1, then 2, and slice s spans columns [end_{s-1}, end_s) of out
+    (end_{-1} = 0)."""
     in1 = pid_n >= tile_start1
     in2 = pid_n >= tile_start2
     slice_idx = in1.to(tl.int32) + in2.to(tl.int32)
@@ -190,42 +190,53 @@ def _column_span(pid_n, end0, end1, end2, tile_start1, tile_start2, n_steps, BLO
     n_end = tl.where(in2, end2, tl.where(in1, end1, end0))
     span_begin = n_begin + (pid_n - tl.where(in2, tile_start2, tl.where(in1, tile_start1, 0))) * (BLOCK_N * n_steps)
     span_end = tl.minimum(n_end, span_begin + BLOCK_N * n_steps)  # this program's columns
-    return slice_idx, span_begin + tl.arange(0, BLOCK_N), span_end
+    return slice_idx, span_begin + tl.arange(0, BLOCK_N), span_end, n_begin, n_end
 
 
 @triton.jit
-def _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
-                     n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                     stride_bn, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
-                     CLASSES: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
+def _slot_slice(ranks_ptr, b_offsets_ptr, arena_ptr, slot, slice_idx, num_slices, slice_begin, slice_end,
+                ARENA_ALIGN: tl.constexpr):
+    """(rank, B pointer, B row stride) of the slot's adapter on this slice. B_sᵀ is [rank, slice width], rows
+    contiguous in the arena; the pointer is shifted so that out's column n of row r is b_ptr + r * b_stride + n.
+    Rank 0 for the grid's slack past the last tile, an empty slot or an untargeted slice. Both table entries are
+    loaded at once: their latency is one load's."""
+    entry = slot * num_slices + slice_idx
+    rank = tl.load(ranks_ptr + entry, mask=slot >= 0, other=0)
+    b_offset = tl.multiple_of(tl.load(b_offsets_ptr + entry, mask=slot >= 0, other=0), ARENA_ALIGN)
+    return rank, arena_ptr + b_offset - slice_begin, slice_end - slice_begin
+
+
+@triton.jit
+def _pipelined_steps(y_ptr, b_ptr, b_stride, out_ptr, rows, m_mask, slice_idx, rank, max_rank, offs_n, span_end,
+                     n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, CLASSES: tl.constexpr,
+                     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     """out[rows, this program's columns] += y[rows, :rank] @ B[:rank, columns], in column steps whose out and
     B tiles the compiler prefetches STAGES - 1 steps ahead through shared memory (a loop's own num_stages
     pipelines every load in it; the kernel's, only tl.dot's operands). The steps multiply the narrowest of
     CLASSES rank tiles (R, R/2, R/4) holding the adapter's rank: in a mixed batch, a low-rank adapter's
     programs multiply (and hold) a fraction of the batch's rank tile."""
     if CLASSES > 1 and rank <= R // 2:
-        _pipelined_steps(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
-                         n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                         stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, R // 2, CLASSES - 1, SPLIT, DOT_PRECISION,
-                         STAGES)
+        _pipelined_steps(y_ptr, b_ptr, b_stride, out_ptr, rows, m_mask, slice_idx, rank, max_rank, offs_n, span_end,
+                         n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
+                         BLOCK_M, BLOCK_N, R // 2, CLASSES - 1, SPLIT, DOT_PRECISION, STAGES)
     else:
-        _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
-                           n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot,
-                           stride_b_rank, stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, R, SPLIT, DOT_PRECISION,
-                           STAGES)
+        _pipelined_columns(y_ptr, b_ptr, b_stride, out_ptr, rows, m_mask, slice_idx, rank, max_rank, offs_n,
+                           span_end, n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om,
+                           stride_on, BLOCK_M, BLOCK_N, R, SPLIT, DOT_PRECISION, STAGES)
 
 
 @triton.jit
-def _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, rank, max_rank, offs_n, span_end,
-                       n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                       stride_bn, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
-                       SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
+def _pipelined_columns(y_ptr, b_ptr, b_stride, out_ptr, rows, m_mask, slice_idx, rank, max_rank, offs_n, span_end,
+                       n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     """_pipelined_steps with a rank tile of R >= rank."""
     offs_r = tl.arange(0, R)
     r_mask = offs_r < rank
     y = tl.where(r_mask[None, :], _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym,
                                           stride_y_slice, stride_y_rank, SPLIT, BLOCK_M), 0.0)
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank + offs_n[None, :] * stride_bn
+    b_ptrs = b_ptr + offs_r[:, None] * b_stride + offs_n[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     for _ in tl.range(0, n_steps, num_stages=STAGES):
         n_mask = offs_n < span_end
@@ -235,31 +246,31 @@ def _pipelined_columns(y_ptr, b_ptr, out_ptr, rows, m_mask, slot, slice_idx, ran
         acc = matmul(y, b, prev.to(tl.float32), BLOCK_M, DOT_PRECISION)
         tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
         offs_n += BLOCK_N
-        b_ptrs += BLOCK_N * stride_bn
+        b_ptrs += BLOCK_N
         out_ptrs += BLOCK_N * stride_on
 
 
 @triton.jit
-def _stationary_steps(y_ptr, b_ptr, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank, offs_n,
-                      span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot, stride_b_rank,
-                      stride_bn, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr,
-                      M_STEPS: tl.constexpr, CLASSES: tl.constexpr, SPLIT: tl.constexpr, GATHER: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+def _stationary_steps(y_ptr, b_ptr, b_stride, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank,
+                      offs_n, span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, M_STEPS: tl.constexpr,
+                      CLASSES: tl.constexpr, SPLIT: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      STAGES: tl.constexpr, PDL: tl.constexpr):
     """out[positions pos_begin..pos_end of the group, this program's columns] += y @ B[:rank, columns], B's tile
     read once (before the PDL wait), then M-tile after M-tile, each tile's y and out loads prefetched
     STAGES - 1 tiles ahead. The rank tile is the narrowest of CLASSES (R, R/2, R/4) holding the adapter's rank,
     as in `_pipelined_steps`."""
     if CLASSES > 1 and rank <= R // 2:
-        _stationary_steps(y_ptr, b_ptr, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank, offs_n,
-                          span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_b_slot,
-                          stride_b_rank, stride_bn, stride_om, stride_on, BLOCK_M, BLOCK_N, R // 2, M_STEPS,
-                          CLASSES - 1, SPLIT, GATHER, DOT_PRECISION, STAGES, PDL)
+        _stationary_steps(y_ptr, b_ptr, b_stride, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank,
+                          max_rank, offs_n, span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
+                          stride_om, stride_on, BLOCK_M, BLOCK_N, R // 2, M_STEPS, CLASSES - 1, SPLIT, GATHER,
+                          DOT_PRECISION, STAGES, PDL)
     else:
         offs_r = tl.arange(0, R)
         r_mask = offs_r < rank
         n_mask = offs_n < span_end
-        b = tl.load(b_ptr + slot.to(tl.int64) * stride_b_slot + offs_r[:, None] * stride_b_rank
-                    + offs_n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        b = tl.load(b_ptr + offs_r[:, None] * b_stride + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
+                    other=0.0)
         steps = tl.arange(0, M_STEPS)[:, None]
         if GATHER:  # every step's rows at once: loads in the loop whose address came from a load there (the
             #         rows) were not prefetched, which made such expands markedly slower
@@ -289,7 +300,7 @@ def _stationary_steps(y_ptr, b_ptr, out_ptr, rows_ptr, slot, pos_begin, pos_end,
 @triton.jit
 def _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
             SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """y[rows, slice, offs_r] summed over its planes (`_sum_of_planes`); columns past the stack's padded rank read as 0
+    """y[rows, slice, offs_r] summed over its planes (`_sum_of_planes`); columns past the stack's max rank read as 0
     (a host int: the loads stay vectorized), those past the adapter's own rank are the caller's to mask."""
     y_ptrs = y_ptr + rows[:, None] * stride_ym + slice_idx * stride_y_slice + offs_r[None, :] * stride_y_rank
     y_mask = m_mask[:, None] & (offs_r < max_rank)[None, :]

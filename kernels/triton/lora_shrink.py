@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels import tiling
+from kernels.adapter_arena import ALIGN
 from kernels.batch import LoRABatch
 from kernels.lora_stack import LoRAStack
 from kernels.tiling import ShrinkConfig
@@ -37,15 +38,16 @@ def y_dtype(split_k: int, dtype: torch.dtype) -> torch.dtype:
 
 def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
                 config: ShrinkConfig | None = None, compile_only: bool = False) -> torch.Tensor:
-    """y.sum(0)[t, s, :r] = scaling[slot] * x[t] @ A[slot, s, :r]ᵀ for tokens of groups using a
-    slot, and zeros past r up to the batch's rank tile (`rank_tile`); other entries are unspecified.
+    """y.sum(0)[t, s, :r] = scaling[slot, s] * x[t] @ A_sᵀ of the slot's adapter (rank r on slice s) for
+    tokens of groups using a slot, and zeros past r up to the batch's rank tile (`rank_tile`); other
+    entries are unspecified.
 
-    x:      [num_tokens, in_features], stack.a's dtype
+    x:      [num_tokens, in_features], the arena's dtype
     returns y: [split_k, num_tokens, num_slices, max_rank] (`y_dtype`), one partial sum over K a plane
     compile_only: compile the kernel for these arguments without launching it (kernels.tuner)
     """
     stack.check_shrink_args(x, batch)
-    assert x.dtype == stack.a.dtype, (x.dtype, stack.a.dtype)
+    assert x.dtype == stack.dtype, (x.dtype, stack.dtype)
     cfg = config or tiling.shrink_config(stack, batch)
     assert cfg.block_m >= 1 and cfg.block_k >= 16 and is_pow2(cfg.split_k), cfg  # expand: tl.arange(split_k)
     y = torch.empty(cfg.split_k, batch.num_tokens, stack.num_slices, stack.max_rank,
@@ -59,34 +61,31 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
     assert is_pow2(rank_block) and (cfg.block_m < 16 or rank_block >= 16), cfg  # tl.dot: N >= 16
     grid = (m_tile_bound(batch, cfg.block_m), stack.num_slices * cfg.split_k * (block_r // rank_block))
     launcher(_shrink_kernel, grid, compile_only)(
-        x, stack.a, y, stack.ranks, stack.scalings, batch.starts, batch.lens, batch.slots, rows_arg(x, batch),
-        batch.capacity, stack.in_features, stack.num_slices, cfg.split_k, k_per_split, stack.max_rank,
+        x, stack.arena.data, y, stack.a_offsets, stack.ranks, stack.scalings, batch.starts, batch.lens, batch.slots,
+        rows_arg(x, batch), batch.capacity, stack.in_features, stack.num_slices, cfg.split_k, k_per_split,
+        stack.max_rank,
         x.stride(0), x.stride(1),
-        *stack.a.stride(),
         *y.stride(),
-        stack.ranks.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=rank_block,
         GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=dot_precision(x.dtype), ONE_STEP=k_per_split == cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
+        ARENA_ALIGN=ALIGN, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )
     return y
 
 
 @triton.jit(**PER_STEP)
 def _shrink_kernel(
-    x_ptr, a_ptr, y_ptr, ranks_ptr, scalings_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
+    x_ptr, arena_ptr, y_ptr, a_offsets_ptr, ranks_ptr, scalings_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
     num_groups, in_features, num_slices, split_k, k_per_split, y_ranks,
     stride_xm, stride_xk,
-    stride_a_slot, stride_a_slice, stride_a_rank, stride_ak,
     stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
-    stride_ranks_slot,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_STEP: tl.constexpr, PDL: tl.constexpr,
+    ONE_STEP: tl.constexpr, ARENA_ALIGN: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Before the wait: what no kernel of the step writes (batch metadata, ranks, A), so that it is
-    # in flight while the previous kernel drains. x comes after it.
+    # Before the wait: what no kernel of the step writes (batch metadata, the slot's tables, A), so that
+    # it is in flight while the previous kernel drains. x comes after it.
     # grid: (M-tile, (rank block * slices + slice) * split_k + split); BLOCK_R ranks a program
     slot, rows, m_mask = find_tile(starts_ptr, lens_ptr, slots_ptr, rows_ptr, num_groups,
                                    BLOCK_M, GROUP_BLOCK, ONE_TILE, GATHER)
@@ -94,14 +93,17 @@ def _shrink_kernel(
     split = pid % split_k
     slice_idx = (pid // split_k) % num_slices
     r_begin = (pid // (split_k * num_slices)) * BLOCK_R
-    # 0 for the grid's slack past the last tile, an empty slot or an untargeted slice
-    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + slice_idx, mask=slot >= 0, other=0)
+    # The slot's rank and A_s offset on this slice, loaded together (one round trip); rank 0 for the
+    # grid's slack past the last tile, an empty slot or an untargeted slice.
+    entry = slot * num_slices + slice_idx
+    rank = tl.load(ranks_ptr + entry, mask=slot >= 0, other=0)
+    a_offset = tl.multiple_of(tl.load(a_offsets_ptr + entry, mask=slot >= 0, other=0), ARENA_ALIGN)
     k_begin = split * k_per_split
     offs_r = r_begin + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank  # the slice's true rank: padded rows of A are never read
+    r_mask = offs_r < rank  # the slice's true rank: rows past it are another block's or another adapter's
     offs_k = k_begin + tl.arange(0, BLOCK_K)
-    a_ptrs = (a_ptr + slot.to(tl.int64) * stride_a_slot + slice_idx * stride_a_slice
-              + offs_r[None, :] * stride_a_rank + offs_k[:, None] * stride_ak)  # [BLOCK_K, BLOCK_R] = Aᵀ tile
+    # A_s [rank, in_features], rows contiguous: a [BLOCK_K, BLOCK_R] tile of A_sᵀ
+    a_ptrs = arena_ptr + a_offset + offs_r[None, :] * in_features + offs_k[:, None]
     # k_per_split is a multiple of BLOCK_K: only in_features masks K.
     if ONE_STEP:  # a split's K range is one step: its whole A tile is read before the wait
         a = tl.load(a_ptrs, mask=r_mask[None, :] & (offs_k < in_features)[:, None], other=0.0)
@@ -116,7 +118,7 @@ def _shrink_kernel(
     if r_begin >= rank:  # ranks past this adapter's own
         tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=y_ptr.dtype.element_ty), mask=y_mask)
         return
-    scaling = tl.load(scalings_ptr + slot)
+    scaling = tl.load(scalings_ptr + entry)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if ONE_STEP:
@@ -129,7 +131,7 @@ def _shrink_kernel(
             a = tl.load(a_ptrs, mask=r_mask[None, :] & k_mask[:, None], other=0.0)
             acc = matmul(x, a, acc, BLOCK_M, DOT_PRECISION)
             x_ptrs += BLOCK_K * stride_xk
-            a_ptrs += BLOCK_K * stride_ak
+            a_ptrs += BLOCK_K
     pdl.start_dependents(PDL)
     # Every split stores its plane, an empty K range too (zeros): expand sums all planes.
     tl.store(y_ptrs, (acc * scaling).to(y_ptr.dtype.element_ty), mask=y_mask)

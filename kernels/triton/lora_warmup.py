@@ -73,19 +73,19 @@ def warm_up_lora(stacks: Iterable[LoRAStack], max_tokens: int, capacity: int) ->
     """Compile shrink and expand for every batch shape of every stack (one per distinct projection
     shape). `capacity`: the most groups a step's batch may hold (the adapter slots). Returns the
     variants requested."""
-    by_shape = {(s.in_features, s.out_offsets, s.max_rank, s.a.dtype): s for s in stacks}
+    by_shape = {(s.in_features, s.out_offsets, s.max_rank, s.dtype): s for s in stacks}
     shapes = list(batch_shapes(max_tokens, max(s.max_rank for s in by_shape.values()) if by_shape else 16))
     # Kernels scan up to max(64, capacity rounded up to a power of 2) groups: one capacity per scan size.
     capacities = sorted({min(group_block(c), capacity) for c in range(1, capacity + 1)})
     requested = 0
     for stack in by_shape.values():
-        x = torch.empty(max_tokens, stack.in_features, dtype=stack.a.dtype, device=stack.a.device)
-        out = torch.empty(max_tokens, stack.out_features, dtype=stack.a.dtype, device=stack.a.device)
+        x = torch.empty(max_tokens, stack.in_features, dtype=stack.dtype, device=stack.device)
+        out = torch.empty(max_tokens, stack.out_features, dtype=stack.dtype, device=stack.device)
         for shape in shapes:
             if shape.max_rank > triton.next_power_of_2(stack.max_rank):
                 continue
             for groups in capacities:
-                batch = _batch(shape, groups, stack.a.device)
+                batch = _batch(shape, groups, stack.device)
                 y = lora_shrink(x[:shape.tokens], stack, batch, compile_only=True)
                 lora_expand(out[:shape.tokens], y, stack, batch, compile_only=True)
                 requested += 2

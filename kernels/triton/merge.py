@@ -8,16 +8,18 @@ written for bandwidth:
 - every program is one independent [block_n, block_k] tile of W (a 7B's q,k,v,o at 64 x 128: 262k
   programs), so that many tiles' loads are in flight on every SM;
 - a program finds its task in one load: `program_tasks[pid]` (tasks' tiles laid end to end), then
-  the task's record (int64: slot 0's addresses and the per-slot strides; the slot's rank and
-  scaling are read on the device), so the launch description is built on the host once per set of
-  targets and serves every slot and every adapter loaded into it; tile t of a task is row block
+  the task's record (int64: the arena's address and where the slice's column of each slot table
+  is; the slot's A and Bᵀ offsets, rank and scaling are read from those tables on the device), so
+  the launch description is built on the host once per set of targets and serves every slot, every
+  adapter loaded into it and wherever a compaction moved it; tile t of a task is row block
   t // k_tiles, column block t % k_tiles, so consecutive programs sweep whole rows;
 - the W tile's load is issued first (evict_first: streamed once) and overlaps the loads of the B
   [block_n, r] and A [r, block_k] tiles (evict_last: L2-resident, shared by the task's tiles) and
   the one tl.dot (float32 accumulation); then two stores. A rank-0 task only stores the backup;
 - addresses and row strides come from memory, so the compiler cannot prove 16-byte alignment and
   would move 2 bytes per instruction: when the host finds every address and stride aligned it
-  says so (ALIGNED) and the kernel passes the hints that give 16-byte vector loads and stores.
+  says so (ALIGNED) and the kernel passes the hints that give 16-byte vector loads and stores (arena
+  offsets are multiples of kernels.adapter_arena.ALIGN elements by construction).
 
 Restore copies every backup back, `block` elements a program, found the same way.
 
@@ -113,14 +115,14 @@ class _Launch:
     dtype: tl.dtype
     aligned: bool                # every address and stride a multiple of 16 bytes
     vector: int                  # elements in 16 bytes
-    block_r: int = 0             # merge: the rank tile (the stacks' padded rank)
+    block_r: int = 0             # merge: the rank tile (the stacks' max rank, rounded up to a power of 2)
 
 
 def _checked_dtype_device(targets: tuple[MergeTarget, ...]) -> tuple[torch.dtype, torch.device, int]:
     dtype, device = targets[0].weight.dtype, targets[0].weight.device
     for t in targets:
-        assert t.weight.dtype == t.backup.dtype == t.stack.a.dtype == t.stack.b.dtype == dtype, "one dtype per launch"
-        assert t.weight.device == t.backup.device == t.stack.a.device == device, "one device per launch"
+        assert t.weight.dtype == t.backup.dtype == t.stack.dtype == dtype, "one dtype per launch"
+        assert t.weight.device == t.backup.device == t.stack.device == device, "one device per launch"
         assert t.weight.is_contiguous() and t.backup.is_contiguous() and t.backup.shape == t.weight.shape
     return dtype, device, targets[0].weight.element_size()
 
@@ -130,30 +132,27 @@ def _checked_dtype_device(targets: tuple[MergeTarget, ...]) -> tuple[torch.dtype
 # building the records in Python costs ~0.3 ms that the idle GPU would wait for.
 @lru_cache(maxsize=8)
 def _merge_launch(targets: tuple[MergeTarget, ...], config: MergeConfig) -> _Launch:
-    """Records hold slot 0's addresses and the per-slot strides, and the rank and scaling are read
-    on the device: one launch description serves every slot and every adapter loaded into it."""
+    """Records hold the addresses of the arena and of the slice's entry of slot 0 in each table, and the
+    kernel reads the slot's entries: one launch description serves every slot and every adapter loaded
+    into it, wherever it lies in the arena."""
     dtype, device, elem = _checked_dtype_device(targets)
     records, tiles, num_programs, block_r, address_bits = array("q"), [], 0, 16, 0
     for target in targets:
         stack = target.stack
         out_features, in_features = target.weight.shape
         assert (out_features, in_features) == (stack.out_features, stack.in_features), (target.weight.shape,)
-        a_stride, b_stride = stack.a.stride(), stack.b.stride()
-        assert a_stride[3] == 1 and a_stride[2] == in_features and b_stride[2] == 1, (a_stride, b_stride)  # rank-major
-        assert stack.ranks.stride(1) == 1 and stack.scalings.stride(0) == 1
         row_bytes, k_tiles = in_features * elem, -(-in_features // config.block_k)
-        w_rows, backup_rows = target.weight.data_ptr(), target.backup.data_ptr()
-        address_bits |= (w_rows | backup_rows | stack.a.data_ptr() | stack.b.data_ptr() | row_bytes
-                         | a_stride[0] * elem | a_stride[1] * elem | b_stride[0] * elem | b_stride[1] * elem)
+        w_rows, backup_rows, arena = target.weight.data_ptr(), target.backup.data_ptr(), stack.arena.data.data_ptr()
+        address_bits |= w_rows | backup_rows | arena | row_bytes
         block_r = max(block_r, 1 << (stack.max_rank - 1).bit_length())
+        tables = [(t.data_ptr(), t.element_size()) for t in (stack.a_offsets, stack.b_offsets, stack.scalings,
+                                                              stack.ranks)]  # [slots, slices], contiguous
         for s in range(stack.num_slices):
             first, rows = stack.out_offsets[s], stack.out_offsets[s + 1] - stack.out_offsets[s]
-            address_bits |= (first | rows) * elem  # the slice's columns of b
-            records.extend((w_rows + first * row_bytes, backup_rows + first * row_bytes,
-                            stack.a.data_ptr() + s * a_stride[1] * elem, stack.b.data_ptr() + first * elem,
-                            stack.scalings.data_ptr(), stack.ranks.data_ptr() + s * stack.ranks.element_size(),
-                            a_stride[0], b_stride[0], stack.ranks.stride(0),
-                            rows, in_features, b_stride[1], num_programs))
+            address_bits |= rows * elem  # Bᵀ's row stride
+            records.extend((w_rows + first * row_bytes, backup_rows + first * row_bytes, arena,
+                            *(table + s * size for table, size in tables), stack.num_slices,
+                            rows, in_features, num_programs))
             tiles.append(-(-rows // config.block_n) * k_tiles)
             num_programs += tiles[-1]
     return _Launch(_program_tasks(tuple(tiles), device), torch.frombuffer(records, dtype=torch.int64).to(device),
@@ -185,26 +184,23 @@ def _merge_kernel(program_tasks, records, slot,
                   DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                   ALIGNED: tl.constexpr, VECTOR: tl.constexpr):
     pid = tl.program_id(0)
-    record = records + tl.load(program_tasks + pid).to(tl.int64) * 13  # the host's record layout
+    record = records + tl.load(program_tasks + pid).to(tl.int64) * 11  # the host's record layout
     w_rows = tl.load(record + 0).to(tl.pointer_type(DTYPE))
     backup_rows = tl.load(record + 1).to(tl.pointer_type(DTYPE))
-    slot = slot.to(tl.int64)
-    a_ptr = tl.load(record + 2).to(tl.pointer_type(DTYPE)) + slot * tl.load(record + 6)
-    b_ptr = tl.load(record + 3).to(tl.pointer_type(DTYPE)) + slot * tl.load(record + 7)
-    scaling_ptr = tl.load(record + 4).to(tl.pointer_type(tl.float32)) + slot
-    rank_ptr = tl.load(record + 5).to(tl.pointer_type(tl.int32)) + slot * tl.load(record + 8)
-    num_rows = tl.load(record + 9).to(tl.int32)
-    in_features = tl.load(record + 10).to(tl.int32)
-    b_rank_stride = tl.load(record + 11).to(tl.int32)
-    tile = pid - tl.load(record + 12).to(tl.int32)
+    arena = tl.load(record + 2).to(tl.pointer_type(DTYPE))
+    entry = slot.to(tl.int64) * tl.load(record + 7)  # the slot's row of the [slots, slices] tables
+    a_offset_ptr = tl.load(record + 3).to(tl.pointer_type(tl.int64)) + entry
+    b_offset_ptr = tl.load(record + 4).to(tl.pointer_type(tl.int64)) + entry
+    scaling_ptr = tl.load(record + 5).to(tl.pointer_type(tl.float32)) + entry
+    rank_ptr = tl.load(record + 6).to(tl.pointer_type(tl.int32)) + entry
+    num_rows = tl.load(record + 8).to(tl.int32)
+    in_features = tl.load(record + 9).to(tl.int32)
+    tile = pid - tl.load(record + 10).to(tl.int32)
     if ALIGNED:  # the host checked: every address 16-byte aligned, strides multiples of VECTOR elements
         w_rows = tl.multiple_of(w_rows, 16)
         backup_rows = tl.multiple_of(backup_rows, 16)
-        a_ptr = tl.multiple_of(a_ptr, 16)
-        b_ptr = tl.multiple_of(b_ptr, 16)
         in_features = tl.multiple_of(in_features, VECTOR)
-        b_rank_stride = tl.multiple_of(b_rank_stride, VECTOR)
-        num_rows = tl.multiple_of(num_rows, VECTOR)  # masks B's contiguous axis: keeps its loads 16 B
+        num_rows = tl.multiple_of(num_rows, VECTOR)  # Bᵀ's row stride, and masks its contiguous axis: 16 B loads
     k_tiles = tl.cdiv(in_features, BLOCK_K)
     offs_n = (tile // k_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)   # rows of the task's slice
     offs_k = (tile % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)    # columns
@@ -212,10 +208,16 @@ def _merge_kernel(program_tasks, records, slot,
     w_offs = offs_n[:, None].to(tl.int64) * in_features + offs_k[None, :]
     w_mask = n_mask[:, None] & k_mask[None, :]
     w = tl.load(w_rows + w_offs, mask=w_mask, eviction_policy="evict_first")  # [BLOCK_N, BLOCK_K], in flight
+    # The slot's table entries, after W's load is issued (nothing of it depends on them).
     rank = tl.load(rank_ptr)
+    a_ptr = arena + tl.load(a_offset_ptr)  # A_s [rank, in_features]
+    b_ptr = arena + tl.load(b_offset_ptr)  # B_sᵀ [rank, num_rows]
+    if ALIGNED:  # arena offsets are multiples of ALIGN elements
+        a_ptr = tl.multiple_of(a_ptr, 16)
+        b_ptr = tl.multiple_of(b_ptr, 16)
     if rank > 0:  # 0: the slot's adapter does not target this slice (saved, left as it is)
         offs_r = tl.arange(0, BLOCK_R)
-        b = tl.load(b_ptr + offs_r[None, :].to(tl.int64) * b_rank_stride + offs_n[:, None],
+        b = tl.load(b_ptr + offs_r[None, :].to(tl.int64) * num_rows + offs_n[:, None],
                     mask=n_mask[:, None] & (offs_r < rank)[None, :], other=0.0,
                     eviction_policy="evict_last")                                  # [BLOCK_N, BLOCK_R] of Bᵀ's rows
         a = tl.load(a_ptr + offs_r[:, None].to(tl.int64) * in_features + offs_k[None, :],

@@ -95,7 +95,22 @@ class WorkerConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     max_num_seqs: int = 32
     max_batch_tokens: int = 4096  # tokens per forward pass; longer prompts are prefilled in chunks
-    adapter_slots: int = 8  # adapters resident in the engine at once
+    # Adapter tiers (gpu_worker/lora/adapter_manager.py). The GPU tier, in bytes: adapters packed by their
+    # true size (a rank-8 adapter takes 1/8 of a rank-64 one), reserved before the KV cache is sized.
+    # 0: room for adapter_slots adapters of max_lora_rank on every lora_target.
+    adapter_gpu_bytes: int = 0
+    adapter_slots: int = 8
+    # The host tier, in bytes (page-locked on CUDA): adapters read from disk once, verified, packed as the
+    # GPU holds them, and copied onto the GPU from here. 0: four times the GPU tier's bytes.
+    adapter_host_bytes: int = 0
+    adapter_loader_threads: int = 2  # threads reading adapters from disk into the host tier
+    adapter_eviction: str = "lfu"  # which adapter leaves a full tier: lfu (access frequency with decay) or lru
+    adapter_eviction_half_life_s: float = 60.0  # lfu: an access counts half as much after this long
+    # A failed load fails new requests for the same adapter version this long without reading it again.
+    adapter_failure_ttl_s: float = 10.0
+    # Every adapter load runs to its end on the engine thread, stalling every stream (the behaviour
+    # before the tiers): benchmarks/cold_start_bench.py's baseline, not for serving.
+    adapter_synchronous_loads: bool = False
     max_lora_rank: int = 64  # adapters of higher rank are refused by this worker
     # Projections that get adapter slots (memory: every slot holds max_lora_rank for each);
     # adapters targeting others are refused.

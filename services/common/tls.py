@@ -6,8 +6,9 @@ tls.dir (default {home}/tls; the directory 0700, every file 0600):
                           `tessera up`); tls.ca_key puts it elsewhere (compose keeps it out of the
                           volume the roles share)
   <role>.pem, -key.pem    registry | gateway | worker: the role's certificate (server and client
-                          auth; SANs: localhost, 127.0.0.1, ::1, the role's hosts in the config and
-                          tls.<role>_hosts) and its key
+                          auth; common name tessera-<role>, which methods only some roles may call
+                          check: services/common/peer_role.py; SANs: localhost, 127.0.0.1, ::1, the
+                          role's hosts in the config and tls.<role>_hosts) and its key
 
 The registry's and the workers' gRPC servers require a client certificate issued by the CA; every
 internal channel (gateway -> registry, gateway -> worker, worker -> registry, health probes)
@@ -71,6 +72,12 @@ class TlsPaths:
 
     def all_files(self) -> list[Path]:
         return [self.ca, self.ca_key, *(p for role in ROLES for p in (self.cert(role), self.key(role)))]
+
+
+def role_common_name(role: str) -> str:
+    """The common name of `role`'s certificate: who the holder is, to the servers it calls."""
+    assert role in ROLES, role
+    return f"tessera-{role}"
 
 
 def tls_paths(config: TesseraConfig) -> TlsPaths:
@@ -141,7 +148,7 @@ def _new_role_cert(role: str, names: Sequence[str], ca_cert: x509.Certificate, c
                    now: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = _new_key()
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Tessera"),
-                         x509.NameAttribute(NameOID.COMMON_NAME, f"tessera-{role}")])
+                         x509.NameAttribute(NameOID.COMMON_NAME, role_common_name(role))])
     cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - CLOCK_SKEW).not_valid_after(min(now + ROLE_VALIDITY, ca_cert.not_valid_after_utc))
@@ -298,6 +305,10 @@ def _role_problem(paths: TlsPaths, role: str, ca_cert: x509.Certificate, names: 
                 f"to {cert.not_valid_after_utc:%Y-%m-%d})")
     if not _same_key(key, cert):
         return f"{key_path} is not the key of {cert_path}"
+    common_names = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if common_names != [role_common_name(role)]:
+        return (f"{cert_path} is named {', '.join(map(str, common_names)) or 'nothing'}, not "
+                f"{role_common_name(role)}: it is not the {role}'s certificate")
     missing = [n for n in names if not _covers(cert, n)]
     if missing:
         return (f"{cert_path} does not name {', '.join(missing)}, by which this config reaches the {role} "

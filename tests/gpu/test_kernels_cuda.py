@@ -27,8 +27,7 @@ def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _on_cuda(stack: LoRAStack, dtype: torch.dtype) -> LoRAStack:
-    return LoRAStack(stack.a.to("cuda", dtype), stack.b.to("cuda", dtype), stack.ranks.cuda(), stack.scalings.cuda(),
-                     stack.out_offsets, [list(r) for r in stack.host_ranks])
+    return stack.copy(dtype, "cuda")
 
 
 def _lora_reference(stack, batch, x, out):
@@ -76,6 +75,42 @@ def test_lora_graph_replays_new_segments():
     graph.replay()
     host_live = LoRABatch.build(live.seg_lens, live.seg_slots, "cpu")
     expected = _lora_reference(stack, host_live, x.float().cpu(), base.float().cpu())
+    assert _rel_err(out.cpu(), expected) < BF16_REL
+
+
+def test_lora_graph_replays_over_adapters_replaced_and_moved_after_capture():
+    """The arena and the slot tables are allocated once and only their contents change: a graph captured
+    before slot 0 got an adapter of other ranks and scalings, and before the arena was compacted under
+    slots 1 and 4 (slot 2 freed), replays what is there now."""
+    stack, _ = make_stack("qkv", torch.float32)
+    cuda_stack = LoRAStack.standalone(stack.num_slots, stack.in_features, stack.out_sizes, stack.max_rank,
+                                      torch.bfloat16, "cuda")
+    for slot in range(stack.num_slots):
+        if any(stack.host_ranks[slot]):
+            cuda_stack.set_slot(slot, stack.slot_weights(slot), dict(enumerate(stack.host_scalings[slot])))
+    segments = ([2, 2, 3, 1], [0, NO_SLOT, 1, 4])
+    static = LoRABatch.build(*segments, "cuda", capacity=8, max_group_len=8)
+    x = torch.randn(8, stack.in_features, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(8, stack.out_features, device="cuda", dtype=torch.bfloat16)
+    base = torch.randn_like(out)
+
+    def step():
+        out.copy_(base)
+        kernels.lora_expand(out, kernels.lora_shrink(x, cuda_stack, static), cuda_stack, static)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    g = torch.Generator().manual_seed(5)
+    new = {s: (torch.randn(r, stack.in_features, generator=g) / stack.in_features ** 0.5,
+               torch.randn(stack.out_sizes[s], r, generator=g)) for s, r in ((0, 16), (2, 4))}
+    for target, device in ((stack, "cpu"), (cuda_stack, "cuda")):
+        target.set_slot(0, {s: (a.to(device), b.to(device)) for s, (a, b) in new.items()}, {0: 0.5, 2: 1.5})
+        target.reset_slot(2)
+    assert cuda_stack.arena.compact()
+    graph.replay()
+    expected = _lora_reference(stack, LoRABatch.build(*segments, "cpu"), x.float().cpu(), base.float().cpu())
     assert _rel_err(out.cpu(), expected) < BF16_REL
 
 
@@ -137,7 +172,7 @@ def _merge_with_reference(layouts, dtype: torch.dtype, max_rank: int, rank: int)
     torch.manual_seed(0)
     targets, references, originals = [], [], []
     for in_features, sizes, targeted in layouts:
-        stack = LoRAStack.empty(2, in_features, sizes, max_rank, dtype, "cuda")
+        stack = LoRAStack.standalone(2, in_features, sizes, max_rank, dtype, "cuda")
         stack.set_slot(1, {s: (torch.randn(rank, in_features, device="cuda", dtype=dtype) * 0.05,
                                torch.randn(sizes[s], rank, device="cuda", dtype=dtype) * 0.05)
                            for s in targeted}, 2.0)
@@ -266,7 +301,8 @@ def test_no_lora_kernel_compiles_after_warm_up():
     from tests.unit.kernels.test_lora_warmup import random_batch
 
     max_tokens, slots, max_rank = 1024, 8, 64
-    stacks = [LoRAStack.empty(slots, 512, sizes, max_rank, torch.bfloat16, "cuda") for sizes in ((512, 128, 128), (512,))]
+    stacks = [LoRAStack.standalone(slots, 512, sizes, max_rank, torch.bfloat16, "cuda")
+              for sizes in ((512, 128, 128), (512,))]
     with compiling_ahead():
         warm_up_lora(stacks, max_tokens, slots)
     with compiles_recorded() as compiled:

@@ -1,6 +1,8 @@
 """Mutual TLS in the running system (`tessera up`, TLS on by default): a process on loopback without
 a cluster certificate, or with one from another CA, can neither pose as a worker to the registry nor
-reach a worker's Generate and WatchState; clients reach the gateway's public port as before."""
+reach a worker's Generate and WatchState; nor can one with another role's cluster certificate (only
+the worker's registers and heartbeats, only the gateway's calls a worker); clients reach the
+gateway's public port as before."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import grpc
 import pytest
 
 from services.common.config import TesseraConfig, load_config
+from services.common.grpc_server import check_health
 from services.common.tls import ensure_cluster_certs, load_role_credentials, tls_paths
 from tessera.v1 import common_pb2, inference_pb2, inference_pb2_grpc, registry_pb2, registry_pb2_grpc, worker_pb2
 from tessera.v1 import worker_pb2_grpc
@@ -79,6 +82,56 @@ def test_a_worker_refuses_generate_and_watch_state_without_a_cluster_certificate
     with system.internal_channel(system.worker_grpc) as channel:  # the gateway's certificate gets through
         replies = list(worker_pb2_grpc.WorkerServiceStub(channel).Generate(generate, timeout=60))
     assert replies[-1].WhichOneof("payload") == "final"
+
+
+def role_channel(system: RunningSystem, address: str, role: str) -> grpc.Channel:
+    return dial(address, load_role_credentials(system.config, role).channel())
+
+
+def test_only_the_workers_certificate_registers_heartbeats_and_reports_placements(system: RunningSystem) -> None:
+    register = registry_pb2.RegisterWorkerRequest(address=FAKE_WORKER, device="cpu",
+                                                  base_model="tessera-demo-llama", capacity=32)
+    with role_channel(system, system.registry_grpc, "gateway") as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        for call, request in ((stub.RegisterWorker, register),
+                              (stub.Heartbeat, registry_pb2.HeartbeatRequest(worker_id="w1")),
+                              (stub.ReportPlacements, registry_pb2.ReportPlacementsRequest(worker_id="w1"))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, call
+            assert "tessera-worker" in err.value.details() and "tessera-gateway" in err.value.details()
+        workers = stub.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=10).workers  # reads stay open
+    assert FAKE_WORKER not in [w.address for w in workers]
+    # The worker's certificate gets past the role check to the store, which answers each call on its
+    # merits (requests that leave the running system as it is).
+    with role_channel(system, system.registry_grpc, "worker") as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterWorker(registry_pb2.RegisterWorkerRequest(
+                address=FAKE_WORKER, device="cpu", base_model="tessera-demo-llama", capacity=0), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "capacity" in err.value.details()
+        assert not stub.Heartbeat(registry_pb2.HeartbeatRequest(worker_id="w1"), timeout=10).known
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReportPlacements(registry_pb2.ReportPlacementsRequest(worker_id="w1"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("role", ["registry", "worker"])
+def test_only_the_gateways_certificate_calls_a_worker(system: RunningSystem, role: str) -> None:
+    generate = worker_pb2.WorkerGenerateRequest(request_id=f"posing-{role}", base_model="tessera-demo-llama",
+                                                text="hello", sampling=common_pb2.SamplingParams(max_tokens=2))
+    with role_channel(system, system.worker_grpc, role) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        for call in (lambda: next(stub.Generate(generate, timeout=10)),
+                     lambda: next(stub.WatchState(worker_pb2.WatchStateRequest(interval_ms=50), timeout=10)),
+                     lambda: stub.GetStats(worker_pb2.GetStatsRequest(), timeout=10)):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert f"tessera-{role}" in err.value.details() and "tessera-gateway" in err.value.details()
+    # The health service answers every cluster certificate.
+    credentials = load_role_credentials(system.config, role).channel()
+    assert check_health(system.worker_grpc, timeout_s=10, credentials=credentials)
 
 
 def test_clients_reach_the_gateways_public_port_without_a_certificate(system: RunningSystem) -> None:

@@ -86,16 +86,23 @@ def test_min_bytes_by_hand():
 
 # ---- inputs --------------------------------------------------------------------------------
 
-def test_random_stack_lays_copies_out_like_set_slot():
+def test_random_stack_packs_copies_at_their_true_ranks_like_set_slot():
     case = small_case("mixed", adapters=3)
     stack = kb.random_stack(case, 2, F32, "cpu", torch.Generator().manual_seed(0))
     assert stack.num_slots == 6 and stack.max_rank == 128 and stack.out_offsets == (0, 48)
     assert stack.host_ranks == [[8], [16], [32], [8], [16], [32]]
     assert stack.ranks[:, 0].tolist() == [8, 16, 32, 8, 16, 32]
-    assert stack.scalings.tolist() == list(case.adapter_scalings) * 2
-    for slot, (rank,) in enumerate(stack.host_ranks):  # weights up to the rank, zero padding past it
-        assert stack.a[slot, 0, :rank].abs().min() > 0 and not stack.a[slot, 0, rank:].any()
-        assert stack.b[slot, :rank].abs().min() > 0 and not stack.b[slot, rank:].any()
+    assert stack.scalings[:, 0].tolist() == list(case.adapter_scalings) * 2
+    assert stack.a_offsets.tolist() == stack.host_a_offsets and stack.b_offsets.tolist() == stack.host_b_offsets
+    # No padding: the arena is exactly the slots' packed sizes, every range its own.
+    assert stack.arena.capacity == stack.arena.used_elems == sum(stack.slot_elems(r) for r in stack.host_ranks)
+    ranges = sorted((a, b + rank * 48) for (a,), (b,), (rank,) in
+                    zip(stack.host_a_offsets, stack.host_b_offsets, stack.host_ranks))
+    assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:]))
+    for slot, (rank,) in enumerate(stack.host_ranks):  # fresh weights of the slot's rank, of the documented scale
+        a, b = stack.a_weight(slot, 0), stack.b_weight(slot, 0)
+        assert a.shape == b.shape == (rank, 48) and a.abs().min() > 0 and b.abs().min() > 0
+        assert 0.5 < a.std().item() * 48 ** 0.5 < 2 and 0.5 < b.std().item() * rank ** 0.5 < 2
     batch = kb.copy_batch(case, 1, "cpu")
     assert batch.seg_slots == tuple(3 + j for j in case.seg_adapters)
 
@@ -150,7 +157,7 @@ def test_torch_loop_uses_views_for_contiguous_tokens_and_indices_otherwise():
 
 
 def test_gather_bmm_pads_groups_as_documented():
-    stack = LoRAStack.empty(8, 16, (16,), 16, F32, "cpu")
+    stack = LoRAStack.standalone(8, 16, (16,), 16, F32, "cpu")
     for slot, rank in ((7, 4), (3, 8)):
         stack.set_slot(slot, {0: (torch.ones(rank, 16), torch.ones(16, rank))}, 1.0)
     op = impls.GatherBmm(stack, LoRABatch.build([1, 1, 1, 2, 1], [7, 3, 7, 0, 7], "cpu"))

@@ -1,8 +1,8 @@
-"""One worker's adapter tiers: GPU slots, pinned host memory, disk — and which adapter leaves when
-(an `Eviction` policy, services/common/scheduling/eviction.py). The host tier is inclusive:
-an adapter on the GPU also has its host copy, so evicting it from the GPU costs no copy back.
-Adapters in use (pinned) are never evicted. Timing (how long a load takes) is the caller's:
-`LoadCosts` prices it, the worker (or the simulator's worker) schedules it.
+"""One worker's adapter tiers: GPU memory, pinned host memory, disk — and which adapter leaves when
+(an `Eviction` policy, services/common/scheduling/eviction.py). The real worker
+(gpu_worker/lora/adapter_manager.py) and the cluster simulator's worker keep their tiers with the
+same class. Timing (how long a load takes) is the caller's: `LoadCosts` prices it, the worker (or the
+simulator's worker) schedules it.
 """
 
 from __future__ import annotations
@@ -22,44 +22,69 @@ class Tier(enum.IntEnum):
 
 @dataclass(frozen=True)
 class LoadCosts:
-    """Seconds to make an adapter GPU-resident from a tier: a fixed cost plus its bytes over a rate."""
+    """Seconds to make an adapter GPU-resident from a tier, in the worker's two stages: disk -> host
+    (a loader thread) then host -> GPU (the copy stream); each a fixed cost plus its bytes over a rate."""
 
     bytes_per_rank: int = 2 * 1024**2  # q,k,v,o of a Llama-2-7B in bf16: 4 proj · (A+B = 2·4096·r) · 2 B · 32 layers
-    host_fixed_s: float = 0.5e-3       # pinned host -> GPU copy launch and slot bookkeeping
+    host_fixed_s: float = 0.5e-3       # pinned host -> GPU copy launch and bookkeeping
     host_bytes_per_s: float = 25e9     # PCIe Gen5 x16, pinned memory
     disk_fixed_s: float = 20e-3        # open, safetensors header, registry lookup
-    disk_bytes_per_s: float = 1.5e9    # NVMe read, then the sha256 check, then the copy, one after another
+    disk_bytes_per_s: float = 1.5e9    # NVMe read, then the sha256 check and parse into pinned memory
 
     def adapter_bytes(self, rank: int) -> int:
         return self.bytes_per_rank * rank
+
+    def disk_to_host_s(self, rank: int) -> float:
+        return self.disk_fixed_s + self.adapter_bytes(rank) / self.disk_bytes_per_s
+
+    def host_to_gpu_s(self, rank: int) -> float:
+        return self.host_fixed_s + self.adapter_bytes(rank) / self.host_bytes_per_s
 
     def load_s(self, tier: Tier, rank: int) -> float:
         if tier is Tier.GPU:
             return 0.0
         if tier is Tier.HOST:
-            return self.host_fixed_s + self.adapter_bytes(rank) / self.host_bytes_per_s
-        return self.disk_fixed_s + self.adapter_bytes(rank) / self.disk_bytes_per_s
+            return self.host_to_gpu_s(rank)
+        return self.disk_to_host_s(rank) + self.host_to_gpu_s(rank)
 
 
-class AdapterCache:
-    """GPU slots and host slots of one worker, counted in adapters."""
+class AdapterTiers:
+    """One worker's GPU and host tiers, budgeted in bytes (the real worker's and the simulated one's).
 
-    def __init__(self, gpu_slots: int, host_slots: int, eviction: Eviction) -> None:
-        if gpu_slots < 1 or host_slots < gpu_slots:
-            raise ValueError(f"need 1 <= gpu_slots <= host_slots (inclusive host tier), got {gpu_slots}, {host_slots}")
-        self.gpu_slots = gpu_slots
-        self.host_slots = host_slots
+    Bookkeeping only: which adapter sits in which tier, what each occupies, what is pinned and which
+    adapter leaves when room is needed. Bytes are reserved when a load starts, so a load in flight
+    counts. The host tier is inclusive (a GPU adapter keeps its host copy), so `host_bytes` must be
+    at least `gpu_bytes`. Pinned adapters (a request holds them from arrival to its end, or an
+    operator pinned them) are never evicted from either tier. `place_*` return the adapters evicted
+    to make room, or None when nothing evictable frees enough (the caller retries after an unpin).
+    """
+
+    def __init__(self, gpu_bytes: int, host_bytes: int, eviction: Eviction, gpu_max_adapters: int | None = None) -> None:
+        """`gpu_max_adapters`: how many adapters the GPU holds at once at most, whatever their bytes
+        (the worker's kernel tables have that many rows); None: bytes alone bound it."""
+        if gpu_bytes < 1 or host_bytes < gpu_bytes:
+            raise ValueError(f"need 1 <= GPU bytes <= host bytes (the host tier holds every GPU adapter's "
+                             f"copy), got {gpu_bytes} and {host_bytes}")
+        if gpu_max_adapters is not None and gpu_max_adapters < 1:
+            raise ValueError(f"the GPU tier must hold at least one adapter, got {gpu_max_adapters}")
+        self.gpu_bytes = gpu_bytes
+        self.host_bytes = host_bytes
+        self.gpu_max_adapters = gpu_max_adapters
         self._eviction = eviction
         self._records: dict[str, Record] = {}
-        self._gpu: dict[str, int] = {}  # adapter -> rank
-        self._host: dict[str, None] = {}  # includes every GPU adapter; a dict for a seed-proof order
+        self._host: dict[str, int] = {}  # adapter -> bytes; every GPU adapter too
+        self._gpu: dict[str, None] = {}  # a dict, not a set: an order that no hash seed changes
         self._pins: dict[str, int] = {}
-        self.evictions = 0              # GPU evictions so far
+        self.evictions = {Tier.GPU: 0, Tier.HOST: 0}
 
     def tier(self, adapter: str) -> Tier:
         if adapter in self._gpu:
             return Tier.GPU
         return Tier.HOST if adapter in self._host else Tier.DISK
+
+    def size(self, adapter: str) -> int:
+        """Bytes `adapter` occupies in each tier it is in (0 if on disk only)."""
+        return self._host.get(adapter, 0)
 
     def touch(self, adapter: str, now: float) -> None:
         """Record an access (a request for `adapter` reached this worker)."""
@@ -76,32 +101,59 @@ class AdapterCache:
         else:
             del self._pins[adapter]
 
-    def stage_in_host(self, adapter: str) -> bool:
-        """Placement without a request (e.g. the registry's initial placement): copy `adapter` into
-        host memory if a slot is free; returns whether it is there now. Never evicts."""
-        if adapter not in self._host and len(self._host) < self.host_slots:
-            self._host[adapter] = None
+    def pinned(self, adapter: str) -> bool:
+        return adapter in self._pins
+
+    def place_in_host(self, adapter: str, nbytes: int) -> list[str] | None:
+        """Reserve `nbytes` of host memory for `adapter` (its load from disk starts now)."""
+        assert adapter not in self._host, f"{adapter} is already in host memory"
+        # Host-only adapters go first; an unpinned GPU adapter leaves both tiers only if they are not enough.
+        candidates = sorted((a for a in self._host if a not in self._pins), key=lambda a: (a in self._gpu, self._keep(a)))
+        victims = self._make_room(self.host_bytes - self.host_used, nbytes, candidates)
+        if victims is None:
+            return None
+        for victim in victims:
+            del self._host[victim]
+            if victim in self._gpu:
+                del self._gpu[victim]
+                self.evictions[Tier.GPU] += 1
+        self.evictions[Tier.HOST] += len(victims)
+        self._host[adapter] = nbytes
+        return victims
+
+    def resize(self, adapter: str, nbytes: int) -> None:
+        """A host-only adapter's true size, now that its load read it (it was placed at an upper bound)."""
+        assert adapter in self._host and adapter not in self._gpu and nbytes <= self._host[adapter], adapter
+        self._host[adapter] = nbytes
+
+    def stage_in_host(self, adapter: str, nbytes: int) -> bool:
+        """Placement without a request (an initial placement): `adapter` into host memory if it fits
+        in what is free; returns whether it is there now. Never evicts."""
+        if adapter not in self._host and nbytes <= self.host_bytes - self.host_used:
+            self._host[adapter] = nbytes
         return adapter in self._host
 
-    def admit_to_gpu(self, adapter: str, rank: int) -> Tier | None:
-        """Give `adapter` a GPU slot (its load starts now); returns the tier it loads from, or None when
-        every slot holds a pinned adapter (try again after an unpin)."""
-        source = self.tier(adapter)
-        assert source is not Tier.GPU, f"{adapter} is already on the GPU"
-        if len(self._gpu) >= self.gpu_slots:
-            victim = self._coldest(a for a in self._gpu if a not in self._pins)
-            if victim is None:
-                return None
+    def place_on_gpu(self, adapter: str) -> list[str] | None:
+        """Reserve GPU memory for `adapter`, which is in host memory (its copy starts now)."""
+        assert adapter in self._host and adapter not in self._gpu, f"{adapter} is not host-only"
+        # One more seat too when the GPU holds its most adapters: counted as bytes, each seat is a victim.
+        seats_short = 0 if self.gpu_max_adapters is None else max(0, len(self._gpu) + 1 - self.gpu_max_adapters)
+        victims = self._make_room(self.gpu_bytes - self.gpu_used, self._host[adapter],
+                                  sorted((a for a in self._gpu if a not in self._pins), key=self._keep), seats_short)
+        if victims is None:
+            return None
+        for victim in victims:
             del self._gpu[victim]  # its host copy stays
-            self.evictions += 1
-        if source is Tier.DISK:
-            if len(self._host) >= self.host_slots:
-                victim = self._coldest(a for a in self._host if a not in self._gpu)
-                assert victim is not None, "host tier smaller than the GPU tier"
-                del self._host[victim]
-            self._host[adapter] = None
-        self._gpu[adapter] = rank
-        return source
+        self.evictions[Tier.GPU] += len(victims)
+        self._gpu[adapter] = None
+        return victims
+
+    def drop(self, adapter: str) -> None:
+        """Forget `adapter` in every tier (deleted, replaced by a new version, or its load failed)."""
+        assert adapter not in self._pins, f"{adapter} is pinned"
+        self._gpu.pop(adapter, None)
+        self._host.pop(adapter, None)
+        self._records.pop(adapter, None)
 
     @property
     def gpu_adapters(self) -> frozenset[str]:
@@ -111,11 +163,30 @@ class AdapterCache:
     def host_adapters(self) -> frozenset[str]:
         return frozenset(self._host)
 
-    def gpu_ranks(self) -> int:
-        """Σ ranks of the GPU-resident adapters (bytes = this × LoadCosts.bytes_per_rank)."""
-        return sum(self._gpu.values())
+    @property
+    def gpu_used(self) -> int:
+        return sum(self._host[a] for a in self._gpu)
 
-    def _coldest(self, adapters) -> str | None:
-        # Staged but never requested adapters go first.
-        return min(adapters, key=lambda a: self._eviction.keep(self._records[a]) if a in self._records
-                   else -math.inf, default=None)
+    @property
+    def host_used(self) -> int:
+        return sum(self._host.values())
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an adapter of `nbytes` could ever be placed on the GPU (with everything else evicted)."""
+        return nbytes <= self.gpu_bytes
+
+    def _make_room(self, free: int, needed: int, candidates: list[str], min_victims: int = 0) -> list[str] | None:
+        """The first `candidates` (coldest first), at least `min_victims` of them, whose bytes, added to
+        `free`, make `needed`; None if all of them do not."""
+        victims: list[str] = []
+        for victim in candidates:
+            if free >= needed and len(victims) >= min_victims:
+                break
+            victims.append(victim)
+            free += self._host[victim]
+        return victims if free >= needed and len(victims) >= min_victims else None
+
+    def _keep(self, adapter: str) -> float:
+        # Placed but never requested adapters (preloads that nobody used) go first.
+        record = self._records.get(adapter)
+        return -math.inf if record is None else self._eviction.keep(record)

@@ -77,6 +77,9 @@ def broken_refs(tiny_assets):
     for name, (damage, recorded_as_damaged, _) in BROKEN.items():
         directory = tiny_assets.store / f"broken-{name}"
         shutil.copytree(good.storage_path, directory)
+        # Each copy its own content, so its own version: one with GOOD's digest would be GOOD, which the
+        # worker holds, verified, already.
+        _edit_config("copy", name)(directory)
         recorded = directory_digest(directory)
         damage(directory)
         refs[name] = dataclasses.replace(good, name=name, storage_path=str(directory),

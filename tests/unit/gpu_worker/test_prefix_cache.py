@@ -5,12 +5,16 @@ block comes back."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from transformers import AutoTokenizer
 
+from gpu_worker.block_hashes import block_hash
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.engine import StepRecord
 from gpu_worker.intake import GenerationRequest
+from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.sequence import SamplingParams, Sequence
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels, assert_same_greedy
@@ -136,3 +140,17 @@ def test_block_manager_shares_evicts_and_keeps_merged_kv_private():
     assert blocks.match_prefix(_sequence(list(range(10)))) == []
     blocks.free(merged)
     assert blocks.num_free_blocks == 4
+
+
+def test_blocks_key_the_adapter_by_its_weights_digest_not_its_name():
+    """A name registered again with new weights is another adapter to the cache (its K/V differ); two
+    names for the very same files are one."""
+    def hashes(adapter: AdapterRef | None) -> list[bytes]:
+        seq = Sequence("s", list(range(9)), SamplingParams(max_tokens=1), adapter, None)
+        return [block_hash(seq, index, 4) for index in range(2)]
+
+    v1 = AdapterRef("sql", DEMO_BASE_MODEL, 8, "a1" * 32, "/store/a1")
+    v2 = dataclasses.replace(v1, sha256="b2" * 32, storage_path="/store/b2")
+    alias = dataclasses.replace(v1, name="sql-copy")
+    assert hashes(alias) == hashes(v1)
+    assert not set(hashes(v1)) & set(hashes(v2)) and not set(hashes(v1)) & set(hashes(None))

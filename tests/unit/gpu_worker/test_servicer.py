@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
@@ -14,8 +15,10 @@ from gpu_worker.prompts import ChatMessage, ImagePart
 from gpu_worker.servicer import WorkerServicer, generation_request
 from gpu_worker.state_push import StateSource
 from services.demo_assets import DEMO_BASE_MODEL
+from services.common.config import load_config
 from services.common.errors import InvalidArgument
 from services.common.grpc_server import start_grpc_server
+from services.common.tls import ensure_cluster_certs, load_role_credentials
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .conftest import idle_stats
@@ -264,3 +267,45 @@ def test_get_stats_counts_prefix_cache_hits_and_queries(engine_factory, tiny_ass
         stats.prefix_cache_hit_tokens_total
     assert metrics.get_sample_value("tessera_worker_prefix_cache_query_tokens_total") == 2 * prompt_tokens
     assert metrics.get_sample_value("tessera_worker_prefix_cache_blocks") == stats.prefix_cache_blocks
+
+
+def test_only_the_gateways_certificate_reaches_the_workers_methods(engine_factory, tiny_assets, tmp_path):
+    """Mutual TLS as the worker serves it: the registry's or another worker's cluster certificate is
+    refused every WorkerService method; the gateway's gets through; the health service answers all."""
+    config = load_config(environ={"TESSERA_HOME": str(tmp_path)})
+    ensure_cluster_certs(config)
+    engine = engine_factory()
+    generate = _request(tiny_assets, text="hi", sampling=common_pb2.SamplingParams(max_tokens=2))
+
+    async def main() -> list[common_pb2.GenerateResponse]:
+        replies = []
+        server = await start_grpc_server(
+            "127.0.0.1:0", lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(
+                WorkerServicer(engine, StateSource(engine, PERF_MODEL, max_batch=32)), s),
+            ["tessera.v1.WorkerService"], load_role_credentials(config, "worker").server())
+        address = f"127.0.0.1:{server.port}"
+        try:
+            for role in ("registry", "worker", "gateway"):
+                async with grpc.aio.secure_channel(address, load_role_credentials(config, role).channel()) as ch:
+                    stub = worker_pb2_grpc.WorkerServiceStub(ch)
+                    health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    assert health.status == health_pb2.HealthCheckResponse.SERVING, role
+                    if role == "gateway":
+                        replies = [r async for r in stub.Generate(generate, timeout=30)]
+                        assert replies[-1].WhichOneof("payload") == "final"
+                        await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5)
+                        continue
+                    for call in (stub.Generate(generate, timeout=5).read(),
+                                 stub.WatchState(worker_pb2.WatchStateRequest(interval_ms=50), timeout=5).read(),
+                                 stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5)):
+                        with pytest.raises(grpc.aio.AioRpcError) as err:
+                            await call
+                        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, role
+                        assert f"tessera-{role}" in err.value.details() and "tessera-gateway" in err.value.details()
+        finally:
+            await server.stop(0)
+        return replies
+
+    replies = asyncio.run(main())
+    # The gateway's request alone ran.
+    assert idle_stats(engine).generated_tokens_total == sum(len(r.delta.token_ids) for r in replies) > 0

@@ -3,38 +3,31 @@
 from __future__ import annotations
 
 from gpu_worker.block_manager import BlockManager
-from gpu_worker.lora.adapter_pool import AdapterPool
-from gpu_worker.lora.loader import AdapterRef, LoRAWeights
 from gpu_worker.scheduler import Scheduler, SchedulerLimits
 from gpu_worker.sequence import SamplingParams, Sequence
 from gpu_worker.stats import SeqLoad, snapshot
 from gpu_worker.vision.image_cache import ImageFeatureCache
 
-
-class _Layer:
-    def set_slot(self, slot, slices, scaling):
-        pass
-
-    def reset_slot(self, slot):
-        pass
+from .adapter_fakes import Disk, manager, poll_until, ref
 
 
 def _scheduler(max_num_seqs: int) -> Scheduler:
-    pool = AdapterPool({(0, "q_proj"): (_Layer(), 0)}, num_slots=2,
-                       load=lambda ref: LoRAWeights(ref.name, ref.rank, 1.0, {(0, "q_proj"): (None, None)}))
-    return Scheduler(SchedulerLimits(max_num_seqs, max_batch_tokens=64), BlockManager(9, 4), pool)
+    adapters, _ = manager(2, Disk())
+    return Scheduler(SchedulerLimits(max_num_seqs, max_batch_tokens=64), BlockManager(9, 4), adapters)
 
 
 def test_running_sequences_count_their_context_and_waiting_ones_their_prompt():
     scheduler = _scheduler(max_num_seqs=1)
-    sql = AdapterRef("sql", "base", 8, "", "")
+    sql = ref("sql", rank=2)
     scheduler.add(Sequence("running", [1] * 6, SamplingParams(), sql, None))
     scheduler.add(Sequence("waiting", [1] * 3, SamplingParams(), None, None))
+    poll_until(scheduler.adapters, lambda: scheduler.adapters.resident(sql) is not None)
     scheduler.schedule()  # admits the first only: max_num_seqs=1
     stats = snapshot(scheduler, scheduler.adapters, None, generated_tokens_total=0)
-    assert (stats.running_requests, stats.waiting_requests, stats.running_ranks) == (1, 1, (8,))
-    assert stats.running_load == (SeqLoad("sql", 8, 6),) and stats.waiting_load == (SeqLoad(None, 0, 3),)
+    assert (stats.running_requests, stats.waiting_requests, stats.running_ranks) == (1, 1, (2,))
+    assert stats.running_load == (SeqLoad("sql", 2, 6),) and stats.waiting_load == (SeqLoad(None, 0, 3),)
     assert (stats.resident_adapters, stats.adapter_slots, stats.pinned_adapters) == (("sql",), 2, 1)
+    assert stats.adapters.gpu_adapters == ("sql",) and stats.adapters.gpu_capacity_bytes > 0
     assert stats.free_kv_tokens == (8 - 2) * 4  # two of the eight usable 4-token blocks hold the prompt
 
 

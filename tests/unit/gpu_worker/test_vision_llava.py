@@ -115,6 +115,10 @@ def test_preemption_recomputes_images_and_matches(llava_engine_factory, llava_as
     # Both caches off: with them, a recompute reuses the features or the KV instead of re-encoding.
     engine = llava_engine_factory(steps=steps, kv_cache_tokens=96, kv_block_size=8, image_cache_bytes=0,
                                   enable_prefix_caching=False)
+    # The adapters resident first: which sequences get preempted depends on when each is admitted.
+    run_all(engine, [GenerationRequest(f"warm-{name}", "warm", SamplingParams(max_tokens=1), ref)
+                     for name, ref in llava_assets.adapters.items()])
+    steps.clear()
     results = run_all(engine, _requests(llava_assets, CASES, "preempted"))
     _assert_match(reference, CASES, results)
     assert sum(step.num_preempted for step in steps) > 0

@@ -172,6 +172,10 @@ def test_preemption_recomputes_images_and_matches(qwen2vl_engine_factory, qwen2v
     steps = []
     engine = qwen2vl_engine_factory(steps=steps, kv_cache_tokens=80, kv_block_size=8, image_cache_bytes=0,
                                     enable_prefix_caching=False)
+    # The adapters resident first: which sequences get preempted depends on when each is admitted.
+    run_all(engine, [GenerationRequest(f"warm-{name}", "warm", SamplingParams(max_tokens=1), ref)
+                     for name, ref in qwen2vl_assets.adapters.items()])
+    steps.clear()
     results = run_all(engine, _requests(qwen2vl_assets, CASES, "preempted"))
     _assert_match(reference, CASES, results)
     assert sum(step.num_preempted for step in steps) > 0

@@ -24,15 +24,15 @@ LAYOUTS = {  # projection name -> out sizes of its slices
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    rank: int
-    targets: tuple[int, ...]  # slice indices it targets (those past a layout's slices are dropped)
-    scaling: float
+    ranks: tuple[int, ...]       # per slice, 0: not targeted (slices past a layout's are dropped)
+    scalings: tuple[float, ...]  # per slice (PEFT's alpha_pattern); read where the rank is > 0
 
 
 # Slot -> adapter; slot 3 stays empty. Mixed ranks, up to MAX_RANK; slot 1 targets q and v only,
-# slot 2 only k (so in the single-slice layout it targets nothing).
-ADAPTERS = {0: AdapterSpec(4, (0, 1, 2), 2.0), 1: AdapterSpec(8, (0, 2), 0.5),
-            2: AdapterSpec(16, (1,), 1.25), 4: AdapterSpec(8, (0, 1, 2), -0.75)}
+# slot 2 only k (so in the single-slice layout it targets nothing); slot 4 has a rank and a
+# scaling of its own on each slice (PEFT's rank_pattern and alpha_pattern).
+ADAPTERS = {0: AdapterSpec((4, 4, 4), (2.0, 2.0, 2.0)), 1: AdapterSpec((8, 0, 8), (0.5, 0.0, 0.5)),
+            2: AdapterSpec((0, 16, 0), (0.0, 1.25, 0.0)), 4: AdapterSpec((8, 2, 16), (-0.75, 1.5, 0.25))}
 NUM_SLOTS = 5
 
 CASES = {  # name -> (seg_lens, seg_slots, capacity)
@@ -50,27 +50,35 @@ CASES = {  # name -> (seg_lens, seg_slots, capacity)
 }
 
 
+def random_weights(ranks: dict[int, int], out_sizes: tuple[int, ...], dtype: torch.dtype,
+                   g: torch.Generator) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{slice: (A [r, in], B [out_s, r])} for the slices of rank r > 0; unit-variance products."""
+    return {s: ((torch.randn(r, IN_FEATURES, generator=g) / IN_FEATURES ** 0.5).to(dtype),
+                torch.randn(out_sizes[s], r, generator=g).to(dtype)) for s, r in ranks.items() if r}
+
+
 def make_stack(layout: str, dtype: torch.dtype, seed: int = 0):
     """A stack holding ADAPTERS, plus their weights: {slot: {slice: (A [r, in], B [out_s, r])}}."""
     out_sizes = LAYOUTS[layout]
     g = torch.Generator().manual_seed(seed)
-    stack = LoRAStack.empty(NUM_SLOTS, IN_FEATURES, out_sizes, MAX_RANK, dtype, "cpu")
+    stack = LoRAStack.standalone(NUM_SLOTS, IN_FEATURES, out_sizes, MAX_RANK, dtype, "cpu")
     weights = {}
     for slot, spec in ADAPTERS.items():
-        weights[slot] = {s: ((torch.randn(spec.rank, IN_FEATURES, generator=g) / IN_FEATURES ** 0.5).to(dtype),
-                             torch.randn(out_sizes[s], spec.rank, generator=g).to(dtype))
-                         for s in spec.targets if s < len(out_sizes)}
-        stack.set_slot(slot, weights[slot], spec.scaling)
+        weights[slot] = random_weights(dict(enumerate(spec.ranks[:len(out_sizes)])), out_sizes, dtype, g)
+        stack.set_slot(slot, weights[slot], dict(enumerate(spec.scalings)))
     return stack, weights
 
 
 def poison_unused_storage(stack: LoRAStack) -> None:
-    """NaN in every stored weight an op must not read: rank padding, untargeted slices, empty slots."""
+    """NaN in every arena element an op must not read: all but the A_s and B_sᵀ blocks of the
+    slots' targeted slices (alignment gaps, free space)."""
+    live = torch.zeros(stack.arena.capacity, dtype=torch.bool)
     for slot in range(stack.num_slots):
         for s, rank in enumerate(stack.host_ranks[slot]):
-            lo, hi = stack.out_offsets[s], stack.out_offsets[s + 1]
-            stack.a[slot, s, rank:] = float("nan")
-            stack.b[slot, rank:, lo:hi] = float("nan")
+            a, b = stack.host_a_offsets[slot][s], stack.host_b_offsets[slot][s]
+            live[a:a + rank * stack.in_features] = True
+            live[b:b + rank * stack.out_sizes[s]] = True
+    stack.arena.data[~live] = float("nan")
 
 
 def make_batch(case: str, device: str = "cpu", loose_bound: bool = False) -> LoRABatch:
@@ -110,7 +118,7 @@ def naive(x: torch.Tensor, out: torch.Tensor, weights, stack: LoRAStack, batch: 
         for t in range(start, start + length):
             for s, (a, b) in weights.get(slot, {}).items():
                 cols = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
-                expected[t, cols] += ADAPTERS[slot].scaling * (b.double() @ (a.double() @ x[t].double()))
+                expected[t, cols] += ADAPTERS[slot].scalings[s] * (b.double() @ (a.double() @ x[t].double()))
     return expected
 
 
@@ -200,47 +208,3 @@ def test_batch_copy_into_replaces_device_contents_and_clears_padding():
         LoRABatch.build([9], [0], "cpu").copy_into(static)
     with pytest.raises(AssertionError):  # graphs replay batches grouped in token order only
         LoRABatch.build([1, 1, 1], [0, 1, 0], "cpu").copy_into(static)
-
-
-def test_set_slot_places_slices_and_ranks():
-    stack = LoRAStack.empty(2, 8, (6, 2, 2), 4, torch.float32, "cpu")
-    a_q, b_q = torch.randn(3, 8), torch.randn(6, 3)
-    a_v, b_v = torch.randn(3, 8), torch.randn(2, 3)
-    stack.set_slot(1, {0: (a_q, b_q), 2: (a_v, b_v)}, 0.25)
-    assert stack.host_ranks == [[0, 0, 0], [3, 0, 3]]
-    assert stack.ranks.tolist() == [[0, 0, 0], [3, 0, 3]]
-    assert stack.scalings.tolist() == [0.0, 0.25]
-    assert torch.equal(stack.a[1, 0, :3], a_q) and torch.equal(stack.a[1, 2, :3], a_v)
-    assert torch.equal(stack.b[1, :3, 0:6], b_q.t()) and torch.equal(stack.b[1, :3, 8:10], b_v.t())
-    assert not stack.a[1, 1].any() and not stack.b[1, :, 6:8].any()  # k: not targeted
-    assert not stack.a[1, :, 3:].any() and not stack.b[1, 3:].any()  # rank padding
-    assert not stack.a[0].any() and not stack.b[0].any()  # the other slot
-
-
-def test_set_slot_zeroes_what_the_previous_adapter_left():
-    stack = LoRAStack.empty(1, 8, (4, 4), 4, torch.float32, "cpu")
-    stack.set_slot(0, {0: (torch.randn(4, 8), torch.randn(4, 4)), 1: (torch.randn(4, 8), torch.randn(4, 4))}, 1.0)
-    a, b = torch.randn(2, 8), torch.randn(4, 2)
-    stack.set_slot(0, {1: (a, b)}, 0.5)
-    assert stack.host_ranks == [[0, 2]] and stack.ranks.tolist() == [[0, 2]]
-    assert not stack.a[0, 0].any() and not stack.b[0, :, 0:4].any()
-    assert not stack.a[0, 1, 2:].any() and not stack.b[0, 2:, 4:8].any()
-    assert torch.equal(stack.a[0, 1, :2], a) and torch.equal(stack.b[0, :2, 4:8], b.t())
-
-    stack.reset_slot(0)
-    assert stack.host_ranks == [[0, 0]] and stack.ranks.tolist() == [[0, 0]]
-    assert stack.scalings.tolist() == [0.0]
-    assert not stack.a.any() and not stack.b.any()
-
-
-def test_set_slot_rejects_adapters_that_do_not_fit():
-    stack = LoRAStack.empty(2, 8, (4, 4), 4, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="rank 8 exceeds"):
-        stack.set_slot(0, {0: (torch.randn(8, 8), torch.randn(4, 8))}, 1.0)
-    with pytest.raises(ValueError, match="share a rank"):
-        stack.set_slot(0, {0: (torch.randn(2, 8), torch.randn(4, 2)), 1: (torch.randn(3, 8), torch.randn(4, 3))}, 1.0)
-    with pytest.raises(ValueError, match="slice 2 out of range"):
-        stack.set_slot(0, {2: (torch.randn(2, 8), torch.randn(4, 2))}, 1.0)
-    with pytest.raises(ValueError, match="expected A"):
-        stack.set_slot(0, {0: (torch.randn(2, 7), torch.randn(4, 2))}, 1.0)
-    assert stack.host_ranks == [[0, 0], [0, 0]]  # a rejected adapter leaves the slot as it was

@@ -1,9 +1,9 @@
 """Triton LoRA kernels (CPU interpreter, see conftest.py) against the torch reference.
 
-Same case grid as test_lora_reference.py. Unused weight storage is NaN (reading it would show),
-y entries expand must not read (past the batch's rank tile, or of untargeted slices) are NaN, and
-out entries expand must not touch are -0.0: a kernel that reads and writes back even an unchanged
-value turns them into +0.0.
+Same case grid as test_lora_reference.py. Arena elements outside the adapters' blocks are NaN
+(reading them would show), y entries expand must not read (past the batch's rank tile, or of
+untargeted slices) are NaN, and out entries expand must not touch are -0.0: a kernel that reads and
+writes back even an unchanged value turns them into +0.0.
 """
 
 from __future__ import annotations
@@ -102,11 +102,11 @@ def test_expand_without_the_early_b_tile_matches_reference(config, layout, monke
 
 @pytest.mark.parametrize("config", ["default", "rank_blocks"])
 def test_a_batch_rank_bound_tiles_only_the_ranks_it_uses(config):
-    """Rank-8 and rank-16 adapters in a stack padded to 64: a batch of them built with max_rank 16
+    """Rank-8 and rank-16 adapters in a stack serving ranks up to 64: a batch of them built with max_rank 16
     is tuned and tiled as rank 16 (not 64), and still matches the reference."""
     shrink_cfg, expand_cfg, _, _ = CONFIGS[config]
     g = torch.Generator().manual_seed(3)
-    stack = LoRAStack.empty(3, IN_FEATURES, LAYOUTS["qkv"], 64, torch.float32, "cpu")
+    stack = LoRAStack.standalone(3, IN_FEATURES, LAYOUTS["qkv"], 64, torch.float32, "cpu")
     for slot, rank in ((0, 8), (2, 16)):
         stack.set_slot(slot, {s: (torch.randn(rank, IN_FEATURES, generator=g), torch.randn(n, rank, generator=g))
                               for s, n in enumerate(LAYOUTS["qkv"])}, scaling=0.5)
@@ -124,7 +124,7 @@ RANK_CLASS_BATCH = ([6, 17, 3, 20, 5, 9], [0, 1, 3, 4, NO_SLOT, 0])
 
 def rank_class_stack(dtype: torch.dtype) -> LoRAStack:
     g = torch.Generator().manual_seed(4)
-    stack = LoRAStack.empty(5, IN_FEATURES, LAYOUTS["qkv"], 64, dtype, "cpu")
+    stack = LoRAStack.standalone(5, IN_FEATURES, LAYOUTS["qkv"], 64, dtype, "cpu")
     for slot, rank in ((0, 5), (1, 20), (3, 33), (4, 64)):
         stack.set_slot(slot, {s: ((torch.randn(rank, IN_FEATURES, generator=g) / IN_FEATURES ** 0.5).to(dtype),
                                   torch.randn(n, rank, generator=g).to(dtype))
@@ -136,7 +136,7 @@ def rank_class_stack(dtype: torch.dtype) -> LoRAStack:
 @pytest.mark.parametrize("dtype", [F32, F16])
 def test_expand_steps_multiply_each_adapters_rank_class(config, dtype):
     """Pipelined and B-stationary steps multiply each adapter's narrowest rank tile (16, 32, 64 and 64 for
-    ranks 5, 20, 33 and 64), with rank padding NaN-poisoned."""
+    ranks 5, 20, 33 and 64), with the arena around their blocks NaN-poisoned."""
     stack = rank_class_stack(dtype)
     batch = LoRABatch.build(*RANK_CLASS_BATCH, "cpu")
     x, out = make_inputs(batch, stack.out_features, dtype)

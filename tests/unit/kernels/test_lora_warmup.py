@@ -51,7 +51,7 @@ def random_batch(rng: random.Random, max_tokens: int, slots: int, max_rank: int)
 def test_random_engine_batches_select_only_warmed_variants(max_tokens: int, slots: int, max_rank: int) -> None:
     rng = random.Random(f"{max_tokens}-{slots}-{max_rank}")
     for name, (in_features, out_sizes) in PROJECTIONS.items():
-        stack = LoRAStack.empty(1, in_features, out_sizes, max_rank, torch.bfloat16, "meta")
+        stack = LoRAStack.standalone(1, in_features, out_sizes, max_rank, torch.bfloat16, "meta")
         warmed = warmed_variants(stack, max_tokens, slots)
         for _ in range(150):
             batch = random_batch(rng, max_tokens, slots, max_rank)
@@ -66,4 +66,5 @@ def test_gathered_shape_interleaves_its_group_with_base_tokens() -> None:
     assert batch.rows.tolist() == [0, 1, 2, 3, 5, 6, 7, 8]  # slot 0's tokens skip base-only token 4
     contiguous = _batch(BatchShape(tokens=32, max_group_len=8, max_rank=64, gather=False, mixed=True), 4, "cpu")
     assert contiguous.rows is None and contiguous.capacity == 4
-    assert tiling.bucket_of("shrink", LoRAStack.empty(1, 64, (64,), 64, torch.float32, "meta"), contiguous).mixed
+    stack = LoRAStack.standalone(1, 64, (64,), 64, torch.float32, "meta")
+    assert tiling.bucket_of("shrink", stack, contiguous).mixed

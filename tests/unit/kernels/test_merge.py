@@ -1,13 +1,14 @@
 """All-layer merge (Triton in the interpreter, and the torch reference) against float64 W + s·B·A,
-over several projections of different shapes in one launch; restore is bit-exact."""
+over several projections of different shapes in one launch, their adapters packed in one arena with
+a rank and a scaling of their own per slice; restore is bit-exact."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import restore_weights
-from kernels.lora_stack import LoRAStack
+from kernels import AdapterArena, restore_weights
+from kernels.lora_stack import LoRAStack, packed_elems
 from kernels.merge import MergeTarget, merge_weights_reference
 from kernels.triton.merge import MergeConfig, RestoreConfig, merge_weights_triton, restore_weights_triton
 
@@ -16,26 +17,29 @@ SLOT, MAX_RANK = 1, 16
 
 
 def _targets(dtype: torch.dtype, seed: int = 0) -> list[MergeTarget]:
+    """Every projection's stack in one arena (room for 3 max-rank adapters each), as in a worker."""
     g = torch.Generator().manual_seed(seed)
+    arena = AdapterArena(3 * sum(packed_elems(k, sizes, [MAX_RANK] * len(sizes)) for k, sizes in PROJECTIONS),
+                         dtype, "cpu")
     targets = []
     for i, (in_features, sizes) in enumerate(PROJECTIONS):
-        stack = LoRAStack.empty(3, in_features, sizes, MAX_RANK, dtype, "cpu")
-        rank = (4, 8, 16)[i]
+        stack = LoRAStack.empty(3, in_features, sizes, MAX_RANK, arena)
+        ranks = ((4, 0, 2), (8,), (16, 0))[i]  # per slice (rank_pattern); slice 1 untargeted: saved, left as it is
         slices = {s: (torch.randn(rank, in_features, generator=g).to(dtype),
-                      torch.randn(n, rank, generator=g).to(dtype)) for s, n in enumerate(sizes) if s != 1}
-        stack.set_slot(SLOT, slices, scaling=0.5 + i)  # slice 1 untargeted: saved, left as it is
+                      torch.randn(n, rank, generator=g).to(dtype)) for s, (n, rank) in enumerate(zip(sizes, ranks))
+                  if rank}
+        stack.set_slot(SLOT, slices, {s: 0.5 + i + s for s in slices})  # a scaling per slice (alpha_pattern)
         weight = torch.randn(sum(sizes), in_features, generator=g).to(dtype)
         targets.append(MergeTarget(weight, torch.full_like(weight, float("nan")), stack))
     return targets
 
 
 def _expected(target: MergeTarget, original: torch.Tensor, slot: int = SLOT) -> torch.Tensor:
+    """From the adapter's weights as set_slot took them (A [r, in], B [out_s, r]) and its host scalings."""
     stack, expected = target.stack, original.double().clone()
-    for s, rank in enumerate(stack.host_ranks[slot]):
+    for s, (a, b) in stack.slot_weights(slot).items():
         rows = slice(stack.out_offsets[s], stack.out_offsets[s + 1])
-        if rank:
-            expected[rows] += stack.scalings[slot].double() * (stack.b[slot, :rank, rows].double().t()
-                                                             @ stack.a[slot, s, :rank].double())
+        expected[rows] += stack.host_scalings[slot][s] * (b.double() @ a.double())
     return expected
 
 
@@ -65,7 +69,7 @@ def _gqa_targets(dtype: torch.dtype, max_rank: int, rank: int) -> list[MergeTarg
     g = torch.Generator().manual_seed(1)
     targets = []
     for in_features, sizes, targeted in ((48, (70, 9, 9), (0, 2)), (48, (48,), ()), (100, (33,), (0,))):
-        stack = LoRAStack.empty(2, in_features, sizes, max_rank, dtype, "cpu")
+        stack = LoRAStack.standalone(2, in_features, sizes, max_rank, dtype, "cpu")
         stack.set_slot(SLOT, {s: (torch.randn(rank, in_features, generator=g).to(dtype),
                                   torch.randn(sizes[s], rank, generator=g).to(dtype))
                               for s in targeted}, scaling=0.75)
@@ -103,8 +107,9 @@ def test_merge_gqa_slices_partial_tiles_and_rank_zero(config, dtype, max_rank, r
 
 
 def test_same_targets_merge_any_slot_and_the_adapter_loaded_into_it_now():
-    """The launch description is built once per set of targets: merging another slot, and the same
-    slot after a new adapter (another rank, other slices) was loaded into it, uses what is there now."""
+    """The launch description is built once per set of targets: merging another slot, the same slot
+    after a new adapter (another rank, other slices) was loaded into it, and after a compaction moved
+    the adapters in the arena, uses what is there now."""
     targets = _targets(torch.float32)
     originals = [t.weight.clone() for t in targets]
     g = torch.Generator().manual_seed(7)
@@ -117,9 +122,15 @@ def test_same_targets_merge_any_slot_and_the_adapter_loaded_into_it_now():
                                       torch.randn(sizes[s], rank, generator=g))
                                   for s in targeted if s < stack.num_slices}, scaling=1.5)
 
-    # (slot, adapter loaded into it first: (rank, targeted slices)); slot 1 as _targets left it, then others
-    for slot, adapter in ((SLOT, None), (0, (3, (0,))), (2, (MAX_RANK, (0, 1))), (SLOT, (2, (1,)))):
-        if adapter is not None:
+    # (slot, adapter loaded into it first: (rank, targeted slices)); slot 1 as _targets left it, then others;
+    # "compact": slot 0's adapter freed and the arena compacted, then slot 2 merged again
+    steps = ((SLOT, None), (0, (3, (0,))), (2, (MAX_RANK, (0, 1))), (SLOT, (2, (1,))), (2, "compact"))
+    for slot, adapter in steps:
+        if adapter == "compact":
+            for t in targets:
+                t.stack.reset_slot(0)
+            assert targets[0].stack.arena.compact()  # slots 2 and 1 moved down
+        elif adapter is not None:
             load(slot, *adapter)
         merge_weights_triton(targets, slot)
         for target, original in zip(targets, originals):
@@ -133,7 +144,7 @@ def test_same_targets_merge_any_slot_and_the_adapter_loaded_into_it_now():
 def test_restore_copies_every_element_of_every_target(shape):
     """Chunks that end inside a target, targets of different sizes, one launch."""
     weights = [torch.randn(shape), torch.randn(shape[0] * 5, shape[1])]
-    targets = [MergeTarget(torch.zeros_like(w), w, LoRAStack.empty(1, w.shape[1], (w.shape[0],), 1, w.dtype, "cpu"))
-               for w in weights]
+    targets = [MergeTarget(torch.zeros_like(w), w,
+                           LoRAStack.standalone(1, w.shape[1], (w.shape[0],), 1, w.dtype, "cpu")) for w in weights]
     restore_weights_triton(targets, RestoreConfig(block=128, num_warps=1))
     assert all(torch.equal(t.weight, t.backup) for t in targets)

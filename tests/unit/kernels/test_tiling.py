@@ -12,7 +12,7 @@ from kernels.tiling import Bucket, ExpandConfig, ShrinkConfig
 
 
 def stack(max_rank: int = 64, out_sizes: tuple[int, ...] = (4096, 1024, 1024)) -> LoRAStack:
-    return LoRAStack.empty(2, 4096, out_sizes, max_rank, torch.float16, "meta")
+    return LoRAStack.standalone(2, 4096, out_sizes, max_rank, torch.float16, "meta")
 
 
 def batch(seg_lens, seg_slots, **kwargs) -> LoRABatch:

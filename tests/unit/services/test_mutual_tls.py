@@ -136,6 +136,39 @@ def test_with_the_cluster_certificates_workers_register_and_the_gateway_reads(ou
     asyncio.run(main())
 
 
+def test_only_the_workers_certificate_registers_heartbeats_and_reports_placements(ours: TesseraConfig) -> None:
+    """Another role's cluster certificate reads the registry but cannot pose as a worker."""
+    placements = registry_pb2.ReportPlacementsRequest(worker_id="w1")
+
+    async def main() -> None:
+        server, store = await start_registry(ours, ours)
+        address = f"127.0.0.1:{server.port}"
+        try:
+            for role in ("gateway", "registry"):
+                async with channel(address, creds(ours, role).channel()) as ch:
+                    stub = registry_pb2_grpc.RegistryStub(ch)
+                    for call in (stub.RegisterWorker(REGISTER, timeout=5),
+                                 stub.Heartbeat(registry_pb2.HeartbeatRequest(worker_id="w1"), timeout=5),
+                                 stub.ReportPlacements(placements, timeout=5)):
+                        with pytest.raises(grpc.aio.AioRpcError) as err:
+                            await call
+                        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, role
+                        assert f"tessera-{role}" in err.value.details() and "tessera-worker" in err.value.details()
+                    assert (await stub.ListWorkers(registry_pb2.ListWorkersRequest(), timeout=5)).workers == []
+            assert store.list_workers() == []
+            async with channel(address, creds(ours, "worker").channel()) as ch:
+                stub = registry_pb2_grpc.RegistryStub(ch)
+                worker_id = (await stub.RegisterWorker(REGISTER, timeout=5)).worker_id
+                assert (await stub.Heartbeat(registry_pb2.HeartbeatRequest(worker_id=worker_id), timeout=5)).known
+                await stub.ReportPlacements(registry_pb2.ReportPlacementsRequest(worker_id=worker_id), timeout=5)
+            assert [w.address for w in store.list_workers()] == [REGISTER.address]
+        finally:
+            await server.stop(0)
+            store.close()
+
+    asyncio.run(main())
+
+
 def test_a_worker_refuses_a_registry_with_another_clusters_certificate(ours: TesseraConfig,
                                                                         theirs: TesseraConfig) -> None:
     """Roles verify each other: an impostor registry (its own CA) never sees our worker's registration."""

@@ -112,6 +112,20 @@ def test_a_certificate_from_another_ca_is_refused_and_left_alone(tmp_path: Path)
     assert snapshot(tmp_path / "ours" / "tls") == before
 
 
+def test_another_roles_certificate_in_a_roles_place_is_refused(tmp_path: Path) -> None:
+    """The common name says which role holds a certificate (peer_role.py checks it): a gateway
+    certificate copied in as the worker's would pass TLS and then be refused every registration."""
+    config = config_for(tmp_path)
+    ensure_cluster_certs(config)
+    paths = tls_paths(config)
+    for path in (paths.cert, paths.key):
+        path("worker").write_bytes(path("gateway").read_bytes())
+    with pytest.raises(TlsError, match="worker.pem is named tessera-gateway, not tessera-worker"):
+        load_role_credentials(config, "worker")
+    with pytest.raises(TlsError, match="not the worker's certificate"):
+        ensure_cluster_certs(config)
+
+
 def test_a_missing_role_certificate_is_issued_from_the_kept_ca(tmp_path: Path) -> None:
     config = config_for(tmp_path)
     ensure_cluster_certs(config)

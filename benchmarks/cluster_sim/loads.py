@@ -1,0 +1,95 @@
+"""One simulated worker's adapter loads, staged as the real worker stages them.
+
+A request pins its adapter from arrival to its end, and a missing adapter's load starts at arrival:
+disk -> host on one of `loader_threads` loader threads (read, sha256, parse; `LoadCosts.disk_to_host_s`),
+then host -> GPU on the one copy stream, FIFO (`LoadCosts.host_to_gpu_s`). Memory is the shared
+`AdapterTiers`, in bytes: host bytes are reserved when the adapter enters the loaders' queue, GPU bytes
+when its copy starts. When pinned adapters fill a tier the load waits at the head of its queue until an
+unpin frees room (FIFO: nothing overtakes it).
+
+    arrival ─▶ host wait ─▶ loader queue ─▶ loader thread ×N ─▶ copy queue ─▶ copy stream ─▶ ready
+               (host room)                                      (GPU room)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from services.common.scheduling.adapter_tiers import AdapterTiers, LoadCosts, Tier
+
+Schedule = Callable[[float, Callable[[float], None]], None]  # run callback(time) at time
+Changed = Callable[[float], None]                            # a load advanced a stage at this time
+
+
+class SimLoads:
+    def __init__(self, tiers: AdapterTiers, costs: LoadCosts, loader_threads: int, schedule: Schedule,
+                 changed: Changed) -> None:
+        assert loader_threads >= 1, "a worker needs a loader thread"
+        self._tiers = tiers
+        self._costs = costs
+        self._threads = loader_threads
+        self._schedule = schedule
+        self._changed = changed
+        self._ranks: dict[str, int] = {}
+        self._loading: set[str] = set()        # in any stage below, until its copy ends
+        self._host_wait: deque[str] = deque()  # on disk, waiting for host room
+        self._to_read: deque[str] = deque()    # host bytes reserved, waiting for a loader thread
+        self._reading = 0                      # loader threads busy
+        self._to_copy: deque[str] = deque()    # in host memory, waiting for GPU room and the copy stream
+        self._copying = False
+
+    def acquire(self, adapter: str, rank: int, now: float) -> bool:
+        """A request for `adapter` arrived: count the access, pin it, start its load if it is neither
+        on the GPU nor on its way there. Returns whether it was ready (a hit)."""
+        self._tiers.touch(adapter, now)
+        self._tiers.pin(adapter)
+        if self.ready(adapter):
+            return True
+        if adapter not in self._loading:
+            self._ranks[adapter] = rank
+            self._loading.add(adapter)
+            (self._to_copy if self._tiers.tier(adapter) is Tier.HOST else self._host_wait).append(adapter)
+            self._advance(now)
+        return False
+
+    def release(self, adapter: str, now: float) -> None:
+        """A request for `adapter` ended; its memory may be what a waiting load needs."""
+        self._tiers.unpin(adapter)
+        if self._host_wait or self._to_copy:
+            self._advance(now)
+
+    def ready(self, adapter: str) -> bool:
+        return adapter not in self._loading and self._tiers.tier(adapter) is Tier.GPU
+
+    def stage(self, adapter: str, rank: int) -> bool:
+        """Initial placement, no request: `adapter` into free host memory; returns whether it is there."""
+        return self._tiers.stage_in_host(adapter, self._costs.adapter_bytes(rank))
+
+    def _advance(self, now: float) -> None:
+        """Start whatever can start now, in queue order."""
+        while self._host_wait and self._tiers.place_in_host(
+                self._host_wait[0], self._costs.adapter_bytes(self._ranks[self._host_wait[0]])) is not None:
+            self._to_read.append(self._host_wait.popleft())
+        while self._to_read and self._reading < self._threads:
+            adapter = self._to_read.popleft()
+            self._reading += 1
+            self._schedule(now + self._costs.disk_to_host_s(self._ranks[adapter]),
+                           lambda t, a=adapter: self._read_done(a, t))
+        if not self._copying and self._to_copy and self._tiers.place_on_gpu(self._to_copy[0]) is not None:
+            adapter = self._to_copy.popleft()
+            self._copying = True
+            self._schedule(now + self._costs.host_to_gpu_s(self._ranks[adapter]),
+                           lambda t, a=adapter: self._copy_done(a, t))
+
+    def _read_done(self, adapter: str, now: float) -> None:
+        self._reading -= 1
+        self._to_copy.append(adapter)
+        self._advance(now)
+        self._changed(now)
+
+    def _copy_done(self, adapter: str, now: float) -> None:
+        self._copying = False
+        self._loading.discard(adapter)
+        self._advance(now)
+        self._changed(now)

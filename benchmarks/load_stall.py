@@ -1,0 +1,95 @@
+"""Streams decoding through a running Engine while other requests arrive at a fixed interval: the
+streams' per-token gaps inside the arrivals' window, and each arrival's time to first token
+(benchmarks/cold_start_bench.py's "no stall" measurement: arrivals whose adapters must load, or not)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+from gpu_worker.engine import Engine
+from gpu_worker.intake import GenerationRequest
+from gpu_worker.lora.adapter_stats import AdapterTierStats
+
+WAIT_S = 600.0  # for the streams' first tokens (their adapters load first), and for a stall to end
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    gaps_s: list[float]          # per stream token of the window: the gap it ended, over the tokens it came with
+    arrival_ttft_s: list[float]  # each arrival, submit to first token
+    window_s: float
+    disk_loads: int              # adapter loads from disk that finished inside the window
+    gpu_evictions: int
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile (0 < q <= 100) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+async def first_token_s(engine: Engine, request: GenerationRequest) -> float:
+    """Seconds from submitting `request` to its first token; the stream is drained to its end."""
+    started, first = time.perf_counter(), None
+    async for out in engine.submit(request, asyncio.get_running_loop()):
+        if first is None and out.token_ids:
+            first = time.perf_counter() - started
+    assert first is not None, f"{request.request_id} ended without a token"
+    return first
+
+
+async def stall_window(engine: Engine, streams: list[GenerationRequest], arrivals: list[GenerationRequest],
+                       interval_s: float, warm_tokens: int) -> WindowResult:
+    """Start `streams` (long outputs); once each has `warm_tokens` tokens, submit arrival k at
+    window start + k * interval_s; the window ends one interval after the last arrival. Once every
+    stream has a token from after the window (a stall that began inside it has ended), abort the
+    streams and wait for every arrival's token."""
+    loop = asyncio.get_running_loop()
+    outputs: list[list[tuple[float, int]]] = [[] for _ in streams]  # per stream: (received at, tokens)
+    ended = [False] * len(streams)  # reached max_tokens, aborted or failed
+    warm, past = asyncio.Event(), asyncio.Event()
+    end = math.inf
+
+    def check() -> None:
+        if all(done or len(o) >= warm_tokens for o, done in zip(outputs, ended)):
+            warm.set()
+        if all(done or (o and o[-1][0] > end) for o, done in zip(outputs, ended)):
+            past.set()
+
+    async def stream(i: int, request: GenerationRequest) -> None:
+        try:
+            async for out in engine.submit(request, loop):
+                if out.token_ids:
+                    outputs[i].append((time.perf_counter(), len(out.token_ids)))
+                    check()
+        finally:  # a failed stream is raised by the gather below, not waited for
+            ended[i] = True
+            check()
+
+    tasks = [asyncio.create_task(stream(i, request)) for i, request in enumerate(streams)]
+    await asyncio.wait_for(warm.wait(), WAIT_S)
+    start, tiers = time.perf_counter(), engine.stats().adapters
+    arriving = []
+    for k, request in enumerate(arrivals):
+        await asyncio.sleep(max(0.0, start + k * interval_s - time.perf_counter()))
+        arriving.append(asyncio.create_task(first_token_s(engine, request)))
+    await asyncio.sleep(max(0.0, start + len(arrivals) * interval_s - time.perf_counter()))
+    end, after = time.perf_counter(), engine.stats().adapters
+    await asyncio.wait_for(past.wait(), WAIT_S)
+    for request in streams:
+        engine.abort(request.request_id)
+    await asyncio.gather(*tasks)
+    ttfts = await asyncio.gather(*arriving)
+    # Every gap that overlaps the window, once per token it brought.
+    gaps = [(t1 - t0) / n for out in outputs for (t0, _), (t1, n) in itertools.pairwise(out) if t1 > start and t0 < end
+            for _ in range(n)]
+    return WindowResult(gaps, list(ttfts), end - start, _disk_loads(after) - _disk_loads(tiers),
+                        after.gpu_evictions - tiers.gpu_evictions)
+
+
+def _disk_loads(tiers: AdapterTierStats) -> int:
+    return sum(times.count for times in tiers.loads if times.source == "disk")

@@ -1,0 +1,315 @@
+"""The worker's adapter memory hierarchy: GPU memory, a host tier, disk — with loads beside serving.
+
+Adapters are held by version, keyed by their content digest (AdapterRef.sha256): a name registered
+again with other weights is another version. In-flight requests keep the version they arrived with,
+new ones get the newest; an old version leaves every tier once its last request ends.
+
+A request's adapter, step by step (engine thread unless said):
+  arrive(ref)    the request reached the worker: pin its version in the tiers (services/common/scheduling/
+                 adapter_tiers.py: byte budgets, eviction by frequency with decay or LRU) until it
+                 ends, and start the load it needs. Disk -> host runs on a loader thread: read, verify
+                 against the digest (once, here), parse, copy into one page-locked buffer
+                 (host_weights.py). Host -> GPU runs on a side CUDA stream (gpu_memory.py); an event
+                 marks its end. Neither stops a step.
+  poll()         every scheduling pass: take finished reads into the host tier, start GPU copies for
+                 the versions requests wait for, make usable those whose copy event has completed.
+  resident(ref)  (slot, rank) once usable: the scheduler admits the request then, and not before.
+  failure(ref)   the load failed: the scheduler fails the request at once (AdapterLoadFailed). The
+                 failure is remembered `failure_ttl_s`, so requests for the same digest fail without
+                 reading the files again.
+  depart(ref)    the request ended, waiting or running: unpin.
+
+A finished read or copy calls `wake` from its own thread: the engine loop, idle while every request
+waits for an adapter, wakes for the next pass (set by the engine that owns the manager).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gpu_worker.lora.adapter_stats import AdapterTierStats, LoadClock
+from gpu_worker.lora.gpu_memory import GpuAdapterMemory
+from gpu_worker.lora.host_weights import PackedAdapter
+from gpu_worker.lora.loader import AdapterRef, LoRAWeights
+from services.common.errors import AdapterLoadFailed, FailedPrecondition, TesseraError
+from services.common.scheduling.adapter_tiers import AdapterTiers, Tier
+from services.common.scheduling.eviction import Eviction
+
+log = logging.getLogger(__name__)
+
+
+def _cause(exc: BaseException) -> str:
+    """What went wrong, for the client: a domain error's message, else the exception's type and text
+    (an OSError names its file, not the path: the store's layout is no client's business)."""
+    if isinstance(exc, TesseraError):
+        return exc.message
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}" + (f" ({Path(exc.filename).name})" if exc.filename else "")
+    return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class _Version:
+    ref: AdapterRef                          # as it first arrived: its storage path is the one read
+    names: set[str] = field(default_factory=set)  # names it arrived under
+    requests: int = 0                        # live requests (each holds a pin in the tiers)
+    host: PackedAdapter | None = None        # the host copy, once read
+    reading: concurrent.futures.Future[PackedAdapter] | None = None
+    slot: int | None = None                  # its GPU slot from placement on (the copy may still run)
+    copying: torch.cuda.Event | None = None  # the copy onto the GPU, until it has completed
+    started: float = 0.0                     # when the read or copy in progress started
+
+    @property
+    def usable(self) -> bool:
+        return self.slot is not None and self.copying is None
+
+
+class AdapterManager:
+    def __init__(self, memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAWeights], *, host_bytes: int,
+                 loader_threads: int, eviction: Eviction, failure_ttl_s: float, synchronous: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`read`: an adapter from disk, verified and parsed (runs on a loader thread). `synchronous`:
+        every load runs to its end on the engine thread, stalling the steps (the behaviour before the
+        tiers, kept as benchmarks/cold_start_bench.py's baseline)."""
+        assert loader_threads > 0 and failure_ttl_s >= 0, (loader_threads, failure_ttl_s)
+        self._memory = memory
+        self._read = read
+        self._tiers = AdapterTiers(memory.budget_bytes, host_bytes, eviction, gpu_max_adapters=memory.num_slots)
+        self._loader = concurrent.futures.ThreadPoolExecutor(loader_threads, thread_name_prefix="adapter-loader")
+        cuda = memory.device.type == "cuda"
+        self._stream = torch.cuda.Stream(memory.device) if cuda else None
+        # Waits for each copy's event, to wake an idle engine (the engine polls the events itself).
+        self._copy_waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="adapter-copy") if cuda else None
+        self._free_slots = list(range(memory.num_slots - 1, -1, -1))  # pop() hands out low slots first
+        self._versions: dict[str, _Version] = {}  # digest -> every version in a tier, being read, or requested
+        self._active: dict[str, None] = {}        # versions with a load in flight or requests waiting, oldest first
+        self._newest: dict[str, str] = {}         # adapter name -> digest of the last version that arrived
+        self._failures: dict[str, tuple[float, str]] = {}  # digest -> (failed until, cause)
+        self._failure_ttl_s = failure_ttl_s
+        self._synchronous = synchronous
+        self._clock = clock
+        self._load_times = LoadClock()
+        self._hits = self._misses = self._load_failures = 0
+        self.wake: Callable[[], None] = lambda: None
+
+    # --- a request's adapter ---
+
+    def arrive(self, ref: AdapterRef) -> None:
+        key = ref.sha256
+        assert key, f"adapter {ref.name} has no digest: versions are keyed by it"
+        version = self._versions.setdefault(key, _Version(ref))
+        version.names.add(ref.name)
+        version.requests += 1
+        self._tiers.pin(key)
+        self._tiers.touch(key, self._clock())
+        if version.usable:
+            self._hits += 1
+        else:
+            self._misses += 1
+            self._active[key] = None
+        replaced, self._newest[ref.name] = self._newest.get(ref.name), key
+        if replaced is not None and replaced != key:
+            self._drop_if_unused(replaced)
+        self._advance(key, version)
+
+    def resident(self, ref: AdapterRef) -> tuple[int, int] | None:
+        """(GPU slot, rank) of `ref`'s version once usable; None while it loads."""
+        version = self._versions.get(ref.sha256)
+        if version is None or not version.usable:
+            return None
+        return version.slot, version.host.rank
+
+    def failure(self, ref: AdapterRef) -> AdapterLoadFailed | None:
+        """The error to fail a request for `ref` with, if its version's load failed lately."""
+        cause = self._failed(ref.sha256)
+        return None if cause is None else AdapterLoadFailed(f"adapter {ref.name} could not be loaded: {cause}")
+
+    def depart(self, ref: AdapterRef) -> None:
+        key = ref.sha256
+        version = self._versions[key]
+        assert version.requests > 0, ref
+        version.requests -= 1
+        self._tiers.unpin(key)
+        self._drop_if_unused(key)
+
+    def poll(self) -> None:
+        """Take finished loads in and start the next ones (every scheduling pass)."""
+        for key in list(self._active):
+            if key not in self._active:
+                continue  # evicted to make room for a version before it
+            version = self._versions[key]
+            if version.reading is not None and version.reading.done():
+                self._read_done(key, version)
+            elif version.copying is not None and version.copying.query():
+                version.copying = None
+                self._load_times.observe("host", self._clock() - version.started)
+            if version.requests and not version.usable:
+                self._advance(key, version)
+            if key in self._active and version.reading is None and version.copying is None and (
+                    version.usable or not version.requests):
+                del self._active[key]
+
+    def load_now(self, ref: AdapterRef) -> tuple[int, int]:
+        """`arrive`, then wait until the version is usable: (slot, rank). For callers that run steps
+        without the engine (the profiler, benchmarks); they `depart` when done. Raises AdapterLoadFailed."""
+        self.arrive(ref)
+        while (placed := self.resident(ref)) is None:
+            if (error := self.failure(ref)) is not None:
+                self.depart(ref)
+                raise error
+            version = self._versions[ref.sha256]
+            assert version.reading or version.copying, f"no room for {ref.name}: every adapter is pinned"
+            if version.reading is not None:
+                concurrent.futures.wait([version.reading])
+            else:
+                version.copying.synchronize()
+            self.poll()
+        return placed
+
+    def close(self) -> None:
+        for pool in (self._loader, self._copy_waiter):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- what it holds ---
+
+    @property
+    def num_slots(self) -> int:
+        return self._memory.num_slots
+
+    def stats(self) -> AdapterTierStats:
+        gpu, host, loading = [], [], []
+        for key, version in self._versions.items():
+            names = [name for name in version.names if self._newest.get(name) == key]
+            if version.usable:
+                gpu += names
+            if version.host is not None:
+                host += names
+            if version.reading is not None or version.copying is not None or (
+                    version.requests and not version.usable and self._failed(key) is None):
+                loading += names
+        tiers = self._tiers
+        return AdapterTierStats(
+            gpu_adapters=tuple(sorted(gpu)), host_adapters=tuple(sorted(host)), loading_adapters=tuple(sorted(loading)),
+            gpu_versions=len(tiers.gpu_adapters), host_versions=len(tiers.host_adapters),
+            gpu_bytes=tiers.gpu_used, host_bytes=tiers.host_used, gpu_capacity_bytes=tiers.gpu_bytes,
+            host_capacity_bytes=tiers.host_bytes, pinned=sum(v.requests for v in self._versions.values()),
+            hits=self._hits, misses=self._misses, gpu_evictions=tiers.evictions[Tier.GPU],
+            host_evictions=tiers.evictions[Tier.HOST], load_failures=self._load_failures,
+            loads=self._load_times.snapshot())
+
+    # --- loads ---
+
+    def _advance(self, key: str, version: _Version) -> None:
+        """Start the next load `version` needs (its requests wait for it), if there is room for it."""
+        if version.reading is not None or version.copying is not None or version.usable or self._failed(key):
+            return
+        if version.host is None:
+            if self._tiers.tier(key) is Tier.DISK:
+                # Room for the most an adapter of its rank can take; the read tells its true size.
+                evicted = self._tiers.place_in_host(key, self._memory.bytes_at_rank(version.ref.rank))
+                if evicted is None:
+                    return  # host memory is all pinned: a later pass tries again
+                for victim in evicted:  # gone from both tiers
+                    self._forget(victim)
+            version.started = self._clock()
+            version.reading = self._loader.submit(self._read_into_host, version.ref)
+            if self._synchronous:
+                concurrent.futures.wait([version.reading])
+                self._read_done(key, version)
+                self._advance(key, version)
+            else:
+                version.reading.add_done_callback(lambda _: self.wake())
+            return
+        evicted = self._tiers.place_on_gpu(key)
+        if evicted is None:
+            return  # every GPU byte is pinned: a later pass tries again
+        for victim in evicted:  # their host copies stay
+            self._free_slot(self._versions[victim])
+        slot = self._free_slots.pop()
+        version.started = self._clock()
+        try:
+            event = self._memory.install(slot, version.host, self._stream)
+        except Exception as exc:  # noqa: BLE001 - any failure fails only this version's requests
+            self._free_slots.append(slot)
+            self._fail(key, version, exc)
+            return
+        if event is not None and self._synchronous:
+            event.synchronize()
+            event = None
+        version.slot, version.copying = slot, event
+        if event is None:
+            self._load_times.observe("host", self._clock() - version.started)
+        else:
+            self._copy_waiter.submit(event.synchronize).add_done_callback(lambda _: self.wake())
+
+    def _read_into_host(self, ref: AdapterRef) -> PackedAdapter:
+        """Loader thread: read, verify and parse `ref`, then hold it in host memory as the GPU wants it."""
+        return self._memory.pack(self._read(ref), page_locked=self._stream is not None)
+
+    def _read_done(self, key: str, version: _Version) -> None:
+        reading, version.reading = version.reading, None
+        error = reading.exception()
+        if error is not None:
+            self._fail(key, version, error)
+            return
+        host = reading.result()
+        if self._memory.bytes_of(host) > self._tiers.size(key):
+            self._fail(key, version, FailedPrecondition(
+                f"its weights have rank {host.rank}, the registry recorded rank {version.ref.rank}"))
+            return
+        version.host = host
+        self._tiers.resize(key, self._memory.bytes_of(host))
+        self._load_times.observe("disk", self._clock() - version.started)
+
+    def _fail(self, key: str, version: _Version, error: BaseException) -> None:
+        """Remember the failure (requests for `key` fail until it expires) and let go of what the load held."""
+        self._load_failures += 1
+        log.error("adapter %s (%s) could not be loaded; failing its requests", ", ".join(sorted(version.names)),
+                  version.ref.storage_path, exc_info=error)
+        self._failures[key] = (self._clock() + self._failure_ttl_s, _cause(error))
+        version.host = None
+        if version.slot is not None:
+            self._free_slot(version)
+        self._drop_if_unused(key)
+
+    def _failed(self, key: str) -> str | None:
+        """The cause of `key`'s last failed load, while it is remembered."""
+        failure = self._failures.get(key)
+        if failure is not None and failure[0] <= self._clock():
+            del self._failures[key]
+            failure = None
+        return failure[1] if failure else None
+
+    # --- leaving ---
+
+    def _drop_if_unused(self, key: str) -> None:
+        """A version no request uses leaves every tier if a newer version of each of its names arrived,
+        or if its load failed; one that is on disk only is forgotten (its access record stays in the tiers)."""
+        version = self._versions.get(key)
+        if version is None or version.requests:
+            return
+        if self._failed(key) is not None or all(self._newest.get(name) != key for name in version.names):
+            self._tiers.drop(key)
+            self._forget(key)
+        elif self._tiers.tier(key) is Tier.DISK:
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        """`key` left the host tier (and so the GPU): free its slot, drop its record."""
+        version = self._versions.pop(key)
+        if version.slot is not None:
+            self._free_slot(version)
+        self._active.pop(key, None)
+
+    def _free_slot(self, version: _Version) -> None:
+        self._memory.free(version.slot)
+        self._free_slots.append(version.slot)
+        version.slot = version.copying = None

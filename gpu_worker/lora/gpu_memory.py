@@ -1,0 +1,148 @@
+"""The GPU tier's storage: the model's adapter arena, packed by each adapter's true size.
+
+Every adapter takes one range of the arena (kernels/adapter_arena.py), as many bytes as its ranks and
+targets need (a rank-8 adapter about 1/8 of a rank-64 one), and one row of every projection's tables
+(its slot; kernels/lora_stack.py). The loader packs an adapter on the host exactly as it will lie in
+that range (`pack`, on a loader thread), so `install` is one copy of its bytes and a table update.
+
+On CUDA, `install` copies on the caller's side stream and returns an event recorded after the copy
+and the table writes; the adapter may be read once the event has completed, and no step waits for it.
+An install writes only a free range and its own slot's rows, which no queued step reads (a slot is
+freed only after its adapter's last request ended, and a request ends only once every step that ran
+it has delivered its tokens), so the copy does not wait for the steps queued before it. The
+exception is a compaction, when freed holes are too small for the next adapter: it moves resident
+adapters that queued steps read, so it runs on the compute stream after every copy in flight, and
+the install's copy then follows it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.lora.host_weights import PackedAdapter, host_buffer
+from gpu_worker.lora.layer import LoRALinear
+from gpu_worker.lora.loader import LoRAWeights
+from gpu_worker.lora.merge_switch import MergeSwitch
+from kernels import AdapterArena, upload_rows
+from kernels.adapter_arena import aligned
+
+MIN_RANK_PER_SEAT = 8  # table rows: enough for the budget filled with adapters of this rank on every target
+
+
+class GpuAdapterMemory:
+    def __init__(self, layers: dict[tuple[int, str], tuple[LoRALinear, int]], arena: AdapterArena, max_rank: int,
+                 merge_switch: MergeSwitch | None = None) -> None:
+        """`layers`: (layer, PEFT target) -> (module, output slice), from the model, whose modules have
+        their slots in `arena` already (LoRALinear.init_slots); `max_rank`: the largest rank served."""
+        self._layers = layers
+        self._modules = list({id(module): module for module, _ in layers.values()}.values())
+        assert all(m.lora is not None and m.lora.arena is arena for m in self._modules)
+        self._stacks = [m.lora for m in self._modules]
+        self.num_slots = self._modules[0].lora.num_slots
+        self._arena = arena
+        self._itemsize = arena.data.element_size()
+        self._served: dict[LoRALinear, set[int]] = {m: set() for m in self._modules}
+        for module, out_slice in layers.values():
+            self._served[module].add(out_slice)
+        self.max_bytes = self.bytes_at_rank(max_rank)  # the largest servable adapter
+        self.dtype = arena.dtype
+        self.device = arena.device
+        self._merge_switch = merge_switch
+        self._offsets: dict[int, int] = {}  # slot -> its adapter's arena offset
+
+    @staticmethod
+    def seats(budget_bytes: int, bytes_at_max_rank: int, max_rank: int) -> int:
+        """Table rows for a budget: as many adapters as fit at rank MIN_RANK_PER_SEAT on every target."""
+        return max(1, budget_bytes * max(1, max_rank // MIN_RANK_PER_SEAT) // bytes_at_max_rank)
+
+    def bytes_at_rank(self, rank: int) -> int:
+        """The most an adapter of `rank` occupies: that rank on every slice served."""
+        return self._itemsize * sum(
+            aligned(m.slot_elems([rank if s in self._served[m] else 0 for s in range(len(m.out_sizes))]))
+            for m in self._modules)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._arena.capacity * self._itemsize
+
+    def bytes_of(self, packed: PackedAdapter) -> int:
+        """GPU bytes `packed` occupies once installed: its true size (blocks aligned to 128 bytes)."""
+        return packed.nbytes
+
+    def pack(self, weights: LoRAWeights, page_locked: bool) -> PackedAdapter:
+        """`weights` packed for this model's arena in one host buffer (any thread: touches no device)."""
+        slices: dict[LoRALinear, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {m: {} for m in self._modules}
+        for key, (a, b) in weights.modules.items():
+            module, out_slice = self._layers[key]
+            slices[module][out_slice] = (a, b)
+        sizes, ranks = [], []
+        for module in self._modules:
+            module_ranks = module.lora.ranks_of(slices[module])
+            ranks.append(tuple(module_ranks))
+            sizes.append(aligned(module.slot_elems(module_ranks)))
+        buffer = host_buffer(sum(sizes), self.dtype, page_locked)
+        parts, offset = [], 0
+        for module, size, module_ranks in zip(self._modules, sizes, ranks):
+            if size:
+                module.lora.pack({s: (a.to(self.dtype), b.to(self.dtype)) for s, (a, b) in slices[module].items()},
+                                 buffer[offset:offset + size])
+            scalings = tuple(weights.scaling if r else 0.0 for r in module_ranks)
+            parts.append((offset, module_ranks, scalings))
+            offset += size
+        return PackedAdapter(weights.name, weights.rank, buffer, tuple(parts))
+
+    def install(self, slot: int, packed: PackedAdapter, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """Copy `packed` into the arena and point `slot` at it; -> the event to wait for on CUDA (`stream`
+        given), None when the copy is done already. The caller's budget guarantees the bytes are free."""
+        assert slot not in self._offsets, f"slot {slot} is taken"
+        elems = packed.buffer.numel()
+        offset = self._arena.alloc(elems)
+        if offset is None:
+            self._compact(stream)
+            offset = self._arena.alloc(elems)
+        assert offset is not None, f"{elems} elements do not fit an arena with {self._arena.free_elems} free"
+        self._offsets[slot] = offset
+        if stream is None:
+            self._place(slot, offset, packed)
+            return None
+        with torch.cuda.stream(stream):
+            self._place(slot, offset, packed)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def free(self, slot: int) -> None:
+        """`slot`'s adapter leaves the GPU. If it is folded into the base weights (merged mode), those are
+        restored first: the slot's next adapter, perhaps another version of the same name, must not find
+        itself merged already."""
+        if self._merge_switch is not None:
+            self._merge_switch.release_slot(slot)
+        self._arena.free(self._offsets.pop(slot))
+        for module in self._modules:  # the device rows stay stale, unread, until the slot's next install
+            module.lora.clear(slot, upload=False)
+
+    def _place(self, slot: int, offset: int, packed: PackedAdapter) -> None:
+        """On the current stream: the one copy, then every projection's table rows."""
+        self._arena.data[offset:offset + packed.buffer.numel()].copy_(packed.buffer, non_blocking=True)
+        for module, (part, ranks, scalings) in zip(self._modules, packed.parts):
+            if any(ranks):
+                module.lora.place(slot, offset + part, ranks, scalings, upload=False)
+            else:
+                module.lora.clear(slot, upload=False)
+        upload_rows(self._stacks, slot)  # every row of the slot: a projection it skips may hold a stale one
+
+    def _compact(self, stream: torch.cuda.Stream | None) -> None:
+        """Close the arena's holes on the compute stream, after the copies in flight on `stream` (they
+        write ranges that may move), and make `stream` wait for it."""
+        compute = torch.cuda.current_stream(self.device) if stream is not None else None
+        if stream is not None:
+            compute.wait_stream(stream)
+        moves = self._arena.compact()
+        for slot, offset in self._offsets.items():
+            if offset in moves:
+                for module in self._modules:
+                    if any(module.lora.host_ranks[slot]):
+                        module.lora.rebase(slot, moves[offset] - offset)
+                self._offsets[slot] = moves[offset]
+        if stream is not None:
+            stream.wait_stream(compute)

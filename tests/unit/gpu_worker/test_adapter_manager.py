@@ -1,0 +1,173 @@
+"""The adapter manager: loads off the caller's thread from arrival, the host tier, pins, versions by
+digest, failures that fail only their version (and are remembered a while), the eviction policy."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gpu_worker.lora.adapter_manager import AdapterManager
+from gpu_worker.lora.loader import AdapterRef
+from services.common.errors import AdapterLoadFailed, FailedPrecondition
+from services.common.scheduling.eviction import LRU, LFUDecay
+
+from .adapter_fakes import Clock, Disk, installed, manager, poll_until, ref
+
+
+def _use(adapters: AdapterManager, adapter: AdapterRef) -> tuple[int, int]:
+    """One request for `adapter`, from arrival to its end once its adapter is usable: its (slot, rank)."""
+    adapters.arrive(adapter)
+    poll_until(adapters, lambda: adapters.resident(adapter) is not None)
+    placed = adapters.resident(adapter)
+    adapters.depart(adapter)
+    return placed
+
+
+def _loads(adapters: AdapterManager) -> dict[str, int]:
+    return {times.source: times.count for times in adapters.stats().loads}
+
+
+def test_a_load_starts_at_arrival_beside_the_caller_and_installs_the_weights_read():
+    disk = Disk()
+    adapters, module = manager(2, disk)
+    woken = threading.Event()
+    adapters.wake = woken.set
+    sql = ref("sql")
+    disk.hold(sql)
+    adapters.arrive(sql)  # returns while the read waits on the disk
+    assert not woken.is_set()
+    for _ in range(3):
+        adapters.poll()
+        assert adapters.resident(sql) is None
+    assert adapters.stats().loading_adapters == ("sql",)
+    disk.release(sql)
+    assert woken.wait(5)  # the loader thread wakes the engine
+    assert disk.threads == ["adapter-loader_0"]
+    poll_until(adapters, lambda: adapters.resident(sql) is not None)
+    slot, rank = adapters.resident(sql)
+    a, b = disk.weights[sql.sha256].modules[(0, "q_proj")]
+    assert rank == 4 and all(map(torch.equal, installed(module, slot), (a, b)))
+    assert module.lora.host_scalings[slot] == [0.5]
+    adapters.arrive(sql)  # usable at arrival: a hit
+    stats = adapters.stats()
+    assert (stats.hits, stats.misses, stats.pinned, stats.gpu_adapters, stats.loading_adapters) == (1, 1, 2, ("sql",), ())
+    assert _loads(adapters) == {"disk": 1, "host": 1}
+
+
+def test_pins_keep_the_adapters_of_waiting_requests_on_the_gpu():
+    disk = Disk()
+    adapters, _ = manager(2, disk)
+    a, b, c = ref("a"), ref("b"), ref("c")
+    for adapter in (a, b):
+        adapters.arrive(adapter)  # requests that have not been admitted yet hold their adapters too
+    poll_until(adapters, lambda: adapters.resident(a) is not None and adapters.resident(b) is not None)
+    slot_b = adapters.resident(b)[0]
+    adapters.arrive(c)
+    poll_until(adapters, lambda: adapters.stats().host_adapters == ("a", "b", "c"))  # read, but no GPU room
+    for _ in range(3):
+        adapters.poll()
+    assert adapters.resident(c) is None and adapters.stats().loading_adapters == ("c",)
+    adapters.depart(b)
+    adapters.poll()
+    assert adapters.resident(c)[0] == slot_b and adapters.resident(a) is not None and adapters.resident(b) is None
+    stats = adapters.stats()
+    assert stats.gpu_adapters == ("a", "c") and stats.host_adapters == ("a", "b", "c") and stats.gpu_evictions == 1
+
+
+def test_an_adapter_evicted_from_the_gpu_comes_back_from_host_memory_without_a_read():
+    disk = Disk()
+    adapters, module = manager(1, disk)
+    a, b = ref("a"), ref("b")
+    _use(adapters, a)
+    _use(adapters, b)                     # a leaves the GPU for host memory
+    assert adapters.stats().host_adapters == ("a", "b")
+    slot, _ = _use(adapters, a)
+    assert disk.reads == ["a", "b"] and _loads(adapters) == {"disk": 2, "host": 3}
+    assert torch.equal(installed(module, slot)[0], disk.weights[a.sha256].modules[(0, "q_proj")][0])
+
+
+def test_an_adapter_evicted_from_host_memory_too_is_read_again():
+    disk = Disk()
+    adapters, _ = manager(1, disk, host_slots=1)
+    a, b = ref("a"), ref("b")
+    for adapter in (a, b, a):
+        _use(adapters, adapter)
+    stats = adapters.stats()
+    assert disk.reads == ["a", "b", "a"] and (stats.host_evictions, stats.gpu_evictions) == (2, 2)
+    assert stats.host_adapters == ("a",) and stats.host_versions == 1
+
+
+def test_a_new_version_serves_new_requests_while_the_old_one_finishes_then_leaves_every_tier():
+    disk = Disk()
+    adapters, module = manager(2, disk)
+    v0, v1, v2 = ref("sql", 0), ref("sql", 1), ref("sql", 2)
+    adapters.arrive(v0)
+    poll_until(adapters, lambda: adapters.resident(v0) is not None)
+    adapters.arrive(v1)                   # re-registered: same name, new digest, another adapter
+    poll_until(adapters, lambda: adapters.resident(v1) is not None)
+    (s0, _), (s1, _) = adapters.resident(v0), adapters.resident(v1)
+    assert s0 != s1 and torch.equal(installed(module, s1)[0], disk.weights[v1.sha256].modules[(0, "q_proj")][0])
+    stats = adapters.stats()
+    assert stats.gpu_adapters == ("sql",) and (stats.gpu_versions, stats.host_versions) == (2, 2)
+    adapters.depart(v0)                   # the old version's last request ended: it leaves every tier
+    stats = adapters.stats()
+    assert adapters.resident(v0) is None and (stats.gpu_versions, stats.host_versions, stats.pinned) == (1, 1, 1)
+    adapters.depart(v1)
+    adapters.arrive(v2)                   # v1 has no request left: it goes as v2 arrives
+    stats = adapters.stats()
+    assert adapters.resident(v1) is None and (stats.gpu_versions, stats.host_versions) == (0, 1)  # v2's room
+    poll_until(adapters, lambda: adapters.resident(v2) is not None)
+    assert disk.reads == ["sql"] * 3
+
+
+@pytest.mark.parametrize("error", [ValueError("bad value"), OSError(5, "Input/output error", "/store/x/adapter_config.json"),
+                                   RuntimeError("CUDA error: out of memory"), FailedPrecondition("checksum mismatch")],
+                         ids=["ValueError", "OSError", "RuntimeError", "TesseraError"])
+def test_a_failed_load_fails_its_version_only_and_is_remembered_a_while(error):
+    disk, clock = Disk(), Clock()
+    adapters, _ = manager(1, disk, clock=clock)
+    broken, good = ref("broken"), ref("good")
+    disk.broken[broken.sha256] = error
+    for adapter in (broken, broken, good):
+        adapters.arrive(adapter)
+    poll_until(adapters, lambda: adapters.failure(broken) is not None and adapters.resident(good) is not None)
+    failure = adapters.failure(broken)
+    assert isinstance(failure, AdapterLoadFailed) and failure.message.startswith("adapter broken could not be loaded: ")
+    assert "/store/x" not in failure.message  # a file's name, never the store's paths
+    assert adapters.failure(good) is None
+    adapters.depart(broken)
+    adapters.depart(broken)
+    adapters.arrive(broken)               # within the failure's lifetime: failed at once, no read
+    assert adapters.failure(broken).message == failure.message and disk.reads.count("broken") == 1
+    adapters.depart(broken)
+    stats = adapters.stats()
+    assert (stats.load_failures, stats.host_versions, stats.pinned, stats.gpu_adapters) == (1, 1, 1, ("good",))
+    clock.now += 10.5                     # forgotten: the next request reads the files again
+    del disk.broken[broken.sha256]
+    adapters.depart(good)
+    assert _use(adapters, broken) is not None and disk.reads.count("broken") == 2
+
+
+def test_load_now_waits_for_the_adapter_and_raises_when_it_fails():
+    disk = Disk()
+    adapters, _ = manager(1, disk)
+    sql, broken = ref("sql", rank=2), ref("broken")
+    disk.broken[broken.sha256] = ValueError("no")
+    assert adapters.load_now(sql) == (0, 2)
+    with pytest.raises(AdapterLoadFailed, match="adapter broken could not be loaded: ValueError: no"):
+        adapters.load_now(broken)
+    adapters.depart(sql)
+    assert adapters.stats().pinned == 0
+
+
+@pytest.mark.parametrize("eviction, evicted", [(LFUDecay(half_life_s=100.0), "cold"), (LRU(), "hot")],
+                         ids=["lfu", "lru"])
+def test_the_eviction_policy_picks_who_leaves_a_full_gpu_tier(eviction, evicted):
+    disk, clock = Disk(), Clock()
+    adapters, _ = manager(2, disk, eviction=eviction, clock=clock)
+    for name in ("hot", "hot", "hot", "cold", "new"):
+        clock.now += 1.0
+        _use(adapters, ref(name))
+    assert set(adapters.stats().gpu_adapters) == {"hot", "cold", "new"} - {evicted}
