@@ -4,15 +4,20 @@ Refreshed in the background every `metadata_refresh_s`. A failed refresh keeps t
 snapshot, so a registry restart never fails a request that the snapshot can answer. A name
 the snapshot does not know triggers one immediate refresh (at most one per
 `miss_refresh_interval_s`, shared by concurrent misses) before the answer is NOT_FOUND, so a
-just-registered adapter is usable at once.
+just-registered adapter is usable at once. The registry's change feed (WatchCatalog) makes a
+deleted adapter stop resolving as soon as the registry commits the deletion, not at the next
+refresh: the name leaves the snapshot on the spot, and a refresh that was already under way when
+the change came cannot bring it back (what it read may predate the deletion).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 
 import grpc
 
@@ -24,6 +29,7 @@ log = logging.getLogger(__name__)
 
 REGISTRY_CALL_TIMEOUT_S = 2.0
 MISS_REFRESH_INTERVAL_S = 0.5
+WATCH_RETRY_S = 1.0  # after the change feed fails (the registry restarts; one that has no feed)
 # Reconnect fast after a registry restart: gRPC's default backoff grows to two minutes.
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000))
 
@@ -60,17 +66,24 @@ class RegistryCache:
         self._last_attempt = -float("inf")
         self._registry_ok = True
         self._refresh_lock = asyncio.Lock()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._changed = asyncio.Event()  # the change feed asks for a refresh before the next periodic one
+        self._refreshes = 0  # refreshes started so far
+        # Adapters the change feed said were deleted -> how many refreshes had started by then: a
+        # refresh started no later than that may have read them still there.
+        self._removed: dict[str, int] = {}
 
     async def start(self) -> None:
-        """First refresh (a down registry is logged, not fatal), then refresh in the background."""
+        """First refresh (a down registry is logged, not fatal), then refresh in the background and
+        follow the registry's change feed."""
         await self.refresh()
-        self._task = asyncio.create_task(self._refresh_forever(), name="registry-cache-refresh")
+        self._tasks = [asyncio.create_task(self._refresh_forever(), name="registry-cache-refresh"),
+                       asyncio.create_task(self._follow_changes(), name="registry-cache-changes")]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._channel.close()
 
     async def refresh(self) -> bool:
@@ -80,6 +93,8 @@ class RegistryCache:
 
     async def _refresh_locked(self) -> bool:
         self._last_attempt = time.monotonic()
+        self._refreshes += 1
+        started = self._refreshes
         try:
             base_models, adapters, workers = await asyncio.gather(
                 self._stub.ListBaseModels(registry_pb2.ListBaseModelsRequest(), timeout=REGISTRY_CALL_TIMEOUT_S),
@@ -96,16 +111,44 @@ class RegistryCache:
         if not self._registry_ok:
             log.info("registry %s answered; metadata refreshed", self._address)
         self._registry_ok = True
+        # Deletions announced while this refresh was under way stay out; those announced before it began
+        # are in what it read.
+        self._removed = {name: at for name, at in self._removed.items() if at >= started}
         self._snapshot = RegistrySnapshot(
             base_models={m.name: m for m in base_models.base_models},
-            adapters={a.name: a for a in adapters.adapters},
+            adapters={a.name: a for a in adapters.adapters if a.name not in self._removed},
             workers=tuple(w for w in workers.workers if w.healthy))
         return True
 
     async def _refresh_forever(self) -> None:
         while True:
-            await asyncio.sleep(self._refresh_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self._refresh_s)
+            self._changed.clear()
             await self.refresh()
+
+    async def _follow_changes(self) -> None:
+        """Follow WatchCatalog: drop deleted adapters at once, and ask for a refresh on every change (and
+        on each (re)subscription, which starts with an empty change: changes made while away are caught
+        up). A slow refresh never holds up the next change."""
+        while True:
+            try:
+                async for change in self._stub.WatchCatalog(registry_pb2.WatchCatalogRequest()):
+                    self._remove_adapters(change.removed_adapters)
+                    self._changed.set()
+            except grpc.RpcError as exc:
+                log.debug("registry change feed: %s; following again in %.1fs", exc.code().name, WATCH_RETRY_S)
+            await asyncio.sleep(WATCH_RETRY_S)
+
+    def _remove_adapters(self, names: Sequence[str]) -> None:
+        if not names:
+            return
+        for name in names:
+            self._removed[name] = self._refreshes
+        if self._snapshot is not None:
+            self._snapshot = dataclasses.replace(self._snapshot, adapters={
+                name: adapter for name, adapter in self._snapshot.adapters.items() if name not in self._removed})
+        log.info("adapters deleted in the registry: %s", ", ".join(names))
 
     async def _refresh_after_miss(self) -> None:
         """One refresh unless one was attempted very recently; concurrent misses share it."""

@@ -8,7 +8,9 @@ retires a request whose client went away. All scheduler state is touched by the 
 other threads talk to it through the inbox. A request's adapter starts loading as the engine thread
 takes the request from the inbox (lora/adapter_manager.py); the load runs beside the steps, and a
 finished load posts to the inbox, so an engine with nothing to run but requests waiting for their
-adapters sleeps on the inbox until one is ready.
+adapters sleeps on the inbox until one is ready. The registry's orders for the adapter tiers (retire,
+pin, preload: lora/placement_orders.py) come through the inbox too; an engine with no request at all
+still advances their loads on each message.
 
 A step's host work is split around the device. What the next schedule needs (token ids, whether
 each request finished, freeing finished requests' blocks) runs as soon as the tokens arrive
@@ -37,6 +39,7 @@ from gpu_worker.block_manager import BlockManager
 from gpu_worker.delivery import RequestHandle, RequestOutput, Streams, aborted_output, deliver
 from gpu_worker.intake import GenerationRequest, Intake
 from gpu_worker.lora.adapter_manager import AdapterManager
+from gpu_worker.lora.placement_orders import OrderBook, PlacementOrders
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.orchestrator import Orchestrator, StepPlan
 from gpu_worker.sampler import SampledTokens, sample
@@ -86,6 +89,7 @@ class Engine:
         self._blocks: BlockManager = scheduler.blocks
         self._adapters = adapters
         adapters.wake = lambda: self._inbox.put(("adapters", None))  # a load finished (loader or copy thread)
+        self._orders = OrderBook(adapters)
         self.max_context = max_context
         self._intake = Intake(base_model=base_model, tokenizer=tokenizer, processor=processor, max_context=max_context,
                               max_lora_rank=max_lora_rank, kv_capacity_tokens=self._blocks.capacity_tokens)
@@ -140,6 +144,10 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def apply_orders(self, orders: PlacementOrders) -> None:
+        """The registry's latest orders for the adapter tiers (applied on the engine thread)."""
+        self._inbox.put(("orders", orders))
+
     def stats(self) -> EngineStats:
         with self._stats_lock:
             return self._stats
@@ -160,6 +168,9 @@ class Engine:
             idle = self._launched is None and (self._stalled or not self._scheduler.has_work())
             if idle:
                 self._send_outputs()
+                if not self._scheduler.has_work():  # else the next step polls: requests wait for these loads
+                    self._adapters.poll()  # loads no request waits for: an operator's pins and preloads
+                    self._publish_stats()
             if not self._drain_inbox(block=idle):
                 return
             if self._launched is not None or self._scheduler.has_work():
@@ -201,6 +212,8 @@ class Engine:
                 self._scheduler.add(seq)  # its adapter starts loading now
             elif kind == "abort" and (seq := self._streams.find(payload)) is not None:
                 self._abort(seq)
+            elif kind == "orders":
+                self._orders.apply(payload)
             try:
                 message = self._inbox.get_nowait()
             except queue.Empty:

@@ -33,7 +33,7 @@ from services.common.scheduling.batch_summary import BatchEntry
 from services.common.scheduling.perf_model import PERF_MODELS_DIR, PerfModel, Phase, ProfileSample, perf_model_path
 from gpu_worker.builder import EngineParts, assemble_parts
 from gpu_worker.device_kind import device_name, perf_model_kind
-from gpu_worker.lora.loader import AdapterRef, LoRAWeights
+from gpu_worker.lora.loader import AdapterRef, LoRAModule, LoRAWeights
 from gpu_worker.models.families import load_served_model
 from gpu_worker.models.llama import resolve_dtype
 from gpu_worker.models.random_weights import random_llama
@@ -109,9 +109,9 @@ def random_adapters(config: PretrainedConfig, targets: list[str], device: torch.
         def weight(rows: int, cols: int) -> torch.Tensor:
             return (torch.randn(rows, cols, generator=gen, device=device) * 0.01).to(dtype)
 
-        modules = {(layer, t): (weight(ref.rank, dims[t][0]), weight(dims[t][1], ref.rank))
+        modules = {(layer, t): LoRAModule(weight(ref.rank, dims[t][0]), weight(dims[t][1], ref.rank), 2.0)
                    for layer in range(config.num_hidden_layers) for t in targets}
-        return LoRAWeights(ref.name, ref.rank, 2.0, modules)
+        return LoRAWeights(ref.name, modules)
     return load
 
 

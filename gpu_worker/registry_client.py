@@ -2,19 +2,26 @@
 
 Every call retries with capped exponential backoff while the registry is down; a heartbeat answered
 `known=False` (the registry restarted or expired us) triggers a fresh registration, after which
-the full placement set is reported again.
+the full placement set is reported again. A heartbeat tells the registry every adapter version the
+worker holds; its answer says which to retire (deleted, or registered again with other weights) and
+carries the operators' pins and preloads for this worker, which go to the engine (`on_orders`).
+Placements report each adapter's real tier, whether it is loading and whether it is pinned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
 
+from gpu_worker.lora.adapter_stats import AdapterPlacement
+from gpu_worker.lora.loader import AdapterRef
+from gpu_worker.lora.placement_orders import PlacementOrders
+from services.common.scheduling.adapter_tiers import Tier
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -23,6 +30,7 @@ T = TypeVar("T")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND)
 RPC_TIMEOUT_S = 5.0
 MAX_BACKOFF_S = 5.0
+TIER_TO_PROTO = {Tier.GPU: common_pb2.TIER_GPU, Tier.HOST: common_pb2.TIER_HOST, Tier.DISK: common_pb2.TIER_DISK}
 
 
 @dataclass(frozen=True)
@@ -59,12 +67,27 @@ async def fetch_base_model(channel: grpc.aio.Channel, name: str, stop: asyncio.E
         registry_pb2.GetBaseModelRequest(name=name), timeout=RPC_TIMEOUT_S), stop)
 
 
+def adapter_ref(adapter: common_pb2.Adapter) -> AdapterRef:
+    """What the registry says about an adapter, as the worker's adapter tiers take it."""
+    return AdapterRef(adapter.name, adapter.base_model, adapter.rank, adapter.sha256, adapter.storage_path)
+
+
+def placement_orders(reply: registry_pb2.HeartbeatResponse) -> PlacementOrders:
+    return PlacementOrders(retire=tuple((v.name, v.sha256) for v in reply.retire),
+                           pins=tuple(adapter_ref(p.adapter) for p in reply.placements if p.pin),
+                           preloads=tuple(adapter_ref(p.adapter) for p in reply.placements if not p.pin))
+
+
 class RegistryClient:
     def __init__(self, channel: grpc.aio.Channel, identity: WorkerIdentity,
-                 stats: Callable[[], common_pb2.WorkerStats]) -> None:
+                 stats: Callable[[], common_pb2.WorkerStats], placements: Callable[[], Sequence[AdapterPlacement]],
+                 on_orders: Callable[[PlacementOrders], None]) -> None:
+        """`placements`: every adapter version held, under each of its names (AdapterTierStats.placements)."""
         self._stub = registry_pb2_grpc.RegistryStub(channel)
         self._identity = identity
         self._stats = stats
+        self._placements = placements
+        self._on_orders = on_orders
         self.worker_id = ""
 
     async def _register(self, stop: asyncio.Event) -> int | None:
@@ -81,23 +104,27 @@ class RegistryClient:
     async def run(self, stop: asyncio.Event, default_interval_ms: int) -> None:
         """Register, then heartbeat and report placements until `stop` is set."""
         interval_ms = await self._register(stop)
-        reported: tuple[str, ...] | None = None
+        reported: tuple[AdapterPlacement, ...] | None = None
         while interval_ms is not None and not stop.is_set():
-            stats = self._stats()
+            stats, held = self._stats(), tuple(self._placements())
             try:
-                reply = await self._stub.Heartbeat(
-                    registry_pb2.HeartbeatRequest(worker_id=self.worker_id, stats=stats), timeout=RPC_TIMEOUT_S)
+                reply = await self._stub.Heartbeat(registry_pb2.HeartbeatRequest(
+                    worker_id=self.worker_id, stats=stats,
+                    adapters=[registry_pb2.AdapterVersion(name=p.name, sha256=p.sha256) for p in held]),
+                    timeout=RPC_TIMEOUT_S)
                 if not reply.known:
                     log.warning("registry does not know worker %s; registering again", self.worker_id)
                     interval_ms, reported = await self._register(stop), None
                     continue
-                resident = tuple(stats.resident_adapters)
-                if resident != reported:
+                self._on_orders(placement_orders(reply))
+                newest = tuple(p for p in held if p.newest)  # what a new request for each name finds
+                if newest != reported:
                     await self._stub.ReportPlacements(registry_pb2.ReportPlacementsRequest(
                         worker_id=self.worker_id, placements=[
-                            common_pb2.Placement(adapter=name, worker_id=self.worker_id, tier=common_pb2.TIER_GPU)
-                            for name in resident]), timeout=RPC_TIMEOUT_S)
-                    reported = resident
+                            common_pb2.Placement(adapter=p.name, worker_id=self.worker_id, tier=TIER_TO_PROTO[p.tier],
+                                                 loading=p.loading, pinned=p.pinned)
+                            for p in newest]), timeout=RPC_TIMEOUT_S)
+                    reported = newest
             except grpc.aio.AioRpcError as err:
                 log.warning("heartbeat to the registry failed: %s", err.code().name)
             try:

@@ -50,7 +50,8 @@ async def _main(config: TesseraConfig, tls: RoleCredentials | None, stop: asynci
         # The advertised port is known only once the server is bound (port 0 in tests).
         identity = WorkerIdentity(w.advertise_address or f"{w.host}:{server.port}", w.device, w.base_model,
                                   w.max_num_seqs)
-        registry = RegistryClient(channel, identity, lambda: worker_stats(engine))
+        registry = RegistryClient(channel, identity, lambda: worker_stats(engine),
+                                  lambda: engine.stats().adapters.placements, engine.apply_orders)
         heartbeat = asyncio.create_task(registry.run(stop, config.registry.heartbeat_interval_ms))
         try:
             await stop.wait()

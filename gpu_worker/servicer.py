@@ -19,8 +19,8 @@ import grpc
 from gpu_worker.delivery import RequestOutput
 from gpu_worker.engine import Engine
 from gpu_worker.intake import GenerationRequest
-from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
+from gpu_worker.registry_client import adapter_ref
 from gpu_worker.sequence import MAX_LOGPROBS, FinishReason, SamplingParams
 from gpu_worker.state_push import StateSource
 from services.common.errors import InvalidArgument
@@ -78,8 +78,7 @@ def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: in
         _chat_message(m, i) for i, m in enumerate(message.chat.messages))
     adapter = None
     if message.HasField("adapter"):
-        a = message.adapter
-        adapter = AdapterRef(a.name, a.base_model, a.rank, a.sha256, a.storage_path)
+        adapter = adapter_ref(message.adapter)
     return GenerationRequest(uuid.uuid4().hex, prompt, params, adapter)
 
 

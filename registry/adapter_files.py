@@ -1,8 +1,9 @@
 """Validation of a PEFT LoRA adapter directory against a base model, without torch or unpickling.
 
-A servable adapter is ``adapter_config.json`` (peft_type LORA, r, lora_alpha,
-target_modules: a list of projection names, or a regex) plus ``adapter_model.safetensors``
-holding, for every decoder layer i and every target projection m, exactly:
+A servable adapter is ``adapter_config.json`` (peft_type LORA, r, lora_alpha, perhaps use_rslora,
+rank_pattern and alpha_pattern: services/common/lora_config.py; target_modules: a list of projection
+names, or a regex) plus ``adapter_model.safetensors`` holding, for every decoder layer i and every
+target projection m, exactly (r: that module's rank, from rank_pattern or r):
 
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight  [r, in_features]
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out_features, r]
@@ -27,8 +28,9 @@ from registry.records import SUPPORTED_TARGET_MODULES, ModuleShape
 from registry.safetensors_header import TensorInfo, read_safetensors_header
 from registry.trusted_paths import resolve_inside_roots
 from services.common.adapter_layout import (ADAPTER_LAYOUTS, CONFIG_FILE, WEIGHTS_FILE, AdapterLayout,
-                                            check_lora_hyperparameters, refuse_vision_tensors)
+                                            refuse_vision_tensors)
 from services.common.errors import InvalidArgument
+from services.common.lora_config import LoraHyperparameters, parse_lora_hyperparameters
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
@@ -39,21 +41,10 @@ PROJECTION_BLOCK: dict[str, str] = {
 }
 assert tuple(PROJECTION_BLOCK) == SUPPORTED_TARGET_MODULES
 
-# PEFT options that change the adapter's math; serving them as plain LoRA would give wrong outputs.
-UNSUPPORTED_OPTIONS: dict[str, str] = {
-    "modules_to_save": "modules_to_save (fully trained extra modules)",
-    "use_dora": "use_dora (DoRA)",
-    "layers_to_transform": "layers_to_transform (LoRA on a subset of layers)",
-    "rank_pattern": "rank_pattern (per-module ranks)",
-    "alpha_pattern": "alpha_pattern (per-module alphas)",
-    "use_rslora": "use_rslora (rank-stabilised scaling)",
-    "lora_bias": "lora_bias (a bias on lora_B)",
-    "fan_in_fan_out": "fan_in_fan_out (transposed weights)",
-    "layer_replication": "layer_replication",
-    "trainable_token_indices": "trainable_token_indices",
-    "target_parameters": "target_parameters",
-}
 
+def _path(module: str) -> str:
+    """A projection's path inside a decoder layer: "self_attn.q_proj"."""
+    return f"{PROJECTION_BLOCK[module]}.{module}"
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdapterSource:
@@ -65,8 +56,8 @@ class AdapterSource:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoraSpec:
-    rank: int
-    alpha: float
+    rank: int     # the largest of its modules' ranks (r, or a rank_pattern value): what workers batch by
+    alpha: float  # lora_alpha (alpha_pattern may give some modules another)
     target_modules: tuple[str, ...]  # in SUPPORTED_TARGET_MODULES order; () while named by a regex
 
 
@@ -109,47 +100,39 @@ def _target_modules(value: Any) -> tuple[str, ...]:
     return tuple(m for m in SUPPORTED_TARGET_MODULES if m in names)
 
 
-def parse_lora_config(config: Mapping[str, Any]) -> LoraSpec:
-    """The LoRA hyper-parameters of an adapter_config.json; InvalidArgument on anything we cannot serve."""
-    if config.get("peft_type") != "LORA":
-        raise InvalidArgument(f"{CONFIG_FILE}: peft_type must be 'LORA', got {config.get('peft_type')!r}")
-    rank, alpha = check_lora_hyperparameters(config.get("r"), config.get("lora_alpha"), CONFIG_FILE)
-    for key, description in UNSUPPORTED_OPTIONS.items():
-        if config.get(key):
-            raise InvalidArgument(f"{CONFIG_FILE}: {description} is not supported; Tessera serves plain LoRA")
-    if config.get("bias", "none") != "none":
-        raise InvalidArgument(f"{CONFIG_FILE}: bias={config['bias']!r} is not supported; only 'none'")
-    return LoraSpec(rank=rank, alpha=alpha, target_modules=_target_modules(config.get("target_modules")))
+def module_ranks(hyperparameters: LoraHyperparameters, targets: Sequence[str], layout: AdapterLayout,
+                 num_layers: int) -> dict[tuple[int, str], int]:
+    """(layer, projection) -> its rank: PEFT's rank_pattern matched against the module's name, else r."""
+    return {(layer, module): hyperparameters.rank_of(layout.module_name(layer, _path(module)))
+            for layer in range(num_layers) for module in targets}
 
 
-def check_rank_fits(spec: LoraSpec, module_shapes: Mapping[str, ModuleShape]) -> None:
+def check_rank_fits(ranks: Mapping[tuple[int, str], int], module_shapes: Mapping[str, ModuleShape]) -> None:
     """r above a target's smaller side adds parameters but no rank: a typo, or an oversized upload."""
-    for module in spec.target_modules:
+    for (layer, module), rank in ranks.items():
         shape = module_shapes[module]
-        if spec.rank > min(shape.in_features, shape.out_features):
+        if rank > min(shape.in_features, shape.out_features):
             raise InvalidArgument(
-                f"{CONFIG_FILE}: r={spec.rank} exceeds the base model's {module} "
+                f"{CONFIG_FILE}: r={rank} exceeds the base model's {module} "
                 f"({shape.in_features} -> {shape.out_features}); r may be at most "
-                f"{min(shape.in_features, shape.out_features)}")
+                f"{min(shape.in_features, shape.out_features)} (layer {layer})")
 
 
-def _expected_tensors(spec: LoraSpec, layout: AdapterLayout, num_layers: int,
+def _expected_tensors(ranks: Mapping[tuple[int, str], int], layout: AdapterLayout,
                       module_shapes: Mapping[str, ModuleShape]) -> dict[str, tuple[str, tuple[int, int]]]:
     """Tensor name -> (projection, shape) for every layer x target: A is [r, in], B is [out, r]."""
     expected: dict[str, tuple[str, tuple[int, int]]] = {}
-    for layer in range(num_layers):
-        for module in spec.target_modules:
-            shape = module_shapes[module]
-            path = f"{PROJECTION_BLOCK[module]}.{module}"
-            expected[layout.tensor_name(layer, path, "A")] = (module, (spec.rank, shape.in_features))
-            expected[layout.tensor_name(layer, path, "B")] = (module, (shape.out_features, spec.rank))
+    for (layer, module), rank in ranks.items():
+        shape = module_shapes[module]
+        expected[layout.tensor_name(layer, _path(module), "A")] = (module, (rank, shape.in_features))
+        expected[layout.tensor_name(layer, _path(module), "B")] = (module, (shape.out_features, rank))
     return expected
 
 
 def _regex_targets(tensors: Mapping[str, TensorInfo], layout: AdapterLayout) -> tuple[str, ...]:
     """The projections a regex target_modules matched: those with a LoRA A tensor in the first layer."""
     found = tuple(m for m in SUPPORTED_TARGET_MODULES
-                  if layout.tensor_name(0, f"{PROJECTION_BLOCK[m]}.{m}", "A") in tensors)
+                  if layout.tensor_name(0, _path(m), "A") in tensors)
     if not found:
         raise InvalidArgument(f"{CONFIG_FILE}: target_modules matched no projection of the language model's "
                               f"first layer ({', '.join(SUPPORTED_TARGET_MODULES)})")
@@ -162,10 +145,10 @@ def _tensor_rank(name: str, shape: tuple[int, ...]) -> int | None:
     return shape[0] if name.endswith(".lora_A.weight") else shape[1]
 
 
-def check_lora_tensors(tensors: Mapping[str, TensorInfo], spec: LoraSpec, layout: AdapterLayout, num_layers: int,
+def check_lora_tensors(tensors: Mapping[str, TensorInfo], ranks: Mapping[tuple[int, str], int], layout: AdapterLayout,
                        module_shapes: Mapping[str, ModuleShape]) -> None:
-    """Every layer x target must be present with exactly the base model's shapes, and nothing else."""
-    expected = _expected_tensors(spec, layout, num_layers, module_shapes)
+    """Every layer x target must be present with its rank and the base model's shapes, and nothing else."""
+    expected = _expected_tensors(ranks, layout, module_shapes)
     missing = [name for name in expected if name not in tensors]
     if missing:
         module = expected[missing[0]][0]
@@ -181,10 +164,10 @@ def check_lora_tensors(tensors: Mapping[str, TensorInfo], spec: LoraSpec, layout
         actual = tensors[name].shape
         if actual == shape:
             continue
-        tensor_rank = _tensor_rank(name, actual)
-        if tensor_rank is not None and tensor_rank != spec.rank:
+        tensor_rank, rank = _tensor_rank(name, actual), _tensor_rank(name, shape)
+        if tensor_rank is not None and tensor_rank != rank:
             raise InvalidArgument(
-                f"rank mismatch: {CONFIG_FILE} says r={spec.rank} but tensor {name!r} has rank "
+                f"rank mismatch: {CONFIG_FILE} says r={rank} but tensor {name!r} has rank "
                 f"{tensor_rank} (shape {list(actual)})")
         raise InvalidArgument(
             f"tensor {name!r} has shape {list(actual)}, expected {list(shape)} for the base model's "
@@ -199,9 +182,9 @@ def validate_adapter_dir(directory: Path, architecture: str, num_layers: int,
     tensors = read_safetensors_header(directory / WEIGHTS_FILE)
     # First: bare target names ("q_proj") that also reached a vision tower deserve this message.
     refuse_vision_tensors(layout, tensors, WEIGHTS_FILE)
-    spec = parse_lora_config(config)
-    if not spec.target_modules:
-        spec = dataclasses.replace(spec, target_modules=_regex_targets(tensors, layout))
-    check_rank_fits(spec, module_shapes)
-    check_lora_tensors(tensors, spec, layout, num_layers, module_shapes)
-    return spec
+    hyperparameters = parse_lora_hyperparameters(config)
+    targets = _target_modules(config.get("target_modules")) or _regex_targets(tensors, layout)
+    ranks = module_ranks(hyperparameters, targets, layout, num_layers)
+    check_rank_fits(ranks, module_shapes)
+    check_lora_tensors(tensors, ranks, layout, module_shapes)
+    return LoraSpec(rank=max(ranks.values()), alpha=hyperparameters.lora_alpha, target_modules=targets)

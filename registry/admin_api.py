@@ -3,6 +3,15 @@
 Every route needs the admin API key (``Authorization: Bearer <key>`` or
 ``X-API-Key: <key>``); errors are JSON ``{"error": {"message", "type", "code"}}``
 (see registry/app.py for the handlers).
+
+Placement orders hold an adapter on workers without waiting for a request:
+  POST   /adapters/<name>/placements        {"workers": ["<worker id>", ...] | "all", "pin": false}
+         preload (pin false: loaded into host and GPU memory once, then evicted like any adapter) or
+         pin (never evicted while the order stands) on those workers, or on every worker of the
+         adapter's base model ("all", workers that register later included)
+  GET    /adapters/<name>/placements        its orders
+  DELETE /adapters/<name>/placements/<worker id | all>   lift an order (a pin is released)
+What workers actually hold (tier, loading, pinned) is GET /placements.
 """
 
 from __future__ import annotations
@@ -103,8 +112,36 @@ def get_adapter(name: str) -> Response:
 
 @admin.delete("/adapters/<name>")
 def delete_adapter(name: str) -> Response:
+    """New requests for `name` get 404 at once; in-flight ones finish; then every worker drops it."""
     _store().delete_adapter(name)
     return jsonify({"deleted": name})
+
+
+def _workers_field(value: Any) -> list[str] | None:
+    """The body's "workers": "all" -> None, or a non-empty list of worker ids."""
+    if value == "all":
+        return None
+    if not isinstance(value, list) or not value or not all(isinstance(w, str) and w for w in value):
+        raise InvalidArgument('field \'workers\' must be "all" or a non-empty list of worker ids', param="workers")
+    return list(dict.fromkeys(value))
+
+
+@admin.post("/adapters/<name>/placements")
+def place_adapter(name: str) -> Response:
+    body = _json_body({"workers": object, "pin": bool}, required={"workers"})
+    orders = _store().place_adapter(name, _workers_field(body["workers"]), bool(body.get("pin", False)))
+    return jsonify({"orders": [_record(r) for r in orders]})
+
+
+@admin.get("/adapters/<name>/placements")
+def list_placement_orders(name: str) -> Response:
+    return jsonify({"orders": [_record(r) for r in _store().list_placement_orders(name)]})
+
+
+@admin.delete("/adapters/<name>/placements/<worker>")
+def remove_placement_order(name: str, worker: str) -> Response:
+    removed = _store().remove_placement_orders(name, None if worker == "all" else [worker])
+    return jsonify({"removed": [_record(r) for r in removed]})
 
 
 @admin.get("/workers")

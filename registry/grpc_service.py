@@ -4,17 +4,20 @@ Store calls block on the database, so each runs in a thread (`asyncio.to_thread`
 and the event loop keeps serving other RPCs; domain errors become status codes
 in services/common/grpc_server.py's interceptor. Any cluster certificate reads; only
 the worker's registers a worker, heartbeats and reports placements (PERMISSION_DENIED
-for the gateway's: services/common/peer_role.py).
+for the gateway's: services/common/peer_role.py). A heartbeat's answer carries what the
+registry asks of that worker's adapter tiers (versions to retire, operators' pins and preloads);
+WatchCatalog streams the catalog's changes to the gateways.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 
-from registry.proto_records import (adapter_to_proto, base_model_to_proto, placement_from_proto,
-                                    placement_to_proto, stats_to_dict, worker_to_proto)
+from registry.proto_records import (adapter_to_proto, base_model_to_proto, orders_to_proto, placement_from_proto,
+                                    placement_to_proto, stats_to_dict, versions_from_proto, worker_to_proto)
 from registry.store import RegistryStore
 from services.common.grpc_server import Registrar
 from services.common.peer_role import require_peer_role
@@ -57,8 +60,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def Heartbeat(self, request: registry_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> registry_pb2.HeartbeatResponse:
         require_peer_role(context, "worker")
-        known = await asyncio.to_thread(self._store.heartbeat, request.worker_id, stats_to_dict(request.stats))
-        return registry_pb2.HeartbeatResponse(known=known)
+        if not await asyncio.to_thread(self._store.heartbeat, request.worker_id, stats_to_dict(request.stats)):
+            return registry_pb2.HeartbeatResponse(known=False)
+        orders = await asyncio.to_thread(self._store.worker_orders, request.worker_id,
+                                         versions_from_proto(request.adapters))
+        return orders_to_proto(orders)
 
     async def ListWorkers(self, request: registry_pb2.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> registry_pb2.ListWorkersResponse:
@@ -77,6 +83,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         records = await asyncio.to_thread(
             self._store.list_placements, request.adapter or None, request.worker_id or None)
         return registry_pb2.ListPlacementsResponse(placements=[placement_to_proto(r) for r in records])
+
+    async def WatchCatalog(self, request: registry_pb2.WatchCatalogRequest,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[registry_pb2.CatalogChange]:
+        with self._store.changes.subscribe() as changes:
+            yield registry_pb2.CatalogChange()  # subscribed: the watcher refreshes what it missed
+            while True:
+                change = await changes.get()
+                yield registry_pb2.CatalogChange(removed_adapters=change.removed_adapters)
 
 
 def add_registry_service(store: RegistryStore, heartbeat_interval_ms: int) -> Registrar:

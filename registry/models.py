@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Integer, MetaData, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Integer, MetaData, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Deterministic constraint names, so migrations can refer to them on every backend.
@@ -82,3 +82,21 @@ class PlacementRow(Base):
         String(36), ForeignKey("workers.id", ondelete="CASCADE"), index=True)
     tier: Mapped[str] = mapped_column(String(16))  # a records.Tier value
     updated_ms: Mapped[int] = mapped_column(BigInteger)
+    loading: Mapped[bool] = mapped_column(Boolean, default=False)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class PlacementOrderRow(Base):
+    """An operator's pin or preload of an adapter on a worker, kept until the operator lifts it."""
+
+    __tablename__ = "placement_orders"
+    __table_args__ = (UniqueConstraint("adapter", "worker_address", name="uq_placement_orders_adapter_worker"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    adapter: Mapped[str] = mapped_column(String(128), ForeignKey("adapters.name", ondelete="CASCADE"))
+    # By address, not worker id: a restarted worker registers again under a new id at the same
+    # address and keeps its orders. "" (not NULL, which a unique constraint never matches): every
+    # worker of the adapter's base model.
+    worker_address: Mapped[str] = mapped_column(String(256))
+    pin: Mapped[bool] = mapped_column(Boolean)
+    created_ms: Mapped[int] = mapped_column(BigInteger)

@@ -7,9 +7,10 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from registry.records import AdapterRecord, BaseModelRecord, PlacementRecord, Tier, WorkerRecord
+from registry.records import (AdapterRecord, AdapterVersion, BaseModelRecord, PlacementRecord, ReportedPlacement, Tier,
+                              WorkerOrders, WorkerRecord)
 from services.common.errors import InvalidArgument
-from tessera.v1 import common_pb2
+from tessera.v1 import common_pb2, registry_pb2
 
 TIER_TO_PROTO: dict[Tier, int] = {
     Tier.GPU: common_pb2.TIER_GPU, Tier.HOST: common_pb2.TIER_HOST, Tier.DISK: common_pb2.TIER_DISK}
@@ -52,13 +53,26 @@ def worker_to_proto(record: WorkerRecord) -> common_pb2.WorkerInfo:
 
 def placement_to_proto(record: PlacementRecord) -> common_pb2.Placement:
     return common_pb2.Placement(adapter=record.adapter, worker_id=record.worker_id,
-                                tier=TIER_TO_PROTO[record.tier], updated_unix_ms=record.updated_unix_ms)
+                                tier=TIER_TO_PROTO[record.tier], updated_unix_ms=record.updated_unix_ms,
+                                loading=record.loading, pinned=record.pinned)
 
 
-def placement_from_proto(placement: common_pb2.Placement, worker_id: str) -> tuple[str, Tier]:
+def placement_from_proto(placement: common_pb2.Placement, worker_id: str) -> ReportedPlacement:
     if placement.worker_id and placement.worker_id != worker_id:
         raise InvalidArgument(f"placement of {placement.adapter!r} names worker {placement.worker_id!r}, "
                               f"not the reporting worker {worker_id!r}")
     if placement.tier not in TIER_FROM_PROTO:
         raise InvalidArgument(f"placement of {placement.adapter!r} has no tier")
-    return placement.adapter, TIER_FROM_PROTO[placement.tier]
+    return ReportedPlacement(placement.adapter, TIER_FROM_PROTO[placement.tier], placement.loading, placement.pinned)
+
+
+def versions_from_proto(versions: list[registry_pb2.AdapterVersion]) -> list[AdapterVersion]:
+    return [(v.name, v.sha256) for v in versions]
+
+
+def orders_to_proto(orders: WorkerOrders) -> registry_pb2.HeartbeatResponse:
+    """A known worker's heartbeat answer."""
+    return registry_pb2.HeartbeatResponse(
+        known=True, retire=[registry_pb2.AdapterVersion(name=name, sha256=sha256) for name, sha256 in orders.retire],
+        placements=[registry_pb2.PlacementOrder(adapter=adapter_to_proto(adapter), pin=pin)
+                    for adapter, pin in orders.placements])

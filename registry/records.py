@@ -72,7 +72,51 @@ class WorkerRecord:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PlacementRecord:
+    """Where a worker reports an adapter (the version its new requests get)."""
+
     adapter: str
     worker_id: str
     tier: Tier
     updated_unix_ms: int
+    loading: bool = False  # on its way to the GPU (from `tier`)
+    pinned: bool = False   # pinned there by an operator's order
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReportedPlacement:
+    """One entry of a worker's placement report."""
+
+    adapter: str
+    tier: Tier
+    loading: bool = False
+    pinned: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlacementOrderRecord:
+    """An operator's order: hold `adapter` on a worker (or on every worker of its base model) without
+    waiting for a request. `pin`: never evicted while the order stands; else preloaded once."""
+
+    adapter: str
+    worker_address: str | None  # None: every worker serving the adapter's base model, now or later
+    pin: bool
+    created_unix_ms: int
+
+
+# (adapter name, content digest): one version of an adapter as a worker holds it.
+AdapterVersion = tuple[str, str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerOrders:
+    """What the registry asks of one worker's adapter tiers (answered to each heartbeat)."""
+
+    retire: tuple[AdapterVersion, ...]  # held versions no adapter is anymore: drop once their requests end
+    placements: tuple[tuple[AdapterRecord, bool], ...]  # (adapter, pin) for every order that reaches it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CatalogChange:
+    """A committed change to the adapters or base models (the gateways' caches follow these)."""
+
+    removed_adapters: tuple[str, ...] = ()

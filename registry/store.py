@@ -23,9 +23,11 @@ from sqlalchemy.orm import Session
 from registry.adapter_blobs import AdapterBlobStore
 from registry.adapter_files import locate_adapter_files, validate_adapter_dir
 from registry.base_model_files import read_base_model_spec
+from registry.catalog_feed import CatalogFeed
 from registry.db import make_engine, make_session_factory, upgrade_schema
-from registry.models import AdapterRow, BaseModelRow, PlacementRow, WorkerRow
-from registry.records import (AdapterRecord, BaseModelRecord, ModuleShape, PlacementRecord, Tier,
+from registry.models import AdapterRow, BaseModelRow, PlacementOrderRow, PlacementRow, WorkerRow
+from registry.records import (AdapterRecord, AdapterVersion, BaseModelRecord, CatalogChange, ModuleShape,
+                              PlacementOrderRecord, PlacementRecord, ReportedPlacement, Tier, WorkerOrders,
                               WorkerRecord)
 from registry.trusted_paths import real_roots, resolve_inside_roots
 from services.common.config import TesseraConfig
@@ -60,7 +62,12 @@ def _adapter_record(row: AdapterRow) -> AdapterRecord:
 
 def _placement_record(row: PlacementRow) -> PlacementRecord:
     return PlacementRecord(adapter=row.adapter, worker_id=row.worker_id, tier=Tier(row.tier),
-                           updated_unix_ms=row.updated_ms)
+                           updated_unix_ms=row.updated_ms, loading=row.loading, pinned=row.pinned)
+
+
+def _order_record(row: PlacementOrderRow) -> PlacementOrderRecord:
+    return PlacementOrderRecord(adapter=row.adapter, worker_address=row.worker_address or None, pin=row.pin,
+                                created_unix_ms=row.created_ms)
 
 
 class RegistryStore:
@@ -76,6 +83,7 @@ class RegistryStore:
         # removals with the rows that reference them (dedup vs delete), and a new name against both the
         # adapters and the base models (requests name either in one `model` field).
         self._blob_lock = threading.Lock()
+        self.changes = CatalogFeed()  # published after each commit that changes the catalog
 
     @classmethod
     def from_config(cls, config: TesseraConfig) -> "RegistryStore":
@@ -115,7 +123,9 @@ class RegistryStore:
                 raise AlreadyExists(f"{name!r} is already an adapter's name; a base model may not take it "
                                     "(requests name a base model or an adapter in the same `model` field)")
             _insert(s, row, f"base model {name!r}")
-            return _base_model_record(row)
+            record = _base_model_record(row)
+        self.changes.publish(CatalogChange())
+        return record
 
     def get_base_model(self, name: str) -> BaseModelRecord:
         with self._transaction() as s:
@@ -153,11 +163,13 @@ class RegistryStore:
                         sha256=staged.sha256, storage_path=str(storage), created_ms=self._now_ms(),
                         task_head=task_head)
                     _insert(s, row, f"adapter {name!r}")
-                    return _adapter_record(row)
+                    record = _adapter_record(row)
             except BaseException:
                 self._blobs.discard(staged)
                 self._remove_blob_if_unreferenced(str(self._blobs.path_for(staged.sha256)))
                 raise
+        self.changes.publish(CatalogChange())
+        return record
 
     def get_adapter(self, name: str) -> AdapterRecord:
         with self._transaction() as s:
@@ -171,14 +183,18 @@ class RegistryStore:
             return [_adapter_record(r) for r in s.scalars(query)]
 
     def delete_adapter(self, name: str) -> None:
-        """Remove the adapter and its placements; its stored files go once no adapter shares them."""
+        """Remove the adapter, its placements and placement orders; its stored files go once no adapter
+        shares them. The gateways stop resolving it at once (`changes`); workers drop it from their
+        tiers once its in-flight requests end (`worker_orders` tells them to)."""
         with self._blob_lock:
             with self._transaction() as s:
                 row = _get_adapter_row(s, name)
                 storage_path = row.storage_path
                 s.execute(delete(PlacementRow).where(PlacementRow.adapter == name))
+                s.execute(delete(PlacementOrderRow).where(PlacementOrderRow.adapter == name))
                 s.delete(row)
             self._remove_blob_if_unreferenced(storage_path)
+        self.changes.publish(CatalogChange(removed_adapters=(name,)))
 
     def _remove_blob_if_unreferenced(self, storage_path: str) -> None:
         # By path, not digest: a row from before migration 0002 keeps its directory under the weights'
@@ -238,26 +254,27 @@ class RegistryStore:
 
     # Placements
 
-    def replace_placements(self, worker_id: str, placements: Sequence[tuple[str, Tier]]) -> list[PlacementRecord]:
+    def replace_placements(self, worker_id: str, placements: Sequence[ReportedPlacement]) -> list[PlacementRecord]:
         """Replace the worker's whole placement set.
 
         An adapter listed twice keeps its fastest tier (GPU-resident and also
         cached in host memory is a normal state). Adapters the registry no
         longer knows (deleted while a worker still holds them) are skipped.
         """
-        fastest: dict[str, Tier] = {}
-        for adapter, tier in placements:
-            tier = Tier(tier)
-            if adapter not in fastest or TIER_ORDER.index(tier) < TIER_ORDER.index(fastest[adapter]):
-                fastest[adapter] = tier
+        fastest: dict[str, ReportedPlacement] = {}
+        for placement in placements:
+            kept = fastest.get(placement.adapter)
+            if kept is None or TIER_ORDER.index(Tier(placement.tier)) < TIER_ORDER.index(Tier(kept.tier)):
+                fastest[placement.adapter] = placement
         now = self._now_ms()
         with self._transaction() as s:
             if s.get(WorkerRow, worker_id) is None:
                 raise NotFound(f"worker {worker_id!r} is not registered")
             known = set(s.scalars(select(AdapterRow.name).where(AdapterRow.name.in_(list(fastest)))))
             s.execute(delete(PlacementRow).where(PlacementRow.worker_id == worker_id))
-            rows = [PlacementRow(adapter=a, worker_id=worker_id, tier=t.value, updated_ms=now)
-                    for a, t in sorted(fastest.items()) if a in known]
+            rows = [PlacementRow(adapter=a, worker_id=worker_id, tier=Tier(p.tier).value, updated_ms=now,
+                                 loading=p.loading, pinned=p.pinned)
+                    for a, p in sorted(fastest.items()) if a in known]
             s.add_all(rows)
             s.flush()
             return [_placement_record(r) for r in rows]
@@ -270,6 +287,70 @@ class RegistryStore:
             query = query.where(PlacementRow.worker_id == worker_id)
         with self._transaction() as s:
             return [_placement_record(r) for r in s.scalars(query)]
+
+    # Placement orders (an operator's pins and preloads)
+
+    def place_adapter(self, name: str, worker_ids: Sequence[str] | None, pin: bool) -> list[PlacementOrderRecord]:
+        """Order `name` onto the workers `worker_ids` (None: every worker of its base model, those that
+        register later included), pinned or preloaded; an order already there takes the new `pin`.
+        Returns the adapter's orders."""
+        now = self._now_ms()
+        with self._transaction() as s:
+            adapter = _get_adapter_row(s, name)
+            addresses = {"all": ""} if worker_ids is None else _worker_addresses(s, worker_ids, adapter.base_model)
+            existing = {r.worker_address: r for r in s.scalars(
+                select(PlacementOrderRow).where(PlacementOrderRow.adapter == name))}
+            for address in addresses.values():
+                if address in existing:
+                    existing[address].pin = pin
+                else:
+                    s.add(PlacementOrderRow(adapter=name, worker_address=address, pin=pin, created_ms=now))
+            s.flush()
+            return _orders_of(s, name)
+
+    def list_placement_orders(self, name: str) -> list[PlacementOrderRecord]:
+        with self._transaction() as s:
+            _get_adapter_row(s, name)
+            return _orders_of(s, name)
+
+    def remove_placement_orders(self, name: str, worker_ids: Sequence[str] | None) -> list[PlacementOrderRecord]:
+        """Lift the orders of `name` on `worker_ids` (None: its every-worker order); their pins go. NotFound
+        if one of them has none. Returns the orders removed."""
+        with self._transaction() as s:
+            adapter = _get_adapter_row(s, name)
+            addresses = {"all": ""} if worker_ids is None else _worker_addresses(s, worker_ids, adapter.base_model)
+            rows = {r.worker_address: r for r in s.scalars(select(PlacementOrderRow).where(
+                PlacementOrderRow.adapter == name, PlacementOrderRow.worker_address.in_(list(addresses.values()))))}
+            missing = [target for target, address in addresses.items() if address not in rows]
+            if missing:
+                raise NotFound(f"adapter {name!r} has no placement order for {', '.join(missing)}")
+            removed = [_order_record(rows[a]) for a in addresses.values()]
+            for row in rows.values():
+                s.delete(row)
+            return removed
+
+    def worker_orders(self, worker_id: str, held: Sequence[AdapterVersion]) -> WorkerOrders:
+        """What the registry asks of a worker holding the versions `held`: to retire those the registry
+        no longer serves under their name (deleted, or registered again with other weights), and to
+        hold the adapters operators ordered onto it (pinned if any order that reaches it pins)."""
+        with self._transaction() as s:
+            worker = s.get(WorkerRow, worker_id)
+            if worker is None:
+                raise NotFound(f"worker {worker_id!r} is not registered")
+            names = sorted({name for name, _ in held})
+            serving = dict(s.execute(select(AdapterRow.name, AdapterRow.sha256).where(AdapterRow.name.in_(names))).all())
+            retire = tuple(sorted(version for version in set(held) if serving.get(version[0]) != version[1]))
+            ordered = s.execute(
+                select(AdapterRow, PlacementOrderRow.pin).join(PlacementOrderRow, PlacementOrderRow.adapter == AdapterRow.name)
+                .where(AdapterRow.base_model == worker.base_model,
+                       PlacementOrderRow.worker_address.in_(["", worker.address]))
+                .order_by(AdapterRow.name)).all()
+            adapters: dict[str, AdapterRecord] = {}
+            pins: dict[str, bool] = {}  # an adapter ordered onto the worker and onto all its base model's
+            for row, pin in ordered:
+                adapters[row.name] = _adapter_record(row)
+                pins[row.name] = pins.get(row.name, False) or pin
+            return WorkerOrders(retire=retire, placements=tuple((adapters[n], pins[n]) for n in adapters))
 
 
 def _insert(session: Session, row: Any, what: str) -> None:
@@ -293,6 +374,25 @@ def _get_adapter_row(session: Session, name: str) -> AdapterRow:
     if row is None:
         raise NotFound(f"adapter {name!r} is not registered")
     return row
+
+
+def _worker_addresses(session: Session, worker_ids: Sequence[str], base_model: str) -> dict[str, str]:
+    """Worker id -> address for the registered workers `worker_ids`, each of which must serve `base_model`."""
+    rows = {r.id: r for r in session.scalars(select(WorkerRow).where(WorkerRow.id.in_(list(worker_ids))))}
+    for worker_id in worker_ids:
+        row = rows.get(worker_id)
+        if row is None:
+            raise NotFound(f"worker {worker_id!r} is not registered")
+        if row.base_model != base_model:
+            raise InvalidArgument(f"worker {worker_id!r} serves base model {row.base_model!r}, not the adapter's "
+                                  f"{base_model!r}", param="workers")
+    return {w: rows[w].address for w in worker_ids}
+
+
+def _orders_of(session: Session, adapter: str) -> list[PlacementOrderRecord]:
+    query = select(PlacementOrderRow).where(PlacementOrderRow.adapter == adapter).order_by(
+        PlacementOrderRow.worker_address)
+    return [_order_record(r) for r in session.scalars(query)]
 
 
 def _check_adapter_name_free(session: Session, name: str) -> None:

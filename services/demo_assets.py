@@ -80,6 +80,10 @@ class DemoAdapterSpec:
     alpha: float
     target_modules: tuple[str, ...]
     seed: int
+    # PEFT's per-module options: (module name or regex, value) pairs, in order; rsLoRA scaling alpha / sqrt(r).
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+    use_rslora: bool = False
 
 
 DEMO_ADAPTERS = (
@@ -342,7 +346,8 @@ def build_lora_adapter(base_dir: Path, out_dir: Path, spec: DemoAdapterSpec) -> 
     else:
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     torch.manual_seed(spec.seed)
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets,
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets, use_rslora=spec.use_rslora,
+                        rank_pattern=dict(spec.rank_pattern), alpha_pattern=dict(spec.alpha_pattern),
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", init_lora_weights=False)
     model = get_peft_model(base, config)
     with torch.no_grad():

@@ -2,7 +2,8 @@
 
 For a request r and a worker w (its reported batch B = running + queued, plus our own dispatches):
   cost(w) = prefill(r) / E[output] + (decode(B + r) - decode(B))   what r adds to every step of w
-          + load(tier of r's adapter on w)                          GPU 0, host ~ms, disk ~100 ms
+          + load(tier of r's adapter on w)                          GPU 0, host ~ms, disk ~100 ms;
+                                                                    what is left of a load under way
           + PENALTY                                                 if r, or the tightest SLO already
                                                                     on w, would miss its SLO there
 and the cheapest worker wins. Predicted time per token on w with r:
@@ -29,13 +30,27 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.common.scheduling.adapter_tiers import LoadCosts
+from services.common.scheduling.adapter_tiers import LoadCosts, Tier
 from services.common.scheduling.batch_summary import BatchSummary
 from services.common.scheduling.perf_model import PerfModel
 from gateway.scheduling.policies import Rotation, RoutingRequest
 from gateway.scheduling.worker_state import WorkerState
 
 PENALTY_S = 1e3  # above any real cost: an SLO-breaking placement loses to every other
+
+
+def adapter_load_s(costs: LoadCosts, worker: WorkerState, adapter: str, rank: int) -> float:
+    """Seconds until `adapter` is usable on `worker`'s GPU. A load under way (the worker reports it
+    loading) is priced halfway through its current stage, disk -> host or host -> GPU, plus the stages
+    after it: the gateway does not see when it started, and a start uniform over the stage leaves half
+    of it on average. So a loading adapter is cheaper than one the worker would have to start loading,
+    and dearer than one already usable."""
+    tier = worker.tier(adapter)
+    load_s = costs.load_s(tier, rank)
+    if adapter not in worker.loading_adapters or tier is Tier.GPU:
+        return load_s
+    stage_s = costs.host_to_gpu_s(rank) if tier is Tier.HOST else costs.disk_to_host_s(rank)
+    return load_s - stage_s / 2
 
 
 @dataclass(frozen=True)
@@ -85,7 +100,7 @@ class TesseraPolicy:
         batch = worker.batch
         after = batch.plus(request.entry)
         step, step_after = model.decode_s(batch), model.decode_s(after)
-        load_s = self._load_costs.load_s(worker.tier(request.adapter), request.rank)
+        load_s = adapter_load_s(self._load_costs, worker, request.adapter, request.rank)
         return Prediction(added_s=own_prefill_s / out + (step_after - step) + load_s,
                           tpot_s=step_after + model.prefill.predict_alone(after) / out,
                           ttft_s=max(load_s, step + model.prefill_s(worker.queued_batch)) + step + own_prefill_s)

@@ -33,6 +33,9 @@ class WorkerState:
     free_kv_tokens: int
     tightest_tpot_slo_s: float | None   # smallest TPOT SLO among its running and queued requests
     timestamp: float                    # when the worker took this snapshot (the table's clock)
+    # On their way to the GPU (disk -> host, or host -> GPU), not usable yet: priced by what is left
+    # of their load (tessera_policy.adapter_load_s).
+    loading_adapters: frozenset[str] = frozenset()
 
     @property
     def load(self) -> int:

@@ -19,6 +19,11 @@ A request's adapter, step by step (engine thread unless said):
                  reading the files again.
   depart(ref)    the request ended, waiting or running: unpin.
 
+An operator's orders, relayed by the registry (lora/placement_orders.py): `preload` loads a version
+into host and GPU memory without a request, `pin` / `unpin` hold one on the GPU, never evicted, and
+`retire` tells that the registry no longer serves a version under a name (DELETE drains: the version
+leaves every tier once its last in-flight request ends).
+
 A finished read or copy calls `wake` from its own thread: the engine loop, idle while every request
 waits for an adapter, wakes for the next pass (set by the engine that owns the manager).
 """
@@ -34,15 +39,20 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.lora.adapter_stats import AdapterTierStats, LoadClock
+from gpu_worker.lora.adapter_stats import AdapterPlacement, AdapterTierStats, LoadClock
 from gpu_worker.lora.gpu_memory import GpuAdapterMemory
-from gpu_worker.lora.host_weights import PackedAdapter
+from gpu_worker.lora.host_weights import PAGE_BYTES, HostPages, PackedAdapter
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights
 from services.common.errors import AdapterLoadFailed, FailedPrecondition, TesseraError
 from services.common.scheduling.adapter_tiers import AdapterTiers, Tier
 from services.common.scheduling.eviction import Eviction
 
 log = logging.getLogger(__name__)
+
+# Operators' pins hold at most this share of the GPU's adapter slots and bytes (each pin counted at the
+# most its rank can take): the rest stays for the adapters that requests bring, which would otherwise
+# wait for room forever.
+MAX_PINNED_SHARE = 0.5
 
 
 def _cause(exc: BaseException) -> str:
@@ -65,15 +75,23 @@ class _Version:
     slot: int | None = None                  # its GPU slot from placement on (the copy may still run)
     copying: torch.cuda.Event | None = None  # the copy onto the GPU, until it has completed
     started: float = 0.0                     # when the read or copy in progress started
+    pinned: bool = False                     # by an operator's order: made usable, then never evicted
+    preloading: bool = False                 # an operator's preload: held (pinned) until usable
 
     @property
     def usable(self) -> bool:
         return self.slot is not None and self.copying is None
 
+    @property
+    def wanted(self) -> bool:
+        """Something waits for it on the GPU: requests, or an operator's pin or preload."""
+        return bool(self.requests) or self.pinned or self.preloading
+
 
 class AdapterManager:
     def __init__(self, memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAWeights], *, host_bytes: int,
                  loader_threads: int, eviction: Eviction, failure_ttl_s: float, synchronous: bool = False,
+                 host_page_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`read`: an adapter from disk, verified and parsed (runs on a loader thread). `synchronous`:
         every load runs to its end on the engine thread, stalling the steps (the behaviour before the
@@ -81,9 +99,14 @@ class AdapterManager:
         assert loader_threads > 0 and failure_ttl_s >= 0, (loader_threads, failure_ttl_s)
         self._memory = memory
         self._read = read
-        self._tiers = AdapterTiers(memory.budget_bytes, host_bytes, eviction, gpu_max_adapters=memory.num_slots)
-        self._loader = concurrent.futures.ThreadPoolExecutor(loader_threads, thread_name_prefix="adapter-loader")
         cuda = memory.device.type == "cuda"
+        # Pages of at most 1/16 of the largest adapter (a 7B's get PAGE_BYTES), so that small models' adapters
+        # do not each hold a page many times their size.
+        page_bytes = host_page_bytes or max(4096, min(PAGE_BYTES, memory.max_bytes // 16 // 4096 * 4096))
+        self._host_pages = HostPages(host_bytes, page_locked=cuda, page_bytes=page_bytes)  # page-locked once, here: see host_weights.py
+        self._tiers = AdapterTiers(memory.budget_bytes, self._host_pages.capacity_bytes, eviction,
+                                   gpu_max_adapters=memory.num_slots)
+        self._loader = concurrent.futures.ThreadPoolExecutor(loader_threads, thread_name_prefix="adapter-loader")
         self._stream = torch.cuda.Stream(memory.device) if cuda else None
         # Waits for each copy's event, to wake an idle engine (the engine polls the events itself).
         self._copy_waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="adapter-copy") if cuda else None
@@ -102,22 +125,15 @@ class AdapterManager:
     # --- a request's adapter ---
 
     def arrive(self, ref: AdapterRef) -> None:
-        key = ref.sha256
-        assert key, f"adapter {ref.name} has no digest: versions are keyed by it"
-        version = self._versions.setdefault(key, _Version(ref))
-        version.names.add(ref.name)
+        version = self._version_of(ref)
         version.requests += 1
-        self._tiers.pin(key)
-        self._tiers.touch(key, self._clock())
+        self._tiers.pin(ref.sha256)
+        self._tiers.touch(ref.sha256, self._clock())
         if version.usable:
             self._hits += 1
         else:
             self._misses += 1
-            self._active[key] = None
-        replaced, self._newest[ref.name] = self._newest.get(ref.name), key
-        if replaced is not None and replaced != key:
-            self._drop_if_unused(replaced)
-        self._advance(key, version)
+        self._want(ref.sha256, version)
 
     def resident(self, ref: AdapterRef) -> tuple[int, int] | None:
         """(GPU slot, rank) of `ref`'s version once usable; None while it loads."""
@@ -139,6 +155,65 @@ class AdapterManager:
         self._tiers.unpin(key)
         self._drop_if_unused(key)
 
+    # --- an operator's orders, relayed by the registry (lora/placement_orders.py) ---
+
+    def preload(self, ref: AdapterRef) -> None:
+        """Load `ref` into host and GPU memory without a request. No access is recorded, so it is the first
+        to leave when room is needed. A no-op if it is usable or on its way, or if its load failed lately."""
+        if self._failed(ref.sha256) is not None:
+            return
+        version = self._version_of(ref)
+        if version.usable or version.preloading:
+            return
+        version.preloading = True
+        self._tiers.pin(ref.sha256)  # until usable: no other load evicts it halfway
+        self._want(ref.sha256, version)
+        self._end_preload(ref.sha256, version)
+
+    def pin(self, ref: AdapterRef) -> bool:
+        """Load `ref` onto the GPU and keep it there, never evicted, until `unpin`; whether it is pinned.
+        Refused if its load failed lately (a failed load lifts the pin: see `_fail`), or if operators'
+        pins would hold more than MAX_PINNED_SHARE of the GPU's adapter slots or bytes with it."""
+        if (version := self._versions.get(ref.sha256)) is not None and version.pinned:
+            self._version_of(ref)  # under this name too
+            return True
+        pinned = [v.ref.rank for v in self._versions.values() if v.pinned] + [ref.rank]
+        if self._failed(ref.sha256) is not None or len(pinned) > MAX_PINNED_SHARE * self._memory.num_slots or (
+                sum(map(self._memory.bytes_at_rank, pinned)) > MAX_PINNED_SHARE * self._memory.budget_bytes):
+            return False
+        version = self._version_of(ref)
+        version.pinned = True
+        self._tiers.pin(ref.sha256)
+        self._want(ref.sha256, version)
+        return True
+
+    def unpin(self, digest: str) -> None:
+        """Lift an operator's pin: the version stays where it is, evictable like any other."""
+        version = self._versions.get(digest)
+        if version is not None and version.pinned:
+            version.pinned = False
+            self._tiers.unpin(digest)
+            self._drop_if_unused(digest)
+
+    @property
+    def operator_pins(self) -> frozenset[str]:
+        """Digests pinned by an operator's order."""
+        return frozenset(key for key, version in self._versions.items() if version.pinned)
+
+    def retire(self, name: str, digest: str) -> None:
+        """The registry no longer serves `digest` under `name` (the adapter was deleted, or registered again
+        with other weights): the version stops answering to `name`. Once no name is left it loses any
+        operator pin or preload and leaves every tier as its last request ends; requests in flight finish."""
+        if self._newest.get(name) == digest:
+            del self._newest[name]
+        version = self._versions.get(digest)
+        if version is None:
+            return
+        version.names.discard(name)
+        if not version.names:
+            self._release_orders(digest, version)
+        self._drop_if_unused(digest)
+
     def poll(self) -> None:
         """Take finished loads in and start the next ones (every scheduling pass)."""
         for key in list(self._active):
@@ -150,10 +225,11 @@ class AdapterManager:
             elif version.copying is not None and version.copying.query():
                 version.copying = None
                 self._load_times.observe("host", self._clock() - version.started)
-            if version.requests and not version.usable:
+            if version.wanted and not version.usable:
                 self._advance(key, version)
+            self._end_preload(key, version)
             if key in self._active and version.reading is None and version.copying is None and (
-                    version.usable or not version.requests):
+                    version.usable or not version.wanted):
                 del self._active[key]
 
     def load_now(self, ref: AdapterRef) -> tuple[int, int]:
@@ -185,19 +261,18 @@ class AdapterManager:
         return self._memory.num_slots
 
     def stats(self) -> AdapterTierStats:
-        gpu, host, loading = [], [], []
-        for key, version in self._versions.items():
-            names = [name for name in version.names if self._newest.get(name) == key]
-            if version.usable:
-                gpu += names
-            if version.host is not None:
-                host += names
-            if version.reading is not None or version.copying is not None or (
-                    version.requests and not version.usable and self._failed(key) is None):
-                loading += names
+        placements = tuple(sorted((AdapterPlacement(
+            name, key, Tier.GPU if version.usable else Tier.HOST if version.host is not None else Tier.DISK,
+            loading=version.reading is not None or version.copying is not None or (
+                version.wanted and not version.usable and self._failed(key) is None),
+            pinned=version.pinned, newest=self._newest.get(name) == key)
+            for key, version in self._versions.items() for name in version.names), key=lambda p: (p.name, p.sha256)))
+        newest = [p for p in placements if p.newest]  # by name: where a new request finds its adapter
         tiers = self._tiers
         return AdapterTierStats(
-            gpu_adapters=tuple(sorted(gpu)), host_adapters=tuple(sorted(host)), loading_adapters=tuple(sorted(loading)),
+            gpu_adapters=tuple(p.name for p in newest if p.tier is Tier.GPU),
+            host_adapters=tuple(p.name for p in newest if p.tier is not Tier.DISK),
+            loading_adapters=tuple(p.name for p in newest if p.loading), placements=placements,
             gpu_versions=len(tiers.gpu_adapters), host_versions=len(tiers.host_adapters),
             gpu_bytes=tiers.gpu_used, host_bytes=tiers.host_used, gpu_capacity_bytes=tiers.gpu_bytes,
             host_capacity_bytes=tiers.host_bytes, pinned=sum(v.requests for v in self._versions.values()),
@@ -207,6 +282,38 @@ class AdapterManager:
 
     # --- loads ---
 
+    def _version_of(self, ref: AdapterRef) -> _Version:
+        """`ref`'s version, now the newest under its name (the version it replaces goes if nothing holds it)."""
+        key = ref.sha256
+        assert key, f"adapter {ref.name} has no digest: versions are keyed by it"
+        version = self._versions.setdefault(key, _Version(ref))
+        version.names.add(ref.name)
+        replaced, self._newest[ref.name] = self._newest.get(ref.name), key
+        if replaced is not None and replaced != key:
+            self._drop_if_unused(replaced)
+        return version
+
+    def _want(self, key: str, version: _Version) -> None:
+        """Something now waits for `version` on the GPU: start its next load."""
+        if not version.usable:
+            self._active[key] = None
+        self._advance(key, version)
+
+    def _end_preload(self, key: str, version: _Version) -> None:
+        """A preload holds its version only until usable: from then on it is an adapter like any other."""
+        if version.preloading and version.usable:
+            version.preloading = False
+            self._tiers.unpin(key)
+
+    def _release_orders(self, key: str, version: _Version) -> None:
+        """Let go of an operator's pin and preload on `version` (its load failed, or its name was retired)."""
+        if version.pinned:
+            version.pinned = False
+            self._tiers.unpin(key)
+        if version.preloading:
+            version.preloading = False
+            self._tiers.unpin(key)
+
     def _advance(self, key: str, version: _Version) -> None:
         """Start the next load `version` needs (its requests wait for it), if there is room for it."""
         if version.reading is not None or version.copying is not None or version.usable or self._failed(key):
@@ -214,7 +321,8 @@ class AdapterManager:
         if version.host is None:
             if self._tiers.tier(key) is Tier.DISK:
                 # Room for the most an adapter of its rank can take; the read tells its true size.
-                evicted = self._tiers.place_in_host(key, self._memory.bytes_at_rank(version.ref.rank))
+                reserved = self._host_pages.rounded(self._memory.bytes_at_rank(version.ref.rank))
+                evicted = self._tiers.place_in_host(key, reserved)
                 if evicted is None:
                     return  # host memory is all pinned: a later pass tries again
                 for victim in evicted:  # gone from both tiers
@@ -252,7 +360,7 @@ class AdapterManager:
 
     def _read_into_host(self, ref: AdapterRef) -> PackedAdapter:
         """Loader thread: read, verify and parse `ref`, then hold it in host memory as the GPU wants it."""
-        return self._memory.pack(self._read(ref), page_locked=self._stream is not None)
+        return self._memory.pack(self._read(ref), self._host_pages)
 
     def _read_done(self, key: str, version: _Version) -> None:
         reading, version.reading = version.reading, None
@@ -261,12 +369,12 @@ class AdapterManager:
             self._fail(key, version, error)
             return
         host = reading.result()
-        if self._memory.bytes_of(host) > self._tiers.size(key):
+        if host.host_bytes > self._tiers.size(key):
             self._fail(key, version, FailedPrecondition(
                 f"its weights have rank {host.rank}, the registry recorded rank {version.ref.rank}"))
             return
         version.host = host
-        self._tiers.resize(key, self._memory.bytes_of(host))
+        self._tiers.resize(key, host.host_bytes, gpu_nbytes=host.nbytes)
         self._load_times.observe("disk", self._clock() - version.started)
 
     def _fail(self, key: str, version: _Version, error: BaseException) -> None:
@@ -278,6 +386,8 @@ class AdapterManager:
         version.host = None
         if version.slot is not None:
             self._free_slot(version)
+        # A pin is ordered again by the registry's next answer, and retried once the failure expires.
+        self._release_orders(key, version)
         self._drop_if_unused(key)
 
     def _failed(self, key: str) -> str | None:
@@ -294,7 +404,7 @@ class AdapterManager:
         """A version no request uses leaves every tier if a newer version of each of its names arrived,
         or if its load failed; one that is on disk only is forgotten (its access record stays in the tiers)."""
         version = self._versions.get(key)
-        if version is None or version.requests:
+        if version is None or version.wanted:
             return
         if self._failed(key) is not None or all(self._newest.get(name) != key for name in version.names):
             self._tiers.drop(key)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from services.common.scheduling.adapter_tiers import Tier
+
 # Seconds: a host -> GPU copy takes about a millisecond, a cold read from a slow disk seconds.
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SOURCES = ("disk", "host")  # disk: read, verify, parse, copy into host memory; host: copy onto the GPU
@@ -39,6 +41,17 @@ class LoadClock:
 
 
 @dataclass(frozen=True)
+class AdapterPlacement:
+    """One adapter version this worker holds, under one of its names (what the registry is told)."""
+    name: str
+    sha256: str
+    tier: Tier      # GPU: usable there; HOST: its host copy is read; DISK: neither yet (it is loading or waits for room)
+    loading: bool   # on its way to the GPU: disk -> host, or host -> GPU
+    pinned: bool    # by an operator's order (the admin API), not by requests
+    newest: bool    # the version a new request for `name` gets (an older one serves its in-flight requests)
+
+
+@dataclass(frozen=True)
 class AdapterTierStats:
     # By adapter name, for the gateway: where a new request for that name would find its adapter
     # (the newest version that reached this worker).
@@ -59,3 +72,4 @@ class AdapterTierStats:
     host_evictions: int = 0                 # left host memory (and the GPU, if there too) for disk
     load_failures: int = 0                  # loads that failed (not the requests they failed)
     loads: tuple[LoadTimes, ...] = ()
+    placements: tuple[AdapterPlacement, ...] = ()  # every (name, version) held, by name then digest

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.lora.host_weights import PackedAdapter, host_buffer
+from gpu_worker.lora.host_weights import HostPages, PackedAdapter
 from gpu_worker.lora.layer import LoRALinear
 from gpu_worker.lora.loader import LoRAWeights
 from gpu_worker.lora.merge_switch import MergeSwitch
@@ -65,37 +65,42 @@ class GpuAdapterMemory:
     def budget_bytes(self) -> int:
         return self._arena.capacity * self._itemsize
 
-    def bytes_of(self, packed: PackedAdapter) -> int:
-        """GPU bytes `packed` occupies once installed: its true size (blocks aligned to 128 bytes)."""
-        return packed.nbytes
-
-    def pack(self, weights: LoRAWeights, page_locked: bool) -> PackedAdapter:
-        """`weights` packed for this model's arena in one host buffer (any thread: touches no device)."""
+    def pack(self, weights: LoRAWeights, pages: HostPages) -> PackedAdapter:
+        """`weights` packed for this model's arena into host pages (any thread: touches no device)."""
         slices: dict[LoRALinear, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {m: {} for m in self._modules}
-        for key, (a, b) in weights.modules.items():
+        scalings: dict[LoRALinear, dict[int, float]] = {m: {} for m in self._modules}  # each module's own
+        for key, (a, b, scaling) in weights.modules.items():
             module, out_slice = self._layers[key]
             slices[module][out_slice] = (a, b)
+            scalings[module][out_slice] = scaling
         sizes, ranks = [], []
         for module in self._modules:
             module_ranks = module.lora.ranks_of(slices[module])
             ranks.append(tuple(module_ranks))
             sizes.append(aligned(module.slot_elems(module_ranks)))
-        buffer = host_buffer(sum(sizes), self.dtype, page_locked)
+        nbytes = sum(sizes) * self._itemsize
+        taken = pages.take(nbytes)
+        runs = list(pages.runs(taken, nbytes))
+        # Pages in one run take the packing directly; scattered ones get it through one staging copy.
+        staging = runs[0][1] if len(runs) == 1 else torch.empty(nbytes, dtype=torch.uint8)
+        buffer = staging.view(self.dtype)
         parts, offset = [], 0
         for module, size, module_ranks in zip(self._modules, sizes, ranks):
             if size:
                 module.lora.pack({s: (a.to(self.dtype), b.to(self.dtype)) for s, (a, b) in slices[module].items()},
                                  buffer[offset:offset + size])
-            scalings = tuple(weights.scaling if r else 0.0 for r in module_ranks)
-            parts.append((offset, module_ranks, scalings))
+            parts.append((offset, module_ranks, tuple(scalings[module].get(s, 0.0) for s in range(len(module_ranks)))))
             offset += size
-        return PackedAdapter(weights.name, weights.rank, buffer, tuple(parts))
+        if len(runs) > 1:
+            for start, view in runs:
+                view.copy_(staging[start:start + view.numel()])
+        return PackedAdapter(weights.name, weights.rank, self.dtype, nbytes, taken, tuple(parts), pages)
 
     def install(self, slot: int, packed: PackedAdapter, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
         """Copy `packed` into the arena and point `slot` at it; -> the event to wait for on CUDA (`stream`
         given), None when the copy is done already. The caller's budget guarantees the bytes are free."""
         assert slot not in self._offsets, f"slot {slot} is taken"
-        elems = packed.buffer.numel()
+        elems = packed.nbytes // self._itemsize
         offset = self._arena.alloc(elems)
         if offset is None:
             self._compact(stream)
@@ -123,7 +128,9 @@ class GpuAdapterMemory:
 
     def _place(self, slot: int, offset: int, packed: PackedAdapter) -> None:
         """On the current stream: the one copy, then every projection's table rows."""
-        self._arena.data[offset:offset + packed.buffer.numel()].copy_(packed.buffer, non_blocking=True)
+        arena_bytes = self._arena.data.view(torch.uint8)[offset * self._itemsize:]
+        for start, view in packed.pool.runs(packed.pages, packed.nbytes):
+            arena_bytes[start:start + view.numel()].copy_(view, non_blocking=True)
         for module, (part, ranks, scalings) in zip(self._modules, packed.parts):
             if any(ranks):
                 module.lora.place(slot, offset + part, ranks, scalings, upload=False)

@@ -1,31 +1,25 @@
-"""The host tier's copy of an adapter: packed exactly as it will lie in the GPU's adapter arena, in
-one buffer that is page-locked on a CUDA worker, so that the GPU install is ONE DMA of its bytes,
-with nothing converted, hashed or gathered on the way (kernels/lora_stack.py: the layout).
+"""The host tier's memory: one region page-locked once, at start, cut into fixed-size pages.
 
-The buffer is page-locked by registering ordinary memory with CUDA (cudaHostRegister) rather than
-taken from torch's pinned allocator, which rounds every block up to a power of two and keeps freed
-blocks: the host tier is budgeted in bytes, and a 640 MB adapter must not hold 1 GiB.
+An adapter's host copy is packed exactly as it will lie in the GPU's adapter arena (kernels/lora_stack.py:
+the layout) across whole pages, so that its GPU install is a DMA of its bytes (one copy per run of
+consecutive pages), with nothing converted, hashed or gathered on the way.
+
+Page-locking happens once because it stalls the GPU: `cudaHostRegister` (and a fresh `pin_memory()`)
+holds up every other thread's kernel launches while it pins pages, and a load that registered its
+own buffer raised the running streams' step p99 about 10x (docs/benchmarks/adapters.md). Fixed-size
+pages leave no fragmentation to compact, and a later CPU LoRA worker can map the same region.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True, eq=False)  # holds a tensor: identity, not value, equality
-class PackedAdapter:
-    name: str
-    rank: int             # the largest of its slices' ranks (what the scheduler batches by)
-    buffer: torch.Tensor  # 1-D, the arena's dtype: every projection's part, at `parts`' offsets
-    parts: tuple[tuple[int, tuple[int, ...], tuple[float, ...]], ...]  # per projection of GpuAdapterMemory's
-    #                     order: (offset in the buffer, each slice's rank, each slice's scaling); rank 0: untargeted
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+PAGE_BYTES = 2 << 20  # an adapter wastes at most one page minus its last block; 16 MB adapters none
 
 
 def host_buffer(num_elems: int, dtype: torch.dtype, page_locked: bool) -> torch.Tensor:
@@ -37,6 +31,80 @@ def host_buffer(num_elems: int, dtype: torch.dtype, page_locked: bool) -> torch.
         nbytes = num_elems * buffer.element_size()
         status = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
         if int(status) != 0:
-            raise MemoryError(f"cannot page-lock {nbytes} bytes of host memory for an adapter (CUDA error {int(status)})")
+            raise MemoryError(f"cannot page-lock {nbytes} bytes of host memory (CUDA error {int(status)})")
         weakref.finalize(buffer.untyped_storage(), cudart.cudaHostUnregister, buffer.data_ptr())
     return buffer
+
+
+class HostPages:
+    """`capacity_bytes` of host memory (rounded up to whole pages); any thread may take and give back pages."""
+
+    def __init__(self, capacity_bytes: int, page_locked: bool, page_bytes: int = PAGE_BYTES) -> None:
+        assert page_bytes > 0 and page_bytes % 128 == 0, page_bytes  # packed blocks are 128-byte aligned
+        self.page_bytes = page_bytes
+        num_pages = self.pages_for(capacity_bytes)
+        self._region = host_buffer(num_pages * page_bytes, torch.uint8, page_locked)
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first: runs stay long
+        self._lock = threading.Lock()
+        self.num_pages = num_pages
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def free_pages(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes)
+
+    def rounded(self, nbytes: int) -> int:
+        """`nbytes` in whole pages: what it holds of the host tier."""
+        return self.pages_for(nbytes) * self.page_bytes
+
+    def take(self, nbytes: int) -> tuple[int, ...]:
+        """Pages for `nbytes`, sorted; MemoryError when too few are free (the tiers' budget should prevent it)."""
+        needed = self.pages_for(nbytes)
+        with self._lock:
+            if needed > len(self._free):
+                raise MemoryError(f"host tier: {needed} pages of {self.page_bytes} bytes needed, "
+                                  f"{len(self._free)} free")
+            return tuple(sorted(self._free.pop() for _ in range(needed)))
+
+    def give_back(self, pages: tuple[int, ...]) -> None:
+        with self._lock:
+            self._free.extend(pages)
+            self._free.sort(reverse=True)
+
+    def runs(self, pages: tuple[int, ...], nbytes: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(byte offset within the copy, region view) for each run of consecutive `pages`, covering `nbytes`."""
+        start = 0
+        while start < len(pages):
+            end = start + 1
+            while end < len(pages) and pages[end] == pages[end - 1] + 1:
+                end += 1
+            first, at = start * self.page_bytes, pages[start] * self.page_bytes
+            yield first, self._region[at:at + min(nbytes, end * self.page_bytes) - first]
+            start = end
+
+
+@dataclass(frozen=True, eq=False)  # holds pages: identity, not value, equality
+class PackedAdapter:
+    name: str
+    rank: int             # the largest of its slices' ranks (what the scheduler batches by)
+    dtype: torch.dtype
+    nbytes: int           # its packed bytes (what the GPU arena takes)
+    pages: tuple[int, ...]  # its host pages, in order; returned to the pool when this is freed
+    parts: tuple[tuple[int, tuple[int, ...], tuple[float, ...]], ...]  # per projection of GpuAdapterMemory's
+    #                     order: (element offset in the copy, each slice's rank, each slice's scaling); rank 0: untargeted
+    pool: HostPages = field(repr=False)
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, self.pool.give_back, self.pages)
+
+    @property
+    def host_bytes(self) -> int:
+        """What it holds of the host tier: whole pages."""
+        return len(self.pages) * self.pool.page_bytes

@@ -4,9 +4,10 @@ Safety rules (DESIGN invariants): the directory must resolve inside the configur
 weights are read only from adapter_model.safetensors (a pickle `.bin` is never unpickled); the
 content digest of adapter_config.json and the weights (services/common/adapter_layout.py) must equal
 the registry's record, and both are parsed from the very bytes that were hashed, so neither file can
-change between check and use. The config is strict JSON and its r / lora_alpha are bounded as at
-registration. Errors name the cause, not the adapter: the adapter manager names it. It runs on the
-adapter loader threads (lora/adapter_manager.py), never on the engine thread.
+change between check and use. The config is strict JSON and its hyper-parameters are checked as at
+registration (services/common/lora_config.py); each module gets the rank and scaling PEFT gives it
+(rank_pattern, alpha_pattern, rsLoRA). Errors name the cause, not the adapter: the adapter manager
+names it. It runs on the adapter loader threads (lora/adapter_manager.py), never on the engine thread.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load as load_safetensors
 
-from services.common.adapter_layout import (CONFIG_FILE, WEIGHTS_FILE, AdapterLayout, check_lora_hyperparameters,
-                                            content_digest, refuse_vision_tensors)
+from services.common.adapter_layout import (CONFIG_FILE, WEIGHTS_FILE, AdapterLayout, content_digest,
+                                            refuse_vision_tensors)
 from services.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from services.common.lora_config import LoraHyperparameters, parse_lora_hyperparameters
 from services.common.strict_json import loads as strict_json_loads
 
 
@@ -35,13 +38,23 @@ class AdapterRef:
     storage_path: str
 
 
+class LoRAModule(NamedTuple):
+    """One adapted projection of one layer: its own rank and scaling (PEFT's rank_pattern, alpha_pattern, rsLoRA)."""
+    a: torch.Tensor  # [rank, in]
+    b: torch.Tensor  # [out, rank]
+    scaling: float   # alpha / rank, or alpha / sqrt(rank) with rsLoRA
+
+
 @dataclass(frozen=True)
 class LoRAWeights:
-    """One loaded adapter: (layer, target) -> A [rank, in], B [out, rank]; scaling = alpha / rank."""
+    """One loaded adapter: (layer, PEFT target) -> its module."""
     name: str
-    rank: int
-    scaling: float
-    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    modules: dict[tuple[int, str], LoRAModule]
+
+    @property
+    def rank(self) -> int:
+        """The largest of its modules' ranks (what the scheduler batches by, the registry records)."""
+        return max(module.a.shape[0] for module in self.modules.values())
 
 
 def resolve_in_store(storage_path: str, store_root: Path) -> Path:
@@ -53,18 +66,11 @@ def resolve_in_store(storage_path: str, store_root: Path) -> Path:
     return directory
 
 
-def _parse_config(data: bytes) -> tuple[int, float]:
-    """(r, lora_alpha) of the adapter_config.json bytes `data`."""
+def _parse_config(data: bytes) -> LoraHyperparameters:
     config = strict_json_loads(data, CONFIG_FILE)
     if not isinstance(config, dict):
         raise InvalidArgument(f"{CONFIG_FILE} must hold a JSON object")
-    if config.get("peft_type") != "LORA":
-        raise InvalidArgument(f"not a LoRA adapter (peft_type={config.get('peft_type')!r})")
-    unsupported = [key for key in ("use_dora", "use_rslora", "fan_in_fan_out") if config.get(key)]
-    unsupported += [key for key in ("rank_pattern", "alpha_pattern") if config.get(key)]
-    if unsupported:
-        raise InvalidArgument(f"unsupported LoRA options {unsupported}")
-    return check_lora_hyperparameters(config.get("r"), config.get("lora_alpha"), CONFIG_FILE)
+    return parse_lora_hyperparameters(config)
 
 
 def _verified_files(ref: AdapterRef, directory: Path) -> tuple[bytes, bytes]:
@@ -104,22 +110,24 @@ def load_adapter(ref: AdapterRef, store_root: Path, layout: AdapterLayout, layer
                        if name == WEIGHTS_FILE and (directory / "adapter_model.bin").exists() else "")
             raise FailedPrecondition(f"{name} not found in its stored directory{pickled}")
     config, weights = _verified_files(ref, directory)
-    rank, alpha = _parse_config(config)
+    hyperparameters = _parse_config(config)
     tensors = load_safetensors(weights)
 
     refuse_vision_tensors(layout, tensors, "the adapter")
     targets = _served_targets(tensors, layout, layer_paths)
-    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    modules: dict[tuple[int, str], LoRAModule] = {}
     for layer in range(num_layers):
         for target in targets:
+            module = layout.module_name(layer, layer_paths[target])
             names = [layout.tensor_name(layer, layer_paths[target], which) for which in "AB"]
             if not all(name in tensors for name in names):
                 raise InvalidArgument(f"missing {names[0]} or its B")
             a, b = tensors.pop(names[0]), tensors.pop(names[1])
+            rank = hyperparameters.rank_of(module)
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
-                raise InvalidArgument(f"{CONFIG_FILE} says r={rank} but {names[0]} has shape "
+                raise InvalidArgument(f"{CONFIG_FILE} says r={rank} for {module} but {names[0]} has shape "
                                       f"{list(a.shape)} and its B {list(b.shape)}")
-            modules[(layer, target)] = (a, b)
+            modules[(layer, target)] = LoRAModule(a, b, hyperparameters.scaling_of(module))
     if tensors:
         raise InvalidArgument(f"unexpected tensors, e.g. {sorted(tensors)[:3]}")
-    return LoRAWeights(name=ref.name, rank=rank, scaling=alpha / rank, modules=modules)
+    return LoRAWeights(ref.name, modules)

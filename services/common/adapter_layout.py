@@ -8,8 +8,8 @@ may adapt only the language model. The registry validates adapters by it; the wo
     base_model.model.model.language_model.layers.3.self_attn.q_proj.lora_A.weight  Qwen2-VL
     base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight                  Qwen2-VL's vision tower
 
-Also the stored adapter's two files, the content address over both (`content_digest`), and the
-bounds on its LoRA hyper-parameters, which the registry checks at import and the worker at load.
+Also the stored adapter's two files and the content address over both (`content_digest`); its LoRA
+hyper-parameters: services/common/lora_config.py.
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ from services.common.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PeftModel's prefix before the base model's module names
 DIGEST_SCHEME = "tessera-adapter-v1"
-# Bounds on the LoRA hyper-parameters we serve. Published recipes use r <= 256 and alpha <= 2 * r;
-# past these an adapter_config.json is a typo or an attack (alpha 1e308 makes every output inf).
-MAX_LORA_RANK = 1024
-MAX_LORA_ALPHA = 4096.0
 _CHUNK_BYTES = 1 << 20
 
 
@@ -36,9 +33,17 @@ class AdapterLayout:
     layers_prefix: str                     # decoder layer i's LoRA tensors live under f"{layers_prefix}.{i}."
     vision_prefixes: tuple[str, ...] = ()  # LoRA tensors under these adapt the vision tower or projector
 
+    def __post_init__(self) -> None:
+        assert self.layers_prefix.startswith(PEFT_PREFIX), self.layers_prefix
+
+    def module_name(self, layer: int, path: str) -> str:
+        """PEFT's name for a projection inside a decoder layer (path: "self_attn.q_proj"), which its
+        rank_pattern and alpha_pattern keys match: "model.layers.3.self_attn.q_proj"."""
+        return f"{self.layers_prefix.removeprefix(PEFT_PREFIX)}.{layer}.{path}"
+
     def tensor_name(self, layer: int, path: str, which: str) -> str:
-        """path: a projection inside a decoder layer ("self_attn.q_proj"); which: "A" or "B"."""
-        return f"{self.layers_prefix}.{layer}.{path}.lora_{which}.weight"
+        """which: "A" or "B"."""
+        return f"{PEFT_PREFIX}{self.module_name(layer, path)}.lora_{which}.weight"
 
 
 TEXT_LAYOUT = AdapterLayout("base_model.model.model.layers")
@@ -92,14 +97,3 @@ def directory_digest(directory: Path) -> str:
     """The content address of the adapter in `directory` (its two files, streamed)."""
     return content_digest(file_sha256(directory / CONFIG_FILE), file_sha256(directory / WEIGHTS_FILE))
 
-
-def check_lora_hyperparameters(rank: object, alpha: object, where: str) -> tuple[int, float]:
-    """(r, lora_alpha) if servable: 1 <= r <= MAX_LORA_RANK, 0 < alpha <= MAX_LORA_ALPHA and finite;
-    InvalidArgument naming `where` otherwise."""
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_LORA_RANK:
-        raise InvalidArgument(f"{where}: r must be an integer from 1 to {MAX_LORA_RANK}, got {rank!r}")
-    # The chained comparison is False for NaN and +-inf too.
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha <= MAX_LORA_ALPHA:
-        raise InvalidArgument(
-            f"{where}: lora_alpha must be a finite number in (0, {MAX_LORA_ALPHA:g}], got {alpha!r}")
-    return rank, float(alpha)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.lora.loader import LoRAWeights
+from gpu_worker.lora.loader import LoRAModule, LoRAWeights
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels
 from tests.unit.gpu_worker.adapter_fakes import IN, OUT, installed, tiny_memory
@@ -43,21 +43,22 @@ def reference(tiny_assets, demo_r8_v2):  # noqa: F811
                            device="cuda")
 
 
-def test_host_copies_are_page_locked_packed_and_installed_by_one_copy_behind_an_event():
-    weights = LoRAWeights("sql", 3, 0.5, {(0, "q_proj"): (torch.randn(3, IN), torch.randn(OUT, 3))})
+def test_host_pages_are_page_locked_once_and_installed_by_copies_behind_an_event():
+    weights = LoRAWeights("sql", {(0, "q_proj"): LoRAModule(torch.randn(3, IN), torch.randn(OUT, 3), 0.5)})
     memory, module = tiny_memory(2, device="cuda", dtype=torch.bfloat16)
-    packed = memory.pack(weights, page_locked=True)
-    assert packed.buffer.is_pinned() and packed.buffer.dtype == torch.bfloat16
-    assert memory.bytes_of(packed) == 2 * 64 * 2  # A and Bᵀ of rank 3, each block aligned to 64 elements
+    pages = HostPages(4096, page_locked=True, page_bytes=128)
+    scattered = pages.take(3 * 128)  # taken and kept: the adapter's pages are not one run
+    packed = memory.pack(weights, pages)
+    assert packed.nbytes == 2 * 64 * 2 and len(packed.pages) == 2  # A and Bᵀ of rank 3, each 64 elements
     stream = torch.cuda.Stream()
     event = memory.install(1, packed, stream)
     event.synchronize()
-    a, b = weights.modules[(0, "q_proj")]
+    a, b, _ = weights.modules[(0, "q_proj")]
     assert all(torch.equal(have.cpu(), want.bfloat16()) for have, want in zip(installed(module, 1), (a, b)))
+    pages.give_back(scattered)
 
 
 def test_page_locked_buffers_are_released_with_their_tensors():
-    from gpu_worker.lora.host_weights import host_buffer
     for _ in range(50):  # registering a range twice fails: each buffer must be unregistered when freed
         buffer = host_buffer(1 << 20, torch.bfloat16, page_locked=True)
         assert buffer.is_pinned()

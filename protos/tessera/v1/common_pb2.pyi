@@ -232,13 +232,17 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., base_model: _Optional[str] = ..., capacity: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., healthy: _Optional[bool] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("adapter", "worker_id", "tier", "updated_unix_ms")
+    __slots__ = ("adapter", "worker_id", "tier", "updated_unix_ms", "loading", "pinned")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     worker_id: str
     tier: Tier
     updated_unix_ms: int
-    def __init__(self, adapter: _Optional[str] = ..., worker_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., updated_unix_ms: _Optional[int] = ...) -> None: ...
+    loading: bool
+    pinned: bool
+    def __init__(self, adapter: _Optional[str] = ..., worker_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., updated_unix_ms: _Optional[int] = ..., loading: _Optional[bool] = ..., pinned: _Optional[bool] = ...) -> None: ...

@@ -61,19 +61,41 @@ class RegisterWorkerResponse(_message.Message):
     heartbeat_interval_ms: int
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
+class AdapterVersion(_message.Message):
+    __slots__ = ("name", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class PlacementOrder(_message.Message):
+    __slots__ = ("adapter", "pin")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    adapter: _common_pb2.Adapter
+    pin: bool
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.Adapter, _Mapping]] = ..., pin: _Optional[bool] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "stats")
+    __slots__ = ("worker_id", "stats", "adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     stats: _common_pb2.WorkerStats
-    def __init__(self, worker_id: _Optional[str] = ..., stats: _Optional[_Union[_common_pb2.WorkerStats, _Mapping]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterVersion]
+    def __init__(self, worker_id: _Optional[str] = ..., stats: _Optional[_Union[_common_pb2.WorkerStats, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[AdapterVersion, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "retire", "placements")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    RETIRE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    retire: _containers.RepeatedCompositeFieldContainer[AdapterVersion]
+    placements: _containers.RepeatedCompositeFieldContainer[PlacementOrder]
+    def __init__(self, known: _Optional[bool] = ..., retire: _Optional[_Iterable[_Union[AdapterVersion, _Mapping]]] = ..., placements: _Optional[_Iterable[_Union[PlacementOrder, _Mapping]]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("base_model", "healthy_only")
@@ -114,3 +136,13 @@ class ListPlacementsResponse(_message.Message):
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     placements: _containers.RepeatedCompositeFieldContainer[_common_pb2.Placement]
     def __init__(self, placements: _Optional[_Iterable[_Union[_common_pb2.Placement, _Mapping]]] = ...) -> None: ...
+
+class WatchCatalogRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CatalogChange(_message.Message):
+    __slots__ = ("removed_adapters",)
+    REMOVED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    removed_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, removed_adapters: _Optional[_Iterable[str]] = ...) -> None: ...

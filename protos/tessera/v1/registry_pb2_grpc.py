@@ -81,6 +81,11 @@ class RegistryStub:
                 request_serializer=tessera_dot_v1_dot_registry__pb2.ListPlacementsRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_registry__pb2.ListPlacementsResponse.FromString,
                 _registered_method=True)
+        self.WatchCatalog = channel.unary_stream(
+                '/tessera.v1.Registry/WatchCatalog',
+                request_serializer=tessera_dot_v1_dot_registry__pb2.WatchCatalogRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_registry__pb2.CatalogChange.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -141,6 +146,14 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchCatalog(self, request, context):
+        """The catalog's changes as they commit, for the gateways' caches: one empty change at once (the
+        watcher refreshes whatever it missed while it was away), then one per change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +201,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.ListPlacements,
                     request_deserializer=tessera_dot_v1_dot_registry__pb2.ListPlacementsRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_registry__pb2.ListPlacementsResponse.SerializeToString,
+            ),
+            'WatchCatalog': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchCatalog,
+                    request_deserializer=tessera_dot_v1_dot_registry__pb2.WatchCatalogRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_registry__pb2.CatalogChange.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +452,33 @@ class Registry:
             '/tessera.v1.Registry/ListPlacements',
             tessera_dot_v1_dot_registry__pb2.ListPlacementsRequest.SerializeToString,
             tessera_dot_v1_dot_registry__pb2.ListPlacementsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchCatalog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tessera.v1.Registry/WatchCatalog',
+            tessera_dot_v1_dot_registry__pb2.WatchCatalogRequest.SerializeToString,
+            tessera_dot_v1_dot_registry__pb2.CatalogChange.FromString,
             options,
             channel_credentials,
             insecure,

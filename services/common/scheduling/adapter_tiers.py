@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.scheduling.eviction import Eviction, Record
@@ -72,7 +73,8 @@ class AdapterTiers:
         self.gpu_max_adapters = gpu_max_adapters
         self._eviction = eviction
         self._records: dict[str, Record] = {}
-        self._host: dict[str, int] = {}  # adapter -> bytes; every GPU adapter too
+        self._host: dict[str, int] = {}  # adapter -> bytes in host memory; every GPU adapter too
+        self._gpu_size: dict[str, int] = {}  # adapter -> bytes on the GPU, where they differ from the host's
         self._gpu: dict[str, None] = {}  # a dict, not a set: an order that no hash seed changes
         self._pins: dict[str, int] = {}
         self.evictions = {Tier.GPU: 0, Tier.HOST: 0}
@@ -83,8 +85,12 @@ class AdapterTiers:
         return Tier.HOST if adapter in self._host else Tier.DISK
 
     def size(self, adapter: str) -> int:
-        """Bytes `adapter` occupies in each tier it is in (0 if on disk only)."""
+        """Bytes `adapter` occupies in host memory (0 if on disk only)."""
         return self._host.get(adapter, 0)
+
+    def gpu_size(self, adapter: str) -> int:
+        """Bytes `adapter` occupies (or would) on the GPU."""
+        return self._gpu_size.get(adapter, self._host.get(adapter, 0))
 
     def touch(self, adapter: str, now: float) -> None:
         """Record an access (a request for `adapter` reached this worker)."""
@@ -114,6 +120,7 @@ class AdapterTiers:
             return None
         for victim in victims:
             del self._host[victim]
+            self._gpu_size.pop(victim, None)
             if victim in self._gpu:
                 del self._gpu[victim]
                 self.evictions[Tier.GPU] += 1
@@ -121,10 +128,13 @@ class AdapterTiers:
         self._host[adapter] = nbytes
         return victims
 
-    def resize(self, adapter: str, nbytes: int) -> None:
-        """A host-only adapter's true size, now that its load read it (it was placed at an upper bound)."""
+    def resize(self, adapter: str, nbytes: int, gpu_nbytes: int | None = None) -> None:
+        """A host-only adapter's true size, now that its load read it (it was placed at an upper bound);
+        `gpu_nbytes`: what it takes on the GPU, if not the same."""
         assert adapter in self._host and adapter not in self._gpu and nbytes <= self._host[adapter], adapter
         self._host[adapter] = nbytes
+        if gpu_nbytes is not None:
+            self._gpu_size[adapter] = gpu_nbytes
 
     def stage_in_host(self, adapter: str, nbytes: int) -> bool:
         """Placement without a request (an initial placement): `adapter` into host memory if it fits
@@ -138,8 +148,9 @@ class AdapterTiers:
         assert adapter in self._host and adapter not in self._gpu, f"{adapter} is not host-only"
         # One more seat too when the GPU holds its most adapters: counted as bytes, each seat is a victim.
         seats_short = 0 if self.gpu_max_adapters is None else max(0, len(self._gpu) + 1 - self.gpu_max_adapters)
-        victims = self._make_room(self.gpu_bytes - self.gpu_used, self._host[adapter],
-                                  sorted((a for a in self._gpu if a not in self._pins), key=self._keep), seats_short)
+        victims = self._make_room(self.gpu_bytes - self.gpu_used, self.gpu_size(adapter),
+                                  sorted((a for a in self._gpu if a not in self._pins), key=self._keep),
+                                  self.gpu_size, seats_short)
         if victims is None:
             return None
         for victim in victims:
@@ -152,6 +163,7 @@ class AdapterTiers:
         """Forget `adapter` in every tier (deleted, replaced by a new version, or its load failed)."""
         assert adapter not in self._pins, f"{adapter} is pinned"
         self._gpu.pop(adapter, None)
+        self._gpu_size.pop(adapter, None)
         self._host.pop(adapter, None)
         self._records.pop(adapter, None)
 
@@ -165,7 +177,7 @@ class AdapterTiers:
 
     @property
     def gpu_used(self) -> int:
-        return sum(self._host[a] for a in self._gpu)
+        return sum(self.gpu_size(a) for a in self._gpu)
 
     @property
     def host_used(self) -> int:
@@ -175,7 +187,8 @@ class AdapterTiers:
         """Whether an adapter of `nbytes` could ever be placed on the GPU (with everything else evicted)."""
         return nbytes <= self.gpu_bytes
 
-    def _make_room(self, free: int, needed: int, candidates: list[str], min_victims: int = 0) -> list[str] | None:
+    def _make_room(self, free: int, needed: int, candidates: list[str], size_of: Callable[[str], int] | None = None,
+                   min_victims: int = 0) -> list[str] | None:
         """The first `candidates` (coldest first), at least `min_victims` of them, whose bytes, added to
         `free`, make `needed`; None if all of them do not."""
         victims: list[str] = []
@@ -183,7 +196,7 @@ class AdapterTiers:
             if free >= needed and len(victims) >= min_victims:
                 break
             victims.append(victim)
-            free += self._host[victim]
+            free += (size_of or self.size)(victim)
         return victims if free >= needed and len(victims) >= min_victims else None
 
     def _keep(self, adapter: str) -> float:

@@ -64,6 +64,10 @@ class FakeRegistry(registry_pb2_grpc.RegistryServicer):
         assert request.healthy_only, "the gateway only wants healthy workers"
         return registry_pb2.ListWorkersResponse(workers=self.workers)
 
+    async def WatchCatalog(self, request, context):
+        yield registry_pb2.CatalogChange()
+        await asyncio.Event().wait()  # no change is ever announced: tests change the lists and refresh
+
 
 def fake_logprobs(token_id: int, count: int) -> common_pb2.TokenLogprob:
     """Token i's log-probability -0.25, with the alternatives i, i+1, ... at -0.25, -1.25, ... (best first)."""

@@ -1,4 +1,4 @@
-"""RegistryCache against a fake registry server: resolve, refresh on a miss, a registry that goes away."""
+"""RegistryCache against a fake registry server: resolve, refresh on a miss, a registry that goes away, deletions from the change feed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from gateway.registry_cache import RegistryCache
 from tests.unit.gateway.gateway_fakes import ADAPTER, BASE, FakeRegistry, start_fake_server
 from services.common.errors import NotFound, Unavailable
-from tessera.v1 import common_pb2, registry_pb2_grpc
+from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 
 async def started_registry() -> tuple[FakeRegistry, object, str]:
@@ -43,8 +43,9 @@ def test_a_miss_refreshes_once_and_finds_a_new_adapter() -> None:
         cache = RegistryCache(address, refresh_s=60, miss_refresh_interval_s=0.2)
         await cache.start()
         try:
+            await _until(lambda: registry.list_calls == 2)  # start()'s refresh, then the change feed's first
             registry.adapters.append(common_pb2.Adapter(name="new-lora", base_model=BASE, rank=4))
-            await asyncio.sleep(0.25)  # past the rate limit that start()'s refresh set
+            await asyncio.sleep(0.25)  # past the rate limit that those refreshes set
             assert (await cache.resolve("new-lora")).adapter.rank == 4
             calls = registry.list_calls
             # Concurrent misses right after a refresh share it instead of hammering the registry.
@@ -107,5 +108,96 @@ def test_registry_never_reached_is_unavailable() -> None:
                 await cache.snapshot()
         finally:
             await cache.close()
+
+    asyncio.run(scenario())
+
+
+class WatchedRegistry(FakeRegistry):
+    """A registry with a change feed; `gate` holds ListAdapters answers (a refresh under way) with the
+    adapters as they were when the call came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changes: asyncio.Queue[registry_pb2.CatalogChange] = asyncio.Queue()
+        self.watching = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.adapter_calls = 0
+
+    async def ListAdapters(self, request, context):
+        self.adapter_calls += 1
+        adapters = list(self.adapters)
+        await self.gate.wait()
+        return registry_pb2.ListAdaptersResponse(adapters=adapters)
+
+    async def WatchCatalog(self, request, context):
+        yield registry_pb2.CatalogChange()
+        self.watching.set()
+        while True:
+            yield await self.changes.get()
+
+    def delete(self, name: str) -> None:
+        self.adapters = [a for a in self.adapters if a.name != name]
+        self.changes.put_nowait(registry_pb2.CatalogChange(removed_adapters=[name]))
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def test_a_deleted_adapter_stops_resolving_when_the_registry_announces_it() -> None:
+    async def scenario() -> None:
+        registry = WatchedRegistry()
+        server, port = await start_fake_server(registry, registry_pb2_grpc.add_RegistryServicer_to_server)
+        # No background refresh and no refresh on a miss for a minute: only the change feed can tell.
+        cache = RegistryCache(f"127.0.0.1:{port}", refresh_s=60, miss_refresh_interval_s=60)
+        await cache.start()
+        try:
+            await asyncio.wait_for(registry.watching.wait(), 5)
+            assert (await cache.resolve(ADAPTER)).adapter.name == ADAPTER
+            registry.delete(ADAPTER)
+            await _until(lambda: ADAPTER not in cache._snapshot.adapters)
+            with pytest.raises(NotFound, match=f"model '{ADAPTER}' does not exist"):
+                await cache.resolve(ADAPTER)
+            assert (await cache.resolve(BASE)).adapter is None  # everything else resolves as before
+        finally:
+            await cache.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_refresh_under_way_at_a_deletion_does_not_bring_the_adapter_back() -> None:
+    async def scenario() -> None:
+        registry = WatchedRegistry()
+        registry.adapters.append(common_pb2.Adapter(name="kept", base_model=BASE, rank=4))
+        server, port = await start_fake_server(registry, registry_pb2_grpc.add_RegistryServicer_to_server)
+        cache = RegistryCache(f"127.0.0.1:{port}", refresh_s=60, miss_refresh_interval_s=60)
+        await cache.start()
+        try:
+            await asyncio.wait_for(registry.watching.wait(), 5)
+            # The refreshes at start and on subscribing are over; none other comes for a minute.
+            await _until(lambda: registry.adapter_calls == 2 and not cache._refresh_lock.locked())
+            registry.gate.clear()
+            calls = registry.adapter_calls
+            in_flight = asyncio.create_task(cache.refresh())   # reads the adapters before the deletion
+            await _until(lambda: registry.adapter_calls == calls + 1)
+            registry.delete(ADAPTER)
+            await _until(lambda: ADAPTER not in cache._snapshot.adapters)
+            registry.gate.set()
+            assert await in_flight
+            assert set(cache._snapshot.adapters) == {"kept"}  # the stale read did not restore it
+            with pytest.raises(NotFound):
+                await cache.resolve(ADAPTER)
+            registry.adapters.append(common_pb2.Adapter(name=ADAPTER, base_model=BASE, rank=16))  # registered again
+            registry.changes.put_nowait(registry_pb2.CatalogChange())
+            await _until(lambda: ADAPTER in cache._snapshot.adapters)
+            assert (await cache.resolve(ADAPTER)).adapter.rank == 16
+        finally:
+            await cache.close()
+            await server.stop(0)
 
     asyncio.run(scenario())

@@ -12,7 +12,7 @@ from services.common.scheduling.batch_summary import BatchEntry
 from services.common.scheduling.perf_model import PerfModel, PhaseModel
 from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, RandomChoice, RoundRobin,
                                          RoutingRequest, Slo)
-from gateway.scheduling.tessera_policy import TesseraPolicy
+from gateway.scheduling.tessera_policy import TesseraPolicy, adapter_load_s
 from gateway.scheduling.worker_state import WorkerState
 
 PREFILL = PhaseModel("prefill", "tessera", {"intercept": 5e-3, "tokens": 20e-6, "tokens_sq": 0.0,
@@ -26,11 +26,13 @@ PADDED = PerfModel("padded-gpu", "test", PREFILL,
 
 
 def worker(address: str, load: int = 0, gpu: tuple[str, ...] = (), host: tuple[str, ...] = (), rank: int = 8,
-           context: int = 1000, kind: str = "test-gpu", slo: float | None = None) -> WorkerState:
+           context: int = 1000, kind: str = "test-gpu", slo: float | None = None,
+           loading: tuple[str, ...] = ()) -> WorkerState:
     running = tuple(BatchEntry(f"{address}-r{i}", rank, context) for i in range(load))
     return WorkerState(address=address, base_model="llama", kind=kind, running=running, queued=(),
                        gpu_adapters=frozenset(gpu), host_adapters=frozenset(gpu + host), gpu_adapter_slots=32,
-                       max_batch=64, free_kv_tokens=100_000, tightest_tpot_slo_s=slo, timestamp=0.0)
+                       max_batch=64, free_kv_tokens=100_000, tightest_tpot_slo_s=slo, timestamp=0.0,
+                       loading_adapters=frozenset(loading))
 
 
 def request(adapter: str = "x", rank: int = 8, tpot_s: float = 7.5e-3, ttft_s: float = 0.5) -> RoutingRequest:
@@ -94,6 +96,24 @@ def test_tessera_prefers_the_worker_holding_the_adapter_over_idle_ones() -> None
 def test_tessera_prefers_a_host_copy_to_a_disk_load() -> None:
     workers = [worker("w1", load=1), worker("w2", load=1, host=("x",)), worker("w3", load=1)]
     assert picks(tessera(), workers, 3) == ["w2"] * 3
+
+
+def test_a_loading_adapter_is_priced_halfway_through_its_current_stage() -> None:
+    costs = LoadCosts()
+    disk_s, host_s = costs.disk_to_host_s(16), costs.host_to_gpu_s(16)
+    priced = {name: adapter_load_s(costs, state, "x", 16) for name, state in {
+        "gpu": worker("w", gpu=("x",)), "copying": worker("w", host=("x",), loading=("x",)),
+        "host": worker("w", host=("x",)), "reading": worker("w", loading=("x",)), "disk": worker("w")}.items()}
+    assert priced == pytest.approx({"gpu": 0.0, "copying": host_s / 2, "host": host_s,
+                                    "reading": disk_s / 2 + host_s, "disk": disk_s + host_s})
+
+
+def test_tessera_prefers_a_load_under_way_to_a_new_one_and_a_usable_adapter_to_both() -> None:
+    reading, disk = worker("w1", load=1, loading=("x",)), worker("w2", load=1)
+    assert picks(tessera(), [disk, reading], 2) == ["w1"] * 2
+    copying, host = worker("w3", load=1, host=("x",), loading=("x",)), worker("w4", load=1, host=("x",))
+    assert picks(tessera(), [host, copying], 2) == ["w3"] * 2
+    assert picks(tessera(), [copying, worker("w5", load=1, gpu=("x",))], 2) == ["w5"] * 2
 
 
 def test_tessera_leaves_a_holder_whose_batch_would_break_the_tpot_slo() -> None:

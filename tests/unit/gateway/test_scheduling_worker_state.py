@@ -6,6 +6,8 @@ from __future__ import annotations
 from services.common.scheduling.adapter_tiers import Tier
 from services.common.scheduling.batch_summary import BatchEntry
 from gateway.scheduling.worker_state import WorkerState, WorkerStateTable
+from gateway.state_feed import worker_state
+from tessera.v1 import worker_pb2
 
 
 class Clock:
@@ -74,3 +76,11 @@ def test_an_older_report_arriving_late_is_ignored() -> None:
 def test_tiers_as_reported() -> None:
     s = state("w1", 0.0, gpu=frozenset({"g"}))
     assert (s.tier("g"), s.tier("h"), s.tier("nowhere")) == (Tier.GPU, Tier.HOST, Tier.DISK)
+
+
+def test_a_pushed_state_names_the_adapters_on_their_way() -> None:
+    message = worker_pb2.WorkerState(base_model="llama", perf_model="k", gpu_adapters=["g"], host_adapters=["h"],
+                                     loading_adapters=["h", "d"], max_batch=8)
+    s = worker_state("w1:1", message, None, 0.0)
+    assert s.loading_adapters == {"h", "d"}
+    assert (s.tier("g"), s.tier("h"), s.tier("d")) == (Tier.GPU, Tier.HOST, Tier.DISK)

@@ -13,7 +13,7 @@ import kernels
 from gpu_worker.lora.adapter_manager import AdapterManager
 from gpu_worker.lora.gpu_memory import GpuAdapterMemory
 from gpu_worker.lora.layer import LoRALinear
-from gpu_worker.lora.loader import AdapterRef, LoRAWeights
+from gpu_worker.lora.loader import AdapterRef, LoRAModule, LoRAWeights
 from services.common.scheduling.eviction import LRU, Eviction
 
 IN, OUT, MAX_RANK = 8, 6, 4
@@ -63,7 +63,7 @@ class Disk:
             raise self.broken[adapter.sha256]
         if adapter.sha256 not in self.weights:
             a, b = torch.randn(adapter.rank, IN), torch.randn(OUT, adapter.rank)
-            self.weights[adapter.sha256] = LoRAWeights(adapter.name, adapter.rank, 0.5, {(0, "q_proj"): (a, b)})
+            self.weights[adapter.sha256] = LoRAWeights(adapter.name, {(0, "q_proj"): LoRAModule(a, b, 0.5)})
         return self.weights[adapter.sha256]
 
 
@@ -81,6 +81,7 @@ def manager(num_slots: int, disk: Disk, *, host_slots: int | None = None, evicti
     adapters (default 4x); failures are remembered 10 s."""
     memory, module = tiny_memory(num_slots)
     adapters = AdapterManager(memory, disk.read, host_bytes=(host_slots or 4 * num_slots) * memory.max_bytes,
+                              host_page_bytes=memory.max_bytes,  # a page per adapter, as the slots counted
                               loader_threads=2, eviction=eviction or LRU(), failure_ttl_s=10.0, clock=clock)
     return adapters, module
 

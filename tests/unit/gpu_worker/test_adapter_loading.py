@@ -22,9 +22,9 @@ def _load(ref, store):
 
 def test_loads_peft_names_with_scaling(tiny_assets):
     weights = _load(tiny_assets.adapters["demo-r16"], tiny_assets.store)
-    assert weights.rank == 16 and weights.scaling == 2.0
+    assert weights.rank == 16 and {module.scaling for module in weights.modules.values()} == {2.0}
     assert sorted({target for _, target in weights.modules}) == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    a, b = weights.modules[(1, "o_proj")]
+    a, b, _ = weights.modules[(1, "o_proj")]
     assert a.shape == (16, 64) and b.shape == (64, 16)
 
 
@@ -66,7 +66,7 @@ def _truncate_config(directory: Path) -> None:
                          ids=["config-truncated", "alpha-32-to-3200", "weights-one-bit"])
 def test_a_stored_file_changed_after_registration_fails_the_checksum(stored_copy, tiny_assets, tamper):
     directory, ref = stored_copy
-    assert _load(ref, tiny_assets.store).scaling == 2.0  # intact: loads
+    assert _load(ref, tiny_assets.store).rank == 8  # intact: loads
     tamper(directory)
     with pytest.raises(FailedPrecondition, match="checksum mismatch"):
         _load(ref, tiny_assets.store)
@@ -77,7 +77,10 @@ def test_a_stored_file_changed_after_registration_fails_the_checksum(stored_copy
     ('{"peft_type": "LORA", "r": 8, "lora_alpha": 1e999}', "1e999 overflows"),
     ('{"peft_type": "LORA", "r": 8, "lora_alpha": 1e308}', "lora_alpha must be a finite number in"),
     ('{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "x": ' + "[" * 5000 + "]" * 5000 + "}", "deeper than"),
-    ('{"peft_type": "LORA", "r": 4, "lora_alpha": 16}', "says r=4 but"),
+    ('{"peft_type": "LORA", "r": 4, "lora_alpha": 16}', "says r=4 for model.layers.0.self_attn.q_proj but"),
+    ('{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "rank_pattern": {"v_proj": 2}}', "says r=2 for model.layers.0"),
+    ('{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_dora": true}', "use_dora \\(DoRA\\) is not supported"),
+    ('{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "alpha_pattern": {"(q|v)+": 4}}', "repeats a group"),
 ])
 def test_a_recorded_but_unservable_config_is_refused_at_load(stored_copy, tiny_assets, config_text, message):
     """A record whose digest covers a bad config (written by hand, or by an older registry) still fails cleanly."""

@@ -47,7 +47,7 @@ def test_a_load_starts_at_arrival_beside_the_caller_and_installs_the_weights_rea
     assert disk.threads == ["adapter-loader_0"]
     poll_until(adapters, lambda: adapters.resident(sql) is not None)
     slot, rank = adapters.resident(sql)
-    a, b = disk.weights[sql.sha256].modules[(0, "q_proj")]
+    a, b, _ = disk.weights[sql.sha256].modules[(0, "q_proj")]
     assert rank == 4 and all(map(torch.equal, installed(module, slot), (a, b)))
     assert module.lora.host_scalings[slot] == [0.5]
     adapters.arrive(sql)  # usable at arrival: a hit

@@ -43,6 +43,11 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, (rank, targets) in ADAPTERS.items():
         lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
         get_peft_model(LlamaForCausalLM(config), lora).save_pretrained(root / name)
+    # rsLoRA with per-module ranks (layer 1's q_proj at 8: the largest) and alphas.
+    patterns = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], use_rslora=True,
+                          rank_pattern={"layers.1.self_attn.q_proj": 8, "v_proj": 1}, alpha_pattern={"k_proj": 3},
+                          init_lora_weights=False)
+    get_peft_model(LlamaForCausalLM(config), patterns).save_pretrained(root / "rslora-patterns")
     return root
 
 

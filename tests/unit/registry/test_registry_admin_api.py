@@ -10,6 +10,7 @@ import pytest
 from flask.testing import FlaskClient
 
 from registry.app import create_admin_app
+from registry.records import ReportedPlacement, Tier
 from registry.store import RegistryStore
 
 from .conftest import BASE_MODEL
@@ -63,11 +64,12 @@ def test_base_model_registration(client: FlaskClient, imports: Path) -> None:
 def test_workers_and_placements_listing(client: FlaskClient, store: RegistryStore, imports: Path) -> None:
     register(client, "a1", imports / "attn-qv")
     worker = store.register_worker("127.0.0.1:7001", "cpu", BASE_MODEL, capacity=4)
-    store.replace_placements(worker.worker_id, [("a1", "gpu")])  # type: ignore[list-item]
+    store.replace_placements(worker.worker_id, [ReportedPlacement("a1", Tier.GPU, loading=False, pinned=True)])
     workers = client.get("/admin/v1/workers?healthy_only=true", headers=AUTH).get_json()["workers"]
     assert [(w["worker_id"], w["healthy"]) for w in workers] == [(worker.worker_id, True)]
     placements = client.get("/admin/v1/placements?adapter=a1", headers=AUTH).get_json()["placements"]
-    assert [(p["worker_id"], p["tier"]) for p in placements] == [(worker.worker_id, "gpu")]
+    assert [(p["worker_id"], p["tier"], p["loading"], p["pinned"]) for p in placements] == [
+        (worker.worker_id, "gpu", False, True)]
 
 
 def test_api_key_is_required(client: FlaskClient) -> None:
@@ -214,6 +216,44 @@ def test_bad_adapters_are_refused(client: FlaskClient, imports: Path, tmp_path: 
     assert message in error_of(response)["message"]
     assert client.get("/admin/v1/adapters", headers=AUTH).get_json()["adapters"] == []
     assert list((tmp_path / "store").iterdir()) == []  # nothing staged is left behind
+
+
+def test_rslora_and_rank_and_alpha_patterns_register_at_their_largest_rank(client: FlaskClient, imports: Path) -> None:
+    created = register(client, "patterns", imports / "rslora-patterns")
+    assert created.status_code == 201, created.get_json()
+    record = created.get_json()
+    assert (record["rank"], record["alpha"]) == (8, 4.0)  # layer 1's q_proj; lora_alpha as configured
+
+
+def add_to_pattern(key: str, pattern_key: str, value: object) -> Callable[[Path], None]:
+    """Put `pattern_key` first in the adapter's rank_pattern or alpha_pattern (`key`): PEFT's first match wins."""
+    def mutate(adapter: Path) -> None:
+        path = adapter / "adapter_config.json"
+        config = json.loads(path.read_text())
+        config[key] = {pattern_key: value, **config[key]}
+        path.write_text(json.dumps(config))
+    return mutate
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (add_to_pattern("rank_pattern", "self_attn.v_proj", 2),
+     "rank mismatch: adapter_config.json says r=2 but tensor 'base_model.model.model.layers.0.self_attn.v_proj.lora_A"),
+    (add_to_pattern("rank_pattern", "layers.1.self_attn.v_proj", 40),
+     "r=40 exceeds the base model's v_proj (64 -> 32); r may be at most 32 (layer 1)"),
+    (add_to_pattern("rank_pattern", "o_proj", 0), "rank_pattern['o_proj']: r must be an integer from 1 to 1024"),
+    (add_to_pattern("alpha_pattern", "o_proj", 1e308), "alpha_pattern['o_proj']: lora_alpha must be a finite number"),
+    (add_to_pattern("alpha_pattern", "(o|k)+_proj", 2), "repeats a group"),
+    (add_to_pattern("rank_pattern", "q_proj(", 2), "is not a valid regex"),
+    (edit_config("use_dora", True), "use_dora (DoRA) is not supported"),
+    (edit_config("use_bdlora", {"nblocks": 2}), "use_bdlora (block-diagonal LoRA) is not supported"),
+])
+def test_unservable_patterns_and_lora_variants_are_refused(client: FlaskClient, imports: Path,
+                                                           mutate: Callable[[Path], None], message: str) -> None:
+    adapter = imports / "rslora-patterns"
+    mutate(adapter)
+    response = register(client, "bad", adapter)
+    assert response.status_code == 400, response.get_json()
+    assert message in error_of(response)["message"]
 
 
 class _CreatesMarker:

@@ -5,11 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from registry.records import ModuleShape, Tier
+from registry.records import ModuleShape, ReportedPlacement, Tier
 from registry.store import RegistryStore
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
 
 from .conftest import BASE_MODEL, FakeClock
+
+P = ReportedPlacement  # short, for the placement lists below
 
 
 def test_base_model_spec_from_config(store: RegistryStore, imports: Path) -> None:
@@ -134,12 +136,15 @@ def test_placements_replace_and_follow_deletes(store: RegistryStore, imports: Pa
     w1 = store.register_worker("127.0.0.1:7001", "cpu", BASE_MODEL, capacity=8).worker_id
     w2 = store.register_worker("127.0.0.1:7002", "cpu", BASE_MODEL, capacity=8).worker_id
     # a1 reported twice keeps its fastest tier; an adapter unknown to the registry is skipped.
-    stored = store.replace_placements(w1, [("a1", Tier.HOST), ("a1", Tier.GPU), ("a2", Tier.DISK), ("gone", Tier.GPU)])
-    assert [(p.adapter, p.tier) for p in stored] == [("a1", Tier.GPU), ("a2", Tier.DISK)]
-    store.replace_placements(w2, [("a1", Tier.HOST)])
+    stored = store.replace_placements(w1, [P("a1", Tier.HOST), P("a1", Tier.GPU, pinned=True),
+                                           P("a2", Tier.DISK, loading=True), P("gone", Tier.GPU)])
+    assert [(p.adapter, p.tier, p.loading, p.pinned) for p in stored] == [
+        ("a1", Tier.GPU, False, True), ("a2", Tier.DISK, True, False)]
+    assert store.list_placements(worker_id=w1) == stored
+    store.replace_placements(w2, [P("a1", Tier.HOST)])
     assert {(p.worker_id, p.tier) for p in store.list_placements(adapter="a1")} == {(w1, Tier.GPU), (w2, Tier.HOST)}
 
-    store.replace_placements(w1, [("a2", Tier.GPU)])  # replaces, never merges
+    store.replace_placements(w1, [P("a2", Tier.GPU)])  # replaces, never merges
     assert [(p.adapter, p.tier) for p in store.list_placements(worker_id=w1)] == [("a2", Tier.GPU)]
     store.delete_adapter("a2")
     assert store.list_placements(worker_id=w1) == []

@@ -1,0 +1,53 @@
+"""What the registry asks of this worker's adapter tiers, and the engine thread's bookkeeping of it.
+
+Every heartbeat answer (gpu_worker/registry_client.py) carries the versions to retire and the
+operators' orders for this worker, all of them; the engine thread applies each answer to the adapter
+manager (`OrderBook.apply`). Pins follow the orders exactly: a pin missing from an answer is lifted.
+A preload happens once per order: an adapter preloaded, then evicted for lack of room, is not loaded
+again at the next heartbeat, only if the operator orders it again (or the worker restarts).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from gpu_worker.lora.adapter_manager import MAX_PINNED_SHARE, AdapterManager
+from gpu_worker.lora.loader import AdapterRef
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlacementOrders:
+    retire: tuple[tuple[str, str], ...] = ()  # (name, digest) the registry no longer serves under that name
+    pins: tuple[AdapterRef, ...] = ()
+    preloads: tuple[AdapterRef, ...] = ()
+
+
+class OrderBook:
+    """Engine thread only."""
+
+    def __init__(self, adapters: AdapterManager) -> None:
+        self._adapters = adapters
+        self._preloaded: set[tuple[str, str]] = set()  # (name, digest) of the preload orders carried out
+        self._refused: set[str] = set()  # digests of the pins refused (logged once each)
+
+    def apply(self, orders: PlacementOrders) -> None:
+        adapters = self._adapters
+        pins = {ref.sha256: ref for ref in orders.pins}
+        for digest in adapters.operator_pins - pins.keys():
+            adapters.unpin(digest)
+        refused = {digest for digest, ref in pins.items() if not adapters.pin(ref)}  # a no-op where pinned already
+        for digest in refused - self._refused:
+            log.warning("pin of adapter %s not applied: its load failed lately, or pins would hold more than %d%% "
+                        "of GPU adapter memory (the placements report it unpinned)",
+                        pins[digest].name, MAX_PINNED_SHARE * 100)
+        self._refused = refused
+        ordered = {(ref.name, ref.sha256): ref for ref in orders.preloads}
+        for key, ref in ordered.items():
+            if key not in self._preloaded:
+                adapters.preload(ref)
+        self._preloaded = set(ordered)
+        for name, digest in orders.retire:
+            adapters.retire(name, digest)

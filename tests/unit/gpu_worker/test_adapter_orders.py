@@ -1,0 +1,185 @@
+"""The registry's orders for a worker's adapter tiers: retire (DELETE drains: in-flight requests finish,
+then every tier frees the version), an operator's pin (never evicted until lifted) and preload (loaded
+without a request, evictable), applied by the engine thread's OrderBook; and what the manager reports
+of each version (tier, loading, pinned)."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.lora.adapter_manager import AdapterManager
+from gpu_worker.lora.adapter_stats import AdapterPlacement
+from gpu_worker.lora.loader import AdapterRef
+from gpu_worker.lora.placement_orders import OrderBook, PlacementOrders
+from services.common.errors import FailedPrecondition
+from services.common.scheduling.adapter_tiers import Tier
+
+from .adapter_fakes import Clock, Disk, installed, manager, poll_until, ref
+
+
+def _placed(adapters: AdapterManager) -> dict[str, tuple[Tier, bool, bool]]:
+    """name -> (tier, loading, pinned) of each name's newest version."""
+    return {p.name: (p.tier, p.loading, p.pinned) for p in adapters.stats().placements if p.newest}
+
+
+def _use(adapters: AdapterManager, adapter: AdapterRef) -> None:
+    adapters.arrive(adapter)
+    poll_until(adapters, lambda: adapters.resident(adapter) is not None)
+    adapters.depart(adapter)
+
+
+def test_a_retired_version_serves_its_in_flight_requests_then_leaves_every_tier():
+    disk = Disk()
+    adapters, module = manager(2, disk)
+    sql, other = ref("sql"), ref("other")
+    adapters.arrive(sql)                  # in flight when the DELETE comes
+    poll_until(adapters, lambda: adapters.resident(sql) is not None)
+    _use(adapters, other)
+    adapters.retire("sql", sql.sha256)
+    slot, _ = adapters.resident(sql)      # the request in flight keeps its weights
+    assert torch.equal(installed(module, slot)[0], disk.weights[sql.sha256].modules[(0, "q_proj")][0])
+    stats = adapters.stats()
+    assert stats.gpu_adapters == ("other",) and stats.host_adapters == ("other",)  # no longer listed
+    assert stats.gpu_versions == 2
+    adapters.depart(sql)                  # its last request ended: gone from the GPU and host memory
+    stats = adapters.stats()
+    assert adapters.resident(sql) is None and (stats.gpu_versions, stats.host_versions) == (1, 1)
+    assert [p.name for p in stats.placements] == ["other"]
+    adapters.retire("sql", sql.sha256)    # the registry repeats its answer until the worker stops listing it
+    adapters.retire("never-held", "0" * 64)
+    assert adapters.stats().placements == stats.placements
+
+
+def test_retiring_one_name_of_a_shared_version_keeps_it_for_the_other():
+    disk = Disk()
+    adapters, _ = manager(2, disk)
+    a = ref("a")
+    twin = AdapterRef("twin", a.base_model, a.rank, a.sha256, a.storage_path)  # the same files, registered twice
+    _use(adapters, a)
+    _use(adapters, twin)
+    adapters.retire("a", a.sha256)
+    stats = adapters.stats()
+    assert stats.gpu_adapters == ("twin",) and stats.gpu_versions == 1 and disk.reads == ["a"]
+    adapters.retire("twin", a.sha256)
+    assert adapters.stats().gpu_versions == adapters.stats().host_versions == 0
+
+
+def test_a_pin_loads_without_a_request_and_is_never_evicted_until_lifted():
+    disk = Disk()
+    adapters, _ = manager(2, disk)
+    pinned, a, b = ref("pinned"), ref("a"), ref("b")
+    disk.hold(pinned)
+    assert adapters.pin(pinned)
+    assert _placed(adapters) == {"pinned": (Tier.DISK, True, True)}  # on its way from disk
+    disk.release(pinned)
+    poll_until(adapters, lambda: adapters.resident(pinned) is not None)
+    assert _placed(adapters) == {"pinned": (Tier.GPU, False, True)}
+    assert adapters.operator_pins == {pinned.sha256}
+    _use(adapters, a)                     # the other slot
+    _use(adapters, b)                     # a leaves the GPU, not the pinned adapter
+    assert adapters.stats().gpu_adapters == ("b", "pinned")
+    adapters.arrive(b)                    # b's request holds it: a waits in host memory
+    adapters.arrive(a)
+    for _ in range(3):
+        adapters.poll()
+    assert adapters.resident(a) is None and _placed(adapters)["a"] == (Tier.HOST, True, False)
+    adapters.unpin(pinned.sha256)
+    adapters.poll()
+    assert adapters.resident(a) is not None and adapters.resident(pinned) is None
+    assert _placed(adapters)["pinned"] == (Tier.HOST, False, False)  # unpinned, evictable, still cached
+    adapters.unpin(pinned.sha256)         # lifting a lifted pin is a no-op
+
+
+def test_pins_may_hold_at_most_half_of_the_gpu_adapter_memory():
+    disk = Disk()
+    adapters, _ = manager(4, disk)
+    a, b, c = ref("a"), ref("b"), ref("c")
+    assert adapters.pin(a) and adapters.pin(b) and adapters.pin(a)
+    assert not adapters.pin(c)            # a third would leave requests one slot in four
+    assert adapters.operator_pins == {a.sha256, b.sha256} and "c" not in _placed(adapters)
+    adapters.unpin(a.sha256)
+    assert adapters.pin(c)
+
+
+def test_a_preload_records_no_access_and_leaves_first_when_room_is_needed():
+    clock = Clock()
+    disk = Disk()
+    adapters, _ = manager(2, disk, clock=clock)
+    a, pre, b = ref("a"), ref("pre"), ref("b")
+    _use(adapters, a)
+    clock.now += 1
+    adapters.preload(pre)
+    poll_until(adapters, lambda: adapters.resident(pre) is not None)
+    assert adapters.stats().gpu_adapters == ("a", "pre") and adapters.stats().pinned == 0
+    adapters.preload(pre)                 # there already: nothing to do
+    clock.now += 1
+    _use(adapters, b)                     # the GPU is full: the never-requested preload goes, not a
+    assert adapters.stats().gpu_adapters == ("a", "b") and disk.reads == ["a", "pre", "b"]
+
+
+def test_a_failed_pin_is_lifted_and_retried_once_the_failure_expires():
+    clock = Clock()
+    disk = Disk()
+    adapters, _ = manager(2, disk, clock=clock)
+    broken = ref("broken")
+    disk.broken[broken.sha256] = FailedPrecondition("checksum mismatch")
+    adapters.pin(broken)
+    poll_until(adapters, lambda: adapters.failure(broken) is not None)
+    assert adapters.operator_pins == frozenset() and adapters.stats().placements == ()
+    assert not adapters.pin(broken)       # the registry's next answer: refused while the failure is remembered
+    assert disk.reads == ["broken"]
+    del disk.broken[broken.sha256]
+    clock.now += 11
+    assert adapters.pin(broken)
+    poll_until(adapters, lambda: adapters.resident(broken) is not None)
+    assert adapters.operator_pins == {broken.sha256}
+
+
+def test_the_order_book_follows_pins_exactly_and_preloads_once_per_order():
+    disk = Disk()
+    adapters, _ = manager(2, disk, host_slots=2)
+    book = OrderBook(adapters)
+    a, b, c = ref("a"), ref("b"), ref("c")
+    book.apply(PlacementOrders(pins=(a,), preloads=(b,)))
+    poll_until(adapters, lambda: adapters.stats().gpu_adapters == ("a", "b"))
+    assert _placed(adapters) == {"a": (Tier.GPU, False, True), "b": (Tier.GPU, False, False)}
+    book.apply(PlacementOrders(pins=(a,), preloads=(b,)))  # the same answer again: nothing moves
+    _use(adapters, c)                     # evicts the preload from both tiers (host room for two)
+    assert adapters.stats().gpu_adapters == ("a", "c")
+    book.apply(PlacementOrders(pins=(a,), preloads=(b,)))
+    assert disk.reads == ["a", "b", "c"]  # carried out once: not loaded again
+    book.apply(PlacementOrders(preloads=(b,)))  # the pin's order was lifted
+    assert adapters.operator_pins == frozenset() and _placed(adapters)["a"] == (Tier.GPU, False, False)
+    book.apply(PlacementOrders(retire=(("c", c.sha256),)))
+    assert "c" not in _placed(adapters)
+
+
+def test_the_order_book_retires_a_pinned_deleted_adapter():
+    disk = Disk()
+    adapters, _ = manager(2, disk)
+    book = OrderBook(adapters)
+    a = ref("a")
+    book.apply(PlacementOrders(pins=(a,)))
+    poll_until(adapters, lambda: adapters.resident(a) is not None)
+    adapters.arrive(a)                    # a request in flight as the adapter is deleted
+    book.apply(PlacementOrders(retire=(("a", a.sha256),)))  # the order went with the adapter
+    assert adapters.operator_pins == frozenset() and adapters.resident(a) is not None
+    adapters.depart(a)
+    stats = adapters.stats()
+    assert stats.placements == () and (stats.gpu_versions, stats.host_versions) == (0, 0)
+
+
+def test_placements_list_every_version_under_each_name():
+    disk = Disk()
+    adapters, _ = manager(2, disk)
+    v0, v1 = ref("sql", 0), ref("sql", 1)
+    adapters.arrive(v0)
+    poll_until(adapters, lambda: adapters.resident(v0) is not None)
+    disk.hold(v1)
+    adapters.arrive(v1)                   # a new version while v0's request runs
+    placements = {(p.sha256, p.newest): (p.tier, p.loading) for p in adapters.stats().placements}
+    assert placements == {(v0.sha256, False): (Tier.GPU, False), (v1.sha256, True): (Tier.DISK, True)}
+    assert adapters.stats().loading_adapters == ("sql",) and adapters.stats().gpu_adapters == ()
+    disk.release(v1)
+    poll_until(adapters, lambda: adapters.resident(v1) is not None)
+    assert AdapterPlacement("sql", v1.sha256, Tier.GPU, False, False, True) in adapters.stats().placements
