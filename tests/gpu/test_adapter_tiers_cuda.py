@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_worker.lora.host_weights import HostPages, host_buffer
 from gpu_worker.lora.loader import LoRAModule, LoRAWeights
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels

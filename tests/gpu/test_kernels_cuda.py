@@ -52,14 +52,10 @@ def test_lora_bf16_matches_float32_reference(case, layout):
     assert _rel_err(actual.cpu(), expected) < BF16_REL
 
 
-def test_lora_graph_replays_new_segments():
-    """Captured with one segment table, replayed after another was copied in: the kernels read the
-    device tables, so the replay computes the new batch."""
-    stack, _ = make_stack("qkv", torch.float32)
-    cuda_stack = _on_cuda(stack, torch.bfloat16)
-    static = LoRABatch.build([2, 2, 2, 2], [0, NO_SLOT, 1, 2], "cuda", capacity=8, max_group_len=8)
-    x = torch.randn(8, stack.in_features, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(8, stack.out_features, device="cuda", dtype=torch.bfloat16)
+def _captured_lora_step(cuda_stack: LoRAStack, static: LoRABatch):
+    """A CUDA graph of out = base + LoRA(x) over `static` (8 tokens, bf16); -> (graph, x, out, base)."""
+    x = torch.randn(8, cuda_stack.in_features, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(8, cuda_stack.out_features, device="cuda", dtype=torch.bfloat16)
     base = torch.randn_like(out)
 
     def step():
@@ -70,6 +66,16 @@ def test_lora_graph_replays_new_segments():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    return graph, x, out, base
+
+
+def test_lora_graph_replays_new_segments():
+    """Captured with one segment table, replayed after another was copied in: the kernels read the
+    device tables, so the replay computes the new batch."""
+    stack, _ = make_stack("qkv", torch.float32)
+    cuda_stack = _on_cuda(stack, torch.bfloat16)
+    static = LoRABatch.build([2, 2, 2, 2], [0, NO_SLOT, 1, 2], "cuda", capacity=8, max_group_len=8)
+    graph, x, out, base = _captured_lora_step(cuda_stack, static)
     live = LoRABatch.build([5, 1, 2], [2, 0, NO_SLOT], "cuda", capacity=8)
     live.copy_into(static)
     graph.replay()
@@ -90,18 +96,7 @@ def test_lora_graph_replays_over_adapters_replaced_and_moved_after_capture():
             cuda_stack.set_slot(slot, stack.slot_weights(slot), dict(enumerate(stack.host_scalings[slot])))
     segments = ([2, 2, 3, 1], [0, NO_SLOT, 1, 4])
     static = LoRABatch.build(*segments, "cuda", capacity=8, max_group_len=8)
-    x = torch.randn(8, stack.in_features, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(8, stack.out_features, device="cuda", dtype=torch.bfloat16)
-    base = torch.randn_like(out)
-
-    def step():
-        out.copy_(base)
-        kernels.lora_expand(out, kernels.lora_shrink(x, cuda_stack, static), cuda_stack, static)
-
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, x, out, base = _captured_lora_step(cuda_stack, static)
     g = torch.Generator().manual_seed(5)
     new = {s: (torch.randn(r, stack.in_features, generator=g) / stack.in_features ** 0.5,
                torch.randn(stack.out_sizes[s], r, generator=g)) for s, r in ((0, 16), (2, 4))}
