@@ -35,15 +35,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from gpu_worker.lora.adapter_stats import AdapterPlacement, AdapterTierStats, LoadClock
 from gpu_worker.lora.gpu_memory import GpuAdapterMemory
 from gpu_worker.lora.host_weights import PAGE_BYTES, HostPages, PackedAdapter
+from gpu_worker.lora.load_failures import RecentFailures
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights
-from services.common.errors import AdapterLoadFailed, FailedPrecondition, TesseraError
+from services.common.errors import AdapterLoadFailed, FailedPrecondition
 from services.common.scheduling.adapter_tiers import AdapterTiers, Tier
 from services.common.scheduling.eviction import Eviction
 
@@ -53,16 +53,6 @@ log = logging.getLogger(__name__)
 # most its rank can take): the rest stays for the adapters that requests bring, which would otherwise
 # wait for room forever.
 MAX_PINNED_SHARE = 0.5
-
-
-def _cause(exc: BaseException) -> str:
-    """What went wrong, for the client: a domain error's message, else the exception's type and text
-    (an OSError names its file, not the path: the store's layout is no client's business)."""
-    if isinstance(exc, TesseraError):
-        return exc.message
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"{type(exc).__name__}: {exc.strerror}" + (f" ({Path(exc.filename).name})" if exc.filename else "")
-    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -114,12 +104,11 @@ class AdapterManager:
         self._versions: dict[str, _Version] = {}  # digest -> every version in a tier, being read, or requested
         self._active: dict[str, None] = {}        # versions with a load in flight or requests waiting, oldest first
         self._newest: dict[str, str] = {}         # adapter name -> digest of the last version that arrived
-        self._failures: dict[str, tuple[float, str]] = {}  # digest -> (failed until, cause)
-        self._failure_ttl_s = failure_ttl_s
+        self._failures = RecentFailures(failure_ttl_s, clock)
         self._synchronous = synchronous
         self._clock = clock
         self._load_times = LoadClock()
-        self._hits = self._misses = self._load_failures = 0
+        self._hits = self._misses = 0
         self.wake: Callable[[], None] = lambda: None
 
     # --- a request's adapter ---
@@ -144,7 +133,7 @@ class AdapterManager:
 
     def failure(self, ref: AdapterRef) -> AdapterLoadFailed | None:
         """The error to fail a request for `ref` with, if its version's load failed lately."""
-        cause = self._failed(ref.sha256)
+        cause = self._failures.cause(ref.sha256)
         return None if cause is None else AdapterLoadFailed(f"adapter {ref.name} could not be loaded: {cause}")
 
     def depart(self, ref: AdapterRef) -> None:
@@ -160,7 +149,7 @@ class AdapterManager:
     def preload(self, ref: AdapterRef) -> None:
         """Load `ref` into host and GPU memory without a request. No access is recorded, so it is the first
         to leave when room is needed. A no-op if it is usable or on its way, or if its load failed lately."""
-        if self._failed(ref.sha256) is not None:
+        if self._failures.cause(ref.sha256) is not None:
             return
         version = self._version_of(ref)
         if version.usable or version.preloading:
@@ -178,7 +167,7 @@ class AdapterManager:
             self._version_of(ref)  # under this name too
             return True
         pinned = [v.ref.rank for v in self._versions.values() if v.pinned] + [ref.rank]
-        if self._failed(ref.sha256) is not None or len(pinned) > MAX_PINNED_SHARE * self._memory.num_slots or (
+        if self._failures.cause(ref.sha256) is not None or len(pinned) > MAX_PINNED_SHARE * self._memory.num_slots or (
                 sum(map(self._memory.bytes_at_rank, pinned)) > MAX_PINNED_SHARE * self._memory.budget_bytes):
             return False
         version = self._version_of(ref)
@@ -264,7 +253,7 @@ class AdapterManager:
         placements = tuple(sorted((AdapterPlacement(
             name, key, Tier.GPU if version.usable else Tier.HOST if version.host is not None else Tier.DISK,
             loading=version.reading is not None or version.copying is not None or (
-                version.wanted and not version.usable and self._failed(key) is None),
+                version.wanted and not version.usable and self._failures.cause(key) is None),
             pinned=version.pinned, newest=self._newest.get(name) == key)
             for key, version in self._versions.items() for name in version.names), key=lambda p: (p.name, p.sha256)))
         newest = [p for p in placements if p.newest]  # by name: where a new request finds its adapter
@@ -277,7 +266,7 @@ class AdapterManager:
             gpu_bytes=tiers.gpu_used, host_bytes=tiers.host_used, gpu_capacity_bytes=tiers.gpu_bytes,
             host_capacity_bytes=tiers.host_bytes, pinned=sum(v.requests for v in self._versions.values()),
             hits=self._hits, misses=self._misses, gpu_evictions=tiers.evictions[Tier.GPU],
-            host_evictions=tiers.evictions[Tier.HOST], load_failures=self._load_failures,
+            host_evictions=tiers.evictions[Tier.HOST], load_failures=self._failures.count,
             loads=self._load_times.snapshot())
 
     # --- loads ---
@@ -316,7 +305,7 @@ class AdapterManager:
 
     def _advance(self, key: str, version: _Version) -> None:
         """Start the next load `version` needs (its requests wait for it), if there is room for it."""
-        if version.reading is not None or version.copying is not None or version.usable or self._failed(key):
+        if version.reading is not None or version.copying is not None or version.usable or self._failures.cause(key):
             return
         if version.host is None:
             if self._tiers.tier(key) is Tier.DISK:
@@ -379,24 +368,15 @@ class AdapterManager:
 
     def _fail(self, key: str, version: _Version, error: BaseException) -> None:
         """Remember the failure (requests for `key` fail until it expires) and let go of what the load held."""
-        self._load_failures += 1
         log.error("adapter %s (%s) could not be loaded; failing its requests", ", ".join(sorted(version.names)),
                   version.ref.storage_path, exc_info=error)
-        self._failures[key] = (self._clock() + self._failure_ttl_s, _cause(error))
+        self._failures.remember(key, error)
         version.host = None
         if version.slot is not None:
             self._free_slot(version)
         # A pin is ordered again by the registry's next answer, and retried once the failure expires.
         self._release_orders(key, version)
         self._drop_if_unused(key)
-
-    def _failed(self, key: str) -> str | None:
-        """The cause of `key`'s last failed load, while it is remembered."""
-        failure = self._failures.get(key)
-        if failure is not None and failure[0] <= self._clock():
-            del self._failures[key]
-            failure = None
-        return failure[1] if failure else None
 
     # --- leaving ---
 
@@ -406,7 +386,7 @@ class AdapterManager:
         version = self._versions.get(key)
         if version is None or version.wanted:
             return
-        if self._failed(key) is not None or all(self._newest.get(name) != key for name in version.names):
+        if self._failures.cause(key) is not None or all(self._newest.get(name) != key for name in version.names):
             self._tiers.drop(key)
             self._forget(key)
         elif self._tiers.tier(key) is Tier.DISK:
