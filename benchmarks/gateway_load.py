@@ -51,6 +51,7 @@ import grpc
 
 from services.common.config import load_config
 from services.common.tls import load_role_credentials
+from services.launcher import stop_process_group
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from benchmarks.http_client import chunks, exchange, post_json, read_body, read_head
@@ -303,12 +304,7 @@ def running_system(max_streams: int, max_in_flight: int, max_tokens: int,
                 _wait_until_serving(system, process, log_path)
                 yield system
             finally:
-                os.killpg(process.pid, signal.SIGINT)
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
+                stop_process_group(process, signal.SIGINT, grace_s=30)
                 if keep_log is not None:
                     shutil.copyfile(log_path, keep_log)
 

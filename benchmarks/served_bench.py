@@ -68,6 +68,7 @@ from services.common.config import TesseraConfig, load_config
 from services.common.grpc_server import check_health
 from services.common.tls import TlsError, health_probe_credentials
 from services.demo_assets import LlamaShape
+from services.launcher import stop_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASE_MODEL = "bench-llama"
@@ -386,16 +387,6 @@ def _wait_healthy(system: System, role: str, log_path: Path, timeout_s: float) -
     raise TimeoutError(f"{role} not healthy within {timeout_s:.0f} s:\n{log_path.read_text()[-4000:]}")
 
 
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
 @contextmanager
 def running_system(env: dict[str, str], log_dir: Path, ready_timeout_s: float) -> Iterator[System]:
     """Certificates, then registry, worker and gateway as separate processes, each healthy before the
@@ -423,7 +414,7 @@ def running_system(env: dict[str, str], log_dir: Path, ready_timeout_s: float) -
         yield system
     finally:
         for role in reversed(list(system.processes)):
-            _stop(system.processes[role])
+            stop_process_group(system.processes[role])
         for log in logs:
             log.close()
 

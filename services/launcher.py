@@ -271,6 +271,19 @@ def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None
         pass
 
 
+def stop_process_group(process: subprocess.Popen, first: signal.Signals = signal.SIGTERM,
+                       grace_s: float = STOP_GRACE_S) -> None:
+    """Send `first` to `process`'s group (a child started with start_new_session), wait up to `grace_s`,
+    then SIGKILL the group: for callers that run one system or role as a child (benchmarks, tests)."""
+    if process.poll() is None:
+        _signal_group(process, first)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        _signal_group(process, signal.SIGKILL)
+        process.wait()
+
+
 def print_banner(config: TesseraConfig, urls: dict[str, str], state_path: Path) -> None:
     lines = [
         "Tessera is up.",

@@ -27,6 +27,7 @@ import requests
 from services.common.config import TesseraConfig, load_config
 from services.common.grpc_server import check_health
 from services.common.tls import TlsError, health_probe_credentials, load_role_credentials
+from services.launcher import stop_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,12 +100,7 @@ def spawn_role(role: str, env: dict[str, str], log: TextIO) -> subprocess.Popen:
 
 
 def stop_role(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    stop_process_group(process, signal.SIGTERM, grace_s=20)
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float) -> None:
@@ -153,11 +149,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
         running.wait_worker_registered()
         yield running
     finally:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        stop_process_group(process, signal.SIGINT, grace_s=30)
         log.close()
         if process.returncode not in (0, -signal.SIGINT):
             print((home / "launcher.log").read_text()[-5000:])
