@@ -87,8 +87,7 @@ class GpuAdapterMemory:
         parts, offset = [], 0
         for module, size, module_ranks in zip(self._modules, sizes, ranks):
             if size:
-                module.lora.pack({s: (a.to(self.dtype), b.to(self.dtype)) for s, (a, b) in slices[module].items()},
-                                 buffer[offset:offset + size])
+                module.lora.pack(slices[module], buffer[offset:offset + size])  # copy_ converts the dtype on the way
             parts.append((offset, module_ranks, tuple(scalings[module].get(s, 0.0) for s in range(len(module_ranks)))))
             offset += size
         if len(runs) > 1:
