@@ -1,6 +1,7 @@
 """Streams decoding through a running Engine while other requests arrive at a fixed interval: the
 streams' per-token gaps inside the arrivals' window, and each arrival's time to first token
-(benchmarks/cold_start_bench.py's "no stall" measurement: arrivals whose adapters must load, or not)."""
+(benchmarks/cold_start_bench.py's "no stall" measurement: arrivals whose adapters must load, or not), and
+the engine's steps (StepLog) to tell slow steps from late deliveries."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from gpu_worker.engine import Engine
+from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.adapter_stats import AdapterTierStats
 
@@ -20,10 +21,30 @@ WAIT_S = 600.0  # for the streams' first tokens (their adapters load first), and
 @dataclass(frozen=True)
 class WindowResult:
     gaps_s: list[float]          # per stream token of the window: the gap it ended, over the tokens it came with
+    stream_tpot_s: list[float]   # per stream: its mean gap over the window (its TPOT there)
     arrival_ttft_s: list[float]  # each arrival, submit to first token
     window_s: float
     disk_loads: int              # adapter loads from disk that finished inside the window
     gpu_evictions: int
+    started_at: float            # the window, in time.perf_counter()
+    ended_at: float
+
+
+class StepLog:
+    """The engine's steps as they end (its on_step hook, on the engine thread): when each was launched."""
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[float, StepRecord]] = []  # (launched at, record)
+
+    def __call__(self, record: StepRecord) -> None:
+        self._steps.append((time.perf_counter() - record.duration_s, record))
+
+    def launched_between(self, start: float, end: float) -> list[StepRecord]:
+        return [record for at, record in list(self._steps) if start <= at < end]
+
+    def first_launch(self, request_id: str) -> float:
+        """When the first step that ran `request_id` was launched."""
+        return next(at for at, record in list(self._steps) if request_id in record.request_ids)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -85,10 +106,13 @@ async def stall_window(engine: Engine, streams: list[GenerationRequest], arrival
     await asyncio.gather(*tasks)
     ttfts = await asyncio.gather(*arriving)
     # Every gap that overlaps the window, once per token it brought.
-    gaps = [(t1 - t0) / n for out in outputs for (t0, _), (t1, n) in itertools.pairwise(out) if t1 > start and t0 < end
-            for _ in range(n)]
-    return WindowResult(gaps, list(ttfts), end - start, _disk_loads(after) - _disk_loads(tiers),
-                        after.gpu_evictions - tiers.gpu_evictions)
+    in_window = [[(t1 - t0, n) for (t0, _), (t1, n) in itertools.pairwise(out) if t1 > start and t0 < end]
+                 for out in outputs]
+    gaps = [gap / n for stream_gaps in in_window for gap, n in stream_gaps for _ in range(n)]
+    tpots = [sum(gap for gap, _ in stream_gaps) / sum(n for _, n in stream_gaps)
+             for stream_gaps in in_window if stream_gaps]
+    return WindowResult(gaps, tpots, list(ttfts), end - start, _disk_loads(after) - _disk_loads(tiers),
+                        after.gpu_evictions - tiers.gpu_evictions, start, end)
 
 
 def _disk_loads(tiers: AdapterTierStats) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 
 from registry.base_model_files import read_json_object
 from registry.records import SUPPORTED_TARGET_MODULES, ModuleShape
-from registry.safetensors_header import TensorInfo, read_safetensors_header
+from services.common.safetensors_header import TensorInfo, read_safetensors_header
 from registry.trusted_paths import resolve_inside_roots
 from services.common.adapter_layout import (ADAPTER_LAYOUTS, CONFIG_FILE, WEIGHTS_FILE, AdapterLayout,
                                             refuse_vision_tensors)

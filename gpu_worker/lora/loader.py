@@ -13,18 +13,18 @@ names it. It runs on the adapter loader threads (lora/adapter_manager.py), never
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors.torch import load as load_safetensors
-
 from services.common.adapter_layout import (CONFIG_FILE, WEIGHTS_FILE, AdapterLayout, content_digest,
                                             refuse_vision_tensors)
 from services.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from services.common.lora_config import LoraHyperparameters, parse_lora_hyperparameters
+from services.common.safetensors_header import header_length, parse_header
 from services.common.strict_json import loads as strict_json_loads
 
 
@@ -73,9 +73,39 @@ def _parse_config(data: bytes) -> LoraHyperparameters:
     return parse_lora_hyperparameters(config)
 
 
-def _verified_files(ref: AdapterRef, directory: Path) -> tuple[bytes, bytes]:
+TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def _read_whole(path: Path) -> bytearray:
+    """The file's bytes in a writable buffer (tensors are laid over it), read without holding the GIL."""
+    with path.open("rb", buffering=0) as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        view, done = memoryview(data), 0
+        while done < len(data) and (n := f.readinto(view[done:])):
+            done += n
+        if done != len(data) or f.read(1):
+            raise FailedPrecondition(f"{path.name} changed size while it was read")
+    return data
+
+
+def _tensor_views(weights: bytearray) -> dict[str, torch.Tensor]:
+    """The safetensors file's tensors as views of `weights`: no copy. safetensors' own loader copies
+    every tensor into a new bytes object while holding the GIL (a 600 MB adapter stops the engine
+    thread for the whole copy); the one copy left is the packing's, which releases it."""
+    length = header_length(bytes(weights[:8]), len(weights), WEIGHTS_FILE)
+    infos = parse_header(bytes(weights[8:8 + length]), len(weights) - 8 - length, WEIGHTS_FILE)
+    data_start, tensors = 8 + length, {}
+    for name, info in infos.items():
+        dtype = TORCH_DTYPES[info.dtype]
+        count = (info.end - info.begin) // dtype.itemsize
+        tensors[name] = (torch.frombuffer(weights, dtype=dtype, count=count, offset=data_start + info.begin)
+                         if count else torch.empty(0, dtype=dtype)).view(info.shape)
+    return tensors
+
+
+def _verified_files(ref: AdapterRef, directory: Path) -> tuple[bytes, bytearray]:
     """(config, weights) bytes, read once each, whose content digest is the registry's record."""
-    config, weights = (directory / CONFIG_FILE).read_bytes(), (directory / WEIGHTS_FILE).read_bytes()
+    config, weights = (directory / CONFIG_FILE).read_bytes(), _read_whole(directory / WEIGHTS_FILE)
     digest = content_digest(hashlib.sha256(config).hexdigest(), hashlib.sha256(weights).hexdigest())
     if digest != ref.sha256.lower():
         raise FailedPrecondition(
@@ -111,7 +141,7 @@ def load_adapter(ref: AdapterRef, store_root: Path, layout: AdapterLayout, layer
             raise FailedPrecondition(f"{name} not found in its stored directory{pickled}")
     config, weights = _verified_files(ref, directory)
     hyperparameters = _parse_config(config)
-    tensors = load_safetensors(weights)
+    tensors = _tensor_views(weights)
 
     refuse_vision_tensors(layout, tensors, "the adapter")
     targets = _served_targets(tensors, layout, layer_paths)

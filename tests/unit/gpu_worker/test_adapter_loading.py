@@ -91,6 +91,36 @@ def test_a_recorded_but_unservable_config_is_refused_at_load(stored_copy, tiny_a
         _load(ref, tiny_assets.store)
 
 
+def test_tensors_are_those_safetensors_reads(tiny_assets):
+    """The loader lays tensors over the verified bytes itself: the same names, dtypes and values."""
+    import torch
+    from safetensors.torch import load_file
+    ref = tiny_assets.adapters["demo-r16"]
+    weights = _load(ref, tiny_assets.store)
+    expected = load_file(Path(ref.storage_path) / "adapter_model.safetensors")
+    assert len(expected) == 2 * len(weights.modules)
+    for (layer, target), module in weights.modules.items():
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+        for which, tensor in (("A", module.a), ("B", module.b)):
+            reference = expected[f"{prefix}.lora_{which}.weight"]
+            assert tensor.dtype == reference.dtype and torch.equal(tensor, reference)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: data[:8] + b"{not json" + data[8 + 9:], "corrupt header"),
+    (lambda data: (10**6).to_bytes(8, "little") + data[8:], "truncated"),
+    (lambda data: data[:-2], "truncated"),
+], ids=["header-not-json", "header-longer-than-file", "data-truncated"])
+def test_a_recorded_but_corrupt_weights_file_is_refused_at_load(stored_copy, tiny_assets, damage, message):
+    """A digest that covers a corrupt safetensors file (not checked at registration by an older registry)."""
+    directory, ref = stored_copy
+    path = directory / "adapter_model.safetensors"
+    path.write_bytes(damage(path.read_bytes()))
+    ref = dataclasses.replace(ref, sha256=directory_digest(directory))
+    with pytest.raises(InvalidArgument, match=message):
+        _load(ref, tiny_assets.store)
+
+
 def test_directory_outside_the_store_is_refused(tiny_assets, tmp_path):
     outside = tmp_path / "evil"
     shutil.copytree(tiny_assets.adapters["demo-r8"].storage_path, outside)

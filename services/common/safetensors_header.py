@@ -1,4 +1,5 @@
-"""Read and check a safetensors file's header without torch and without loading tensors.
+"""Read and check a safetensors file's header without torch and without loading tensors (the registry
+checks uploads with it; the worker's loader lays tensors over the verified bytes by it).
 
 Layout: 8-byte little-endian header length N, N bytes of JSON
 ``{"name": {"dtype": "F32", "shape": [r, in], "data_offsets": [begin, end]}, ...}``,
@@ -71,21 +72,21 @@ def _check_layout(label: str, tensors: dict[str, TensorInfo], data_bytes: int) -
             f"{label}: {data_bytes - position} unexpected trailing bytes after the last tensor (corrupt file)")
 
 
-def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Tensor name -> TensorInfo for the file at `path`; InvalidArgument if it is not a sound safetensors file."""
-    label = path.name
-    with path.open("rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise InvalidArgument(f"{label}: {file_size} bytes is too short for a safetensors file")
-        header_len = int.from_bytes(prefix, "little")
-        if header_len > MAX_HEADER_BYTES:
-            raise InvalidArgument(
-                f"{label}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt header)")
-        if 8 + header_len > file_size:
-            raise InvalidArgument(f"{label}: file is truncated: header needs {header_len} bytes")
-        raw = f.read(header_len)
+def header_length(prefix: bytes, file_size: int, label: str) -> int:
+    """The JSON header's length from the file's first 8 bytes; InvalidArgument if it cannot fit."""
+    if len(prefix) != 8:
+        raise InvalidArgument(f"{label}: {file_size} bytes is too short for a safetensors file")
+    length = int.from_bytes(prefix, "little")
+    if length > MAX_HEADER_BYTES:
+        raise InvalidArgument(
+            f"{label}: header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt header)")
+    if 8 + length > file_size:
+        raise InvalidArgument(f"{label}: file is truncated: header needs {length} bytes")
+    return length
+
+
+def parse_header(raw: bytes, data_bytes: int, label: str) -> dict[str, TensorInfo]:
+    """Tensor name -> TensorInfo from the JSON header `raw`, checked against a data section of `data_bytes`."""
     try:
         header = strict_json_loads(raw, f"{label}: header")
     except InvalidArgument as exc:
@@ -94,5 +95,15 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         raise InvalidArgument(f"{label}: header is not a JSON object (corrupt header)")
     header.pop("__metadata__", None)
     tensors = {name: _tensor_info(label, name, entry) for name, entry in header.items()}
-    _check_layout(label, tensors, file_size - 8 - header_len)
+    _check_layout(label, tensors, data_bytes)
     return tensors
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor name -> TensorInfo for the file at `path`; InvalidArgument if it is not a sound safetensors file."""
+    label = path.name
+    with path.open("rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        length = header_length(f.read(8), file_size, label)
+        raw = f.read(length)
+    return parse_header(raw, file_size - 8 - length, label)
