@@ -66,6 +66,7 @@ from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.sequence import SamplingParams
 from services.common.config import WorkerConfig
+from services.common.runtime import freeze_startup_heap
 
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=4096 + 2048, max_position_embeddings=1024, rms_norm_eps=1e-5)
@@ -285,21 +286,27 @@ def cold_ttft(engine: Engine, steps: StepLog, requests: Requests, store: Adapter
     for i, length in enumerate([lengths[-1]] + lengths):  # the first round warms up
         adapter = store.new(SHAPES[i % len(SHAPES)])
         disk, disk_admit = timed_ttft(adapter.ref, length)
-        hosts, residents = [], []
+        hosts, residents, installs, compactions = [], [], [], 0
         for _ in range(repeats):
             evict_from_gpu(adapter.ref.name, fillers, lambda ref: ttft(ref, 2), settled)
+            before = settled()
             hosts.append(timed_ttft(adapter.ref, length))
+            after = settled()
+            installs.append(load_clock_s(after, "host") - load_clock_s(before, "host"))  # start to copy seen done
+            compactions += after.gpu_compactions - before.gpu_compactions
             residents.append(timed_ttft(adapter.ref, length))
         (host, host_admit), (resident, resident_admit) = (
             tuple(statistics.median(column) for column in zip(*pairs)) for pairs in (hosts, residents))
+        install = statistics.median(installs)
         if i:
             rows.append(dict(length=length, adapter=adapter.shape.label, resident_ms=resident * 1e3,
                              host_ms=host * 1e3, disk_ms=disk * 1e3, resident_admit_ms=resident_admit * 1e3,
-                             host_admit_ms=host_admit * 1e3, disk_admit_ms=disk_admit * 1e3))
+                             host_admit_ms=host_admit * 1e3, disk_admit_ms=disk_admit * 1e3,
+                             host_install_ms=install * 1e3, host_compactions=compactions))
             progress(f"cold TTFT, {length} tokens, {adapter.shape.label}: resident {resident * 1e3:.1f} ms, "
                      f"host {host * 1e3:.1f} ms, disk {disk * 1e3:.1f} ms (submit to prefill launch "
-                     f"{resident_admit * 1e3:.1f} / {host_admit * 1e3:.1f} / {disk_admit * 1e3:.1f} ms; "
-                     f"medians of {repeats})")
+                     f"{resident_admit * 1e3:.1f} / {host_admit * 1e3:.1f} / {disk_admit * 1e3:.1f} ms; host install "
+                     f"to copy seen done {install * 1e3:.1f} ms, {compactions} compactions; medians of {repeats})")
     return rows
 
 
@@ -310,6 +317,7 @@ def serve_phases(parts: EngineParts, tokenizer: PreTrainedTokenizerFast, request
                  cold: Callable[[Engine, StepLog], list[dict]] | None = None) -> tuple[dict, list[dict]]:
     """The no-stall windows `cases` (name, arrivals' adapters), then `cold`, on one running engine."""
     steps = StepLog()
+    freeze_startup_heap()  # as the worker's server does once its engine is built
     with running_engine(parts, tokenizer, max(RANKS), async_scheduling_on(WorkerConfig().async_scheduling, device),
                         on_step=steps) as engine:
         # Untimed first: a fresh engine's first window pays for graph captures and kernel variants.
@@ -354,6 +362,7 @@ def run(args: argparse.Namespace) -> dict:
             parts, tokenizer, requests, plan, device, [("a_no_loads", None), ("b_async_loads", arrival_refs)],
             stream_refs, lambda engine, steps: cold_ttft(engine, steps, requests, store, fillers, lengths, plan.repeats))
         del parts  # its KV cache and adapter memory, before the baseline's engine takes its own
+        gc.unfreeze()  # a frozen cycle is never collected
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

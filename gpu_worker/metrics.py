@@ -98,6 +98,9 @@ class AdapterTierMetrics(Collector):
                                   value=s.misses)
         yield CounterMetricFamily("tessera_worker_adapter_load_failures", "Adapter loads that failed",
                                   value=s.load_failures)
+        yield CounterMetricFamily("tessera_worker_adapter_gpu_compactions", "Times the GPU adapter memory closed "
+                                  "its holes before an install (adapters moved on the device)",
+                                  value=s.gpu_compactions)
         loads = HistogramMetricFamily("tessera_worker_adapter_load_seconds", "Adapter loads by source tier: disk "
                                       "(read, verify, parse, into host memory), host (copy onto the GPU)",
                                       labels=["source"])

@@ -45,6 +45,7 @@ class AdapterArena:
         self._live: dict[int, int] = {}                    # offset -> elements (aligned)
         self._free: list[tuple[int, int]] = [(0, capacity)] if capacity else []  # (offset, elements), sorted
         self._listeners: list[weakref.WeakMethod] = []  # of owners' methods taking Moves
+        self.compactions = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -106,6 +107,7 @@ class AdapterArena:
         """Slide every live allocation down, in offset order, so that all free space is one hole at
         the end. Copies run on the current stream: kernels queued after this call read the moved
         data. A move onto a range that overlaps its source goes through a temporary copy."""
+        self.compactions += 1
         moves: Moves = {}
         live: dict[int, int] = {}
         cursor = 0

@@ -266,6 +266,7 @@ class AdapterManager:
             gpu_bytes=tiers.gpu_used, host_bytes=tiers.host_used, gpu_capacity_bytes=tiers.gpu_bytes,
             host_capacity_bytes=tiers.host_bytes, pinned=sum(v.requests for v in self._versions.values()),
             hits=self._hits, misses=self._misses, gpu_evictions=tiers.evictions[Tier.GPU],
+            gpu_compactions=self._memory.compactions,
             host_evictions=tiers.evictions[Tier.HOST], load_failures=self._failures.count,
             loads=self._load_times.snapshot())
 

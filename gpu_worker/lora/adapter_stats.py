@@ -69,6 +69,7 @@ class AdapterTierStats:
     hits: int = 0                           # requests whose adapter was usable on the GPU at arrival
     misses: int = 0
     gpu_evictions: int = 0
+    gpu_compactions: int = 0                # installs that first closed the GPU arena's holes (moves on the device)
     host_evictions: int = 0                 # left host memory (and the GPU, if there too) for disk
     load_failures: int = 0                  # loads that failed (not the requests they failed)
     loads: tuple[LoadTimes, ...] = ()

@@ -65,6 +65,10 @@ class GpuAdapterMemory:
     def budget_bytes(self) -> int:
         return self._arena.capacity * self._itemsize
 
+    @property
+    def compactions(self) -> int:
+        return self._arena.compactions
+
     def pack(self, weights: LoRAWeights, pages: HostPages) -> PackedAdapter:
         """`weights` packed for this model's arena into host pages (any thread: touches no device)."""
         slices: dict[LoRALinear, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {m: {} for m in self._modules}

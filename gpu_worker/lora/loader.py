@@ -76,37 +76,40 @@ def _parse_config(data: bytes) -> LoraHyperparameters:
 TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
-def _read_whole(path: Path) -> bytearray:
-    """The file's bytes in a writable buffer (tensors are laid over it), read without holding the GIL."""
+def _read_whole(path: Path) -> torch.Tensor:
+    """The file's bytes (uint8) in a buffer nothing has touched before the read: a zero-filled one
+    (bytearray) is written page by page while holding the GIL, 0.3 s for a 600 MB adapter during which
+    the engine thread cannot launch; here the pages fault in inside readinto, which releases it."""
     with path.open("rb", buffering=0) as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
-        view, done = memoryview(data), 0
-        while done < len(data) and (n := f.readinto(view[done:])):
+        data = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
+        view, done = memoryview(data.numpy()), 0
+        while done < len(view) and (n := f.readinto(view[done:])):
             done += n
-        if done != len(data) or f.read(1):
+        if done != len(view) or f.read(1):
             raise FailedPrecondition(f"{path.name} changed size while it was read")
     return data
 
 
-def _tensor_views(weights: bytearray) -> dict[str, torch.Tensor]:
-    """The safetensors file's tensors as views of `weights`: no copy. safetensors' own loader copies
-    every tensor into a new bytes object while holding the GIL (a 600 MB adapter stops the engine
-    thread for the whole copy); the one copy left is the packing's, which releases it."""
-    length = header_length(bytes(weights[:8]), len(weights), WEIGHTS_FILE)
-    infos = parse_header(bytes(weights[8:8 + length]), len(weights) - 8 - length, WEIGHTS_FILE)
+def _tensor_views(weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The safetensors file's tensors as views of its bytes `weights`: no copy. safetensors' own loader
+    copies every tensor into a new bytes object while holding the GIL (a 600 MB adapter stops the
+    engine thread for the whole copy); the one copy left is the packing's, which releases it."""
+    length = header_length(weights[:8].numpy().tobytes(), len(weights), WEIGHTS_FILE)
+    infos = parse_header(weights[8:8 + length].numpy().tobytes(), len(weights) - 8 - length, WEIGHTS_FILE)
     data_start, tensors = 8 + length, {}
     for name, info in infos.items():
         dtype = TORCH_DTYPES[info.dtype]
-        count = (info.end - info.begin) // dtype.itemsize
-        tensors[name] = (torch.frombuffer(weights, dtype=dtype, count=count, offset=data_start + info.begin)
-                         if count else torch.empty(0, dtype=dtype)).view(info.shape)
+        raw = weights[data_start + info.begin:data_start + info.end]
+        if (data_start + info.begin) % dtype.itemsize:  # a view must start at a multiple of its item size
+            raw = raw.clone()
+        tensors[name] = raw.view(dtype).view(info.shape)
     return tensors
 
 
-def _verified_files(ref: AdapterRef, directory: Path) -> tuple[bytes, bytearray]:
+def _verified_files(ref: AdapterRef, directory: Path) -> tuple[bytes, torch.Tensor]:
     """(config, weights) bytes, read once each, whose content digest is the registry's record."""
     config, weights = (directory / CONFIG_FILE).read_bytes(), _read_whole(directory / WEIGHTS_FILE)
-    digest = content_digest(hashlib.sha256(config).hexdigest(), hashlib.sha256(weights).hexdigest())
+    digest = content_digest(hashlib.sha256(config).hexdigest(), hashlib.sha256(weights.numpy()).hexdigest())
     if digest != ref.sha256.lower():
         raise FailedPrecondition(
             f"checksum mismatch: the stored {CONFIG_FILE} and {WEIGHTS_FILE} hash to "

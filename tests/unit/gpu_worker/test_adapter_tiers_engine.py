@@ -108,7 +108,8 @@ def test_outputs_equal_peft_from_disk_resident_from_host_and_after_eviction(engi
     for line in ('tessera_worker_adapters{tier="host"} 3.0', 'tessera_worker_adapter_evictions_total{tier="gpu"} 3.0',
                  'tessera_worker_adapter_load_seconds_count{source="disk"} 3.0',
                  'tessera_worker_adapter_load_seconds_count{source="host"} 5.0',
-                 "tessera_worker_adapter_hits_total 1.0", "tessera_worker_adapter_misses_total 5.0"):
+                 "tessera_worker_adapter_hits_total 1.0", "tessera_worker_adapter_misses_total 5.0",
+                 f"tessera_worker_adapter_gpu_compactions_total {float(stats.gpu_compactions)}"):
         assert line in text, line
 
 

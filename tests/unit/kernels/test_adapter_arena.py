@@ -42,8 +42,9 @@ def test_a_fragmented_arena_refuses_what_fits_in_total_until_compacted():
     for offset in offsets[::2]:
         a.free(offset)  # four one-block holes
     assert a.free_elems == 4 * ALIGN and a.largest_free == ALIGN
-    assert a.alloc(2 * ALIGN) is None
+    assert a.alloc(2 * ALIGN) is None and a.compactions == 0
     moves = a.compact()
+    assert a.compactions == 1
     assert moves == {ALIGN: 0, 3 * ALIGN: ALIGN, 5 * ALIGN: 2 * ALIGN, 7 * ALIGN: 3 * ALIGN}
     assert a.largest_free == 4 * ALIGN and a.alloc(4 * ALIGN) == 4 * ALIGN
     assert a.alloc(1) is None
