@@ -55,7 +55,7 @@ from benchmarks.adapter_files import (ALL_SEVEN, QKVO, AdapterShape, AdapterStor
                                       drop_from_page_cache, filesystem_of)
 from benchmarks.cluster_sim.workload import load_trace
 from benchmarks.engine_bench import LLAMA2_7B, e2e_prompt
-from benchmarks.load_stall import StepLog, first_token_s, percentile, stall_window
+from benchmarks.load_stall import StepLog, decode_only_gaps, first_token_s, percentile, stall_window
 from benchmarks.reference_rates import copy_seconds, read_seconds, timed
 from benchmarks.serving import BASE_MODEL, BENCH_TOKEN_PREFIX, bench_tokenizer, running_engine
 from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
@@ -242,9 +242,12 @@ def no_stall(engine: Engine, steps: StepLog, requests: Requests, plan: Plan, cas
     launched = steps.launched_between(result.started_at, result.ended_at)
     decodes = [step for step in launched if not step.num_prefills]
     prefills = [step for step in launched if step.num_prefills]
+    decode_gaps = decode_only_gaps(result.spans, steps.prefill_launches())
     row = dict(itl_p50_ms=percentile(result.gaps_s, 50) * 1e3, itl_p99_ms=percentile(result.gaps_s, 99) * 1e3,
                tpot_p50_ms=percentile(result.stream_tpot_s, 50) * 1e3,
                tpot_p99_ms=percentile(result.stream_tpot_s, 99) * 1e3,
+               decode_itl_p50_ms=percentile(decode_gaps, 50) * 1e3, decode_itl_p99_ms=percentile(decode_gaps, 99) * 1e3,
+               decode_gaps=len(decode_gaps),
                decode_steps=len(decodes), decode_step_p50_ms=step_ms(decodes, 50), decode_step_p99_ms=step_ms(decodes, 99),
                prefill_steps=len(prefills), prefill_step_p50_ms=step_ms(prefills, 50),
                prefill_step_p99_ms=step_ms(prefills, 99),
@@ -254,7 +257,8 @@ def no_stall(engine: Engine, steps: StepLog, requests: Requests, plan: Plan, cas
                counts=dict(disk_loads=result.disk_loads, gpu_evictions=result.gpu_evictions))
     progress(f"no stall ({case}): streams' TPOT p50 {row['tpot_p50_ms']:.2f} ms, p99 {row['tpot_p99_ms']:.2f} ms; "
              f"inter-token gaps p50 {row['itl_p50_ms']:.2f} ms, p99 {row['itl_p99_ms']:.2f} ms over "
-             f"{row['stream_tokens']} tokens; steps launched: {len(decodes)} decode-only p50 "
+             f"{row['stream_tokens']} tokens, without a prefill launched in the gap p50 {row['decode_itl_p50_ms']:.2f} "
+             f"ms, p99 {row['decode_itl_p99_ms']:.2f} ms over {len(decode_gaps)}; steps launched: {len(decodes)} decode-only p50 "
              f"{row['decode_step_p50_ms']:.2f} / p99 {row['decode_step_p99_ms']:.2f} ms, {len(prefills)} with "
              f"prefills p50 {row['prefill_step_p50_ms']:.2f} / p99 {row['prefill_step_p99_ms']:.2f} ms; arrivals' "
              f"TTFT p50 {row['arrival_ttft_p50_ms']:.1f} ms, p99 {row['arrival_ttft_p99_ms']:.1f} ms; {row['counts']}")
@@ -391,6 +395,9 @@ def ratios(report: dict) -> dict:
         "no_stall_tpot_p99_a_sync_over_a": p99("a_sync_no_loads") / p99("a_no_loads"),  # run-to-run noise
         "no_stall_itl_p99_b_over_a": p99("b_async_loads", "itl") / p99("a_no_loads", "itl"),
         "no_stall_itl_p99_c_over_a": p99("c_sync_loads", "itl") / p99("a_sync_no_loads", "itl"),
+        "no_stall_decode_itl_p99_b_over_a": p99("b_async_loads", "decode_itl") / p99("a_no_loads", "decode_itl"),
+        "no_stall_decode_itl_p50_b_over_a": (report["no_stall"]["b_async_loads"]["decode_itl_p50_ms"]
+                                             / report["no_stall"]["a_no_loads"]["decode_itl_p50_ms"]),
         "cold_ttft_host_over_resident": mean("host_ms") / mean("resident_ms"),
         "cold_ttft_host_over_resident_worst": max(row["host_ms"] / row["resident_ms"] for row in rows),
         "cold_ttft_disk_over_resident": mean("disk_ms") / mean("resident_ms"),

@@ -6,6 +6,7 @@ the engine's steps (StepLog) to tell slow steps from late deliveries."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import math
 import time
@@ -21,6 +22,7 @@ WAIT_S = 600.0  # for the streams' first tokens (their adapters load first), and
 @dataclass(frozen=True)
 class WindowResult:
     gaps_s: list[float]          # per stream token of the window: the gap it ended, over the tokens it came with
+    spans: list[tuple[float, float, int]]  # each gap behind gaps_s: (began, ended, tokens), perf_counter
     stream_tpot_s: list[float]   # per stream: its mean gap over the window (its TPOT there)
     arrival_ttft_s: list[float]  # each arrival, submit to first token
     window_s: float
@@ -41,6 +43,10 @@ class StepLog:
 
     def launched_between(self, start: float, end: float) -> list[StepRecord]:
         return [record for at, record in list(self._steps) if start <= at < end]
+
+    def prefill_launches(self) -> list[float]:
+        """When each step that ran prompt tokens was launched, in order."""
+        return [at for at, record in list(self._steps) if record.num_prefills]
 
     def first_launch(self, request_id: str) -> float:
         """When the first step that ran `request_id` was launched."""
@@ -106,13 +112,26 @@ async def stall_window(engine: Engine, streams: list[GenerationRequest], arrival
     await asyncio.gather(*tasks)
     ttfts = await asyncio.gather(*arriving)
     # Every gap that overlaps the window, once per token it brought.
-    in_window = [[(t1 - t0, n) for (t0, _), (t1, n) in itertools.pairwise(out) if t1 > start and t0 < end]
+    in_window = [[(t0, t1, n) for (t0, _), (t1, n) in itertools.pairwise(out) if t1 > start and t0 < end]
                  for out in outputs]
-    gaps = [gap / n for stream_gaps in in_window for gap, n in stream_gaps for _ in range(n)]
-    tpots = [sum(gap for gap, _ in stream_gaps) / sum(n for _, n in stream_gaps)
-             for stream_gaps in in_window if stream_gaps]
-    return WindowResult(gaps, tpots, list(ttfts), end - start, _disk_loads(after) - _disk_loads(tiers),
+    spans = [span for stream_spans in in_window for span in stream_spans]
+    gaps = [(t1 - t0) / n for t0, t1, n in spans for _ in range(n)]
+    tpots = [sum(t1 - t0 for t0, t1, _ in stream_spans) / sum(n for _, _, n in stream_spans)
+             for stream_spans in in_window if stream_spans]
+    return WindowResult(gaps, spans, tpots, list(ttfts), end - start, _disk_loads(after) - _disk_loads(tiers),
                         after.gpu_evictions - tiers.gpu_evictions, start, end)
+
+
+def decode_only_gaps(spans: list[tuple[float, float, int]], prefill_launches: list[float]) -> list[float]:
+    """The per-token gaps of `spans` during which no step with prompt tokens was launched: what loads
+    beside serving may slow, apart from the cost of the arrivals' own prefills (which a window whose
+    arrivals wait for loads has fewer of)."""
+    kept = []
+    for t0, t1, n in spans:
+        i = bisect.bisect_right(prefill_launches, t0)
+        if i == len(prefill_launches) or prefill_launches[i] >= t1:
+            kept.extend([(t1 - t0) / n] * n)
+    return kept
 
 
 def _disk_loads(tiers: AdapterTierStats) -> int:

@@ -237,6 +237,8 @@ class Engine:
         if not batch.items:
             self._skip(previous)
             return
+        for copy in batch.adapter_copies:  # adapters admitted while their copy onto the GPU runs:
+            copy.wait()                    # the device waits, before this step's merge or kernels
         plan = self._orchestrator.plan(batch)
         launched = self._launch(batch, plan, previous)
         self._postprocess(previous)

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.lora.adapter_manager import AdapterManager
 from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus
@@ -48,6 +50,7 @@ class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
     failed: list[tuple[Sequence, TesseraError]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    adapter_copies: list[torch.cuda.Event] = field(default_factory=list)  # the step's kernels wait for these
 
     def add(self, seq: Sequence, num_new: int) -> None:
         self.items.append(ScheduledSeq(seq, num_new, seq.num_cached + num_new == seq.num_tokens))
@@ -124,7 +127,7 @@ class Scheduler:
                 still_waiting.extend(self.waiting)
                 self.waiting.clear()
                 break
-            if not self._place_adapter(seq):
+            if not self._place_adapter(seq, batch):
                 still_waiting.append(seq)  # its adapter is loading; others may go ahead
                 continue
             self.blocks.admit(seq, prefix, num_new)
@@ -142,14 +145,20 @@ class Scheduler:
             self.waiting.remove(seq)
             batch.failed.append((seq, error))
 
-    def _place_adapter(self, seq: Sequence) -> bool:
-        """Point `seq` at its adapter's GPU slot; False while the adapter is loading."""
+    def _place_adapter(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Point `seq` at its adapter's GPU slot; False while the adapter is loading. An adapter whose
+        copy onto the GPU still runs is taken only into a step that nothing else needs yet (an empty
+        batch, or one waiting for that copy already): the step waits for the copy on the device."""
         if seq.adapter is None:
             return True
-        placed = self.adapters.resident(seq.adapter)
+        event = self.adapters.copy_event(seq.adapter)
+        copying_ok = event is not None and (not batch.items or event in batch.adapter_copies)
+        placed = self.adapters.resident(seq.adapter, copying_ok)
         if placed is None:
             return False
         seq.slot, seq.rank = placed
+        if event is not None and event not in batch.adapter_copies:
+            batch.adapter_copies.append(event)
         return True
 
     def _release(self, seq: Sequence) -> None:

@@ -13,7 +13,10 @@ A request's adapter, step by step (engine thread unless said):
                  marks its end. Neither stops a step.
   poll()         every scheduling pass: take finished reads into the host tier, start GPU copies for
                  the versions requests wait for, make usable those whose copy event has completed.
-  resident(ref)  (slot, rank) once usable: the scheduler admits the request then, and not before.
+  resident(ref)  (slot, rank) once usable: the scheduler admits the request then. When no other
+                 request would share its step, already while its copy runs (`copying_ok`): the
+                 step then waits for `copy_event(ref)` on the device, not the engine for the copy,
+                 so the copy overlaps the step's launch (a lone request's TTFT is not copy + step).
   failure(ref)   the load failed: the scheduler fails the request at once (AdapterLoadFailed). The
                  failure is remembered `failure_ttl_s`, so requests for the same digest fail without
                  reading the files again.
@@ -124,12 +127,18 @@ class AdapterManager:
             self._misses += 1
         self._want(ref.sha256, version)
 
-    def resident(self, ref: AdapterRef) -> tuple[int, int] | None:
-        """(GPU slot, rank) of `ref`'s version once usable; None while it loads."""
+    def resident(self, ref: AdapterRef, copying_ok: bool = False) -> tuple[int, int] | None:
+        """(GPU slot, rank) of `ref`'s version once usable, or with `copying_ok` once its copy onto the
+        GPU is queued (a step that runs it must first wait for `copy_event`); None while it loads."""
         version = self._versions.get(ref.sha256)
-        if version is None or not version.usable:
+        if version is None or version.slot is None or not (version.usable or copying_ok):
             return None
         return version.slot, version.host.rank
+
+    def copy_event(self, ref: AdapterRef) -> torch.cuda.Event | None:
+        """The event that ends `ref`'s copy onto the GPU while the copy may still run; None after."""
+        version = self._versions.get(ref.sha256)
+        return None if version is None else version.copying
 
     def failure(self, ref: AdapterRef) -> AdapterLoadFailed | None:
         """The error to fail a request for `ref` with, if its version's load failed lately."""

@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_worker.lora.adapter_manager import AdapterManager
 from gpu_worker.lora.host_weights import HostPages, host_buffer
 from gpu_worker.lora.loader import LoRAModule, LoRAWeights
+from services.common.scheduling.eviction import LRU
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels
-from tests.unit.gpu_worker.adapter_fakes import IN, OUT, installed, tiny_memory
+from tests.unit.gpu_worker.adapter_fakes import IN, OUT, Disk, installed, poll_until, ref, tiny_memory
 from tests.unit.gpu_worker.conftest import make_engine, tiny_assets  # noqa: F401 (fixture)
 from tests.unit.gpu_worker.test_adapter_tiers_engine import (  # noqa: F401 (fixtures and tests run here on CUDA)
     demo_r8_v2,
@@ -64,3 +66,31 @@ def test_page_locked_buffers_are_released_with_their_tensors():
         buffer = host_buffer(1 << 20, torch.bfloat16, page_locked=True)
         assert buffer.is_pinned()
         del buffer
+
+
+def test_an_adapter_taken_while_its_copy_runs_is_read_only_after_the_copy():
+    """The scheduler may run an adapter whose copy onto the GPU is still queued (in a step nothing else
+    needs yet), making the step wait for the copy's event on the device. With the side stream held busy
+    (a long sleep kernel ahead of the copy), the slot read after that wait holds the adapter's weights."""
+    memory, module = tiny_memory(2, device="cuda", dtype=torch.float32)
+    disk = Disk()
+    adapters = AdapterManager(memory, disk.read, host_bytes=4 * memory.max_bytes, host_page_bytes=memory.max_bytes,
+                              loader_threads=1, eviction=LRU(), failure_ttl_s=10.0)
+    sql = ref("sql")
+    disk.hold(sql)
+    adapters.arrive(sql)
+    with torch.cuda.stream(adapters._stream):  # the manager's side stream: its copies queue behind this
+        torch.cuda._sleep(int(5e8))
+    disk.release(sql)
+    poll_until(adapters, lambda: adapters.copy_event(sql) is not None)
+    event = adapters.copy_event(sql)
+    assert not event.query(), "the copy finished before the test could read ahead of it"
+    assert adapters.resident(sql) is None  # not usable yet...
+    slot, rank = adapters.resident(sql, copying_ok=True)  # ...but may be taken into a step that waits
+    event.wait()  # what Engine.step does before the step's kernels
+    a, b, _ = disk.weights[sql.sha256].modules[(0, "q_proj")]
+    assert rank == a.shape[0]
+    assert all(torch.equal(have.cpu(), want) for have, want in zip(installed(module, slot), (a, b)))
+    poll_until(adapters, lambda: adapters.copy_event(sql) is None)
+    assert adapters.resident(sql) == (slot, rank)
+    adapters.close()

@@ -65,7 +65,7 @@ BROKEN: dict[str, tuple[Callable[[Path], None], bool, str]] = {
     "weights-tampered": (_flip_a_weight_bit, False, "checksum mismatch"),
     "config-truncated-as-recorded": (_truncate_config, True, "adapter_config.json is not valid JSON"),
     "alpha-1e308-as-recorded": (_edit_config("lora_alpha", 1e308), True, "lora_alpha must be a finite number"),
-    "weights-garbage-as-recorded": (_garbage_weights, True, "SafetensorError"),
+    "weights-garbage-as-recorded": (_garbage_weights, True, "adapter_model.safetensors: file is truncated"),
 }
 
 
