@@ -8,7 +8,9 @@ store (benchmarks/adapter_files.py) that the worker's loader reads, verifies and
      (a) on one of the streams' resident adapters, (b) on a new adapter from disk (ranks 8..128 in
      turn, q,k,v,o and all seven projections alternating), loads asynchronous, (c) the same new
      adapters with worker.adapter_synchronous_loads (every load stalls the engine: the baseline, on
-     its own engine beside its own no-load window). Ratios (b)/(a) [target <= 1.05] and (c)/(a). The
+     its own engine beside its own no-load window). (a) and (b) alternate for `stall_rounds` rounds
+     (medians; one 3 s window's p99 is the third-slowest of ~250 steps, and two no-load windows differ
+     by up to 2x). Ratios (b)/(a) [target <= 1.05] and (c)/(a). The
      engine's steps launched in the window tell slow steps (decode-only, with prefills) from late tokens.
   2. cold TTFT: over prompt lengths from the shared conv trace (quantiles, capped at 2048), the TTFT
      of a lone request whose adapter is (a) resident, (b) in host memory only (evicted from the GPU
@@ -90,6 +92,7 @@ class Plan:
     warm_tokens: int = 16      # tokens every stream has before the window opens
     window_s: float = 8.0
     interval_s: float = 0.1
+    stall_rounds: int = 3      # no-stall windows alternate (a), (b) this many times: medians, and (a)'s spread
     arrival_prompt: int = 32
     lengths: int = 16
     max_length: int = LENGTH_CAP  # the longest cold-TTFT prompt: lengths are scaled to it
@@ -316,18 +319,34 @@ def cold_ttft(engine: Engine, steps: StepLog, requests: Requests, store: Adapter
 
 # --- the run ----------------------------------------------------------------------------------
 
+def median_window(rows: list[dict]) -> dict:
+    """Windows of one case over rounds: each figure's median, the loads summed, and each round's p99s."""
+    merged = {key: statistics.median(row[key] for row in rows) for key, value in rows[0].items()
+              if isinstance(value, (int, float))}
+    merged["counts"] = {key: sum(row["counts"][key] for row in rows) for key in rows[0]["counts"]}
+    merged["rounds_tpot_p99_ms"] = [row["tpot_p99_ms"] for row in rows]
+    merged["rounds_itl_p99_ms"] = [row["itl_p99_ms"] for row in rows]
+    return merged
+
+
 def serve_phases(parts: EngineParts, tokenizer: PreTrainedTokenizerFast, requests: Requests, plan: Plan,
-                 device: torch.device, cases: list[tuple[str, list[AdapterRef] | None]], stream_refs: list[AdapterRef],
+                 device: torch.device, cases: list[tuple[str, Callable[[], list[AdapterRef] | None]]],
+                 stream_refs: list[AdapterRef], rounds: int,
                  cold: Callable[[Engine, StepLog], list[dict]] | None = None) -> tuple[dict, list[dict]]:
-    """The no-stall windows `cases` (name, arrivals' adapters), then `cold`, on one running engine."""
+    """The no-stall windows `cases` (name, a maker of each round's arrival adapters) alternated for
+    `rounds` rounds (one window of a case alone says little: see the spread of (a)), then `cold`, on
+    one running engine."""
     steps = StepLog()
     freeze_startup_heap()  # as the worker's server does once its engine is built
     with running_engine(parts, tokenizer, max(RANKS), async_scheduling_on(WorkerConfig().async_scheduling, device),
                         on_step=steps) as engine:
         # Untimed first: a fresh engine's first window pays for graph captures and kernel variants.
         no_stall(engine, steps, requests, plan, "warm-up", stream_refs, None)
-        windows = {case: no_stall(engine, steps, requests, plan, case, stream_refs, refs) for case, refs in cases}
-        return windows, cold(engine, steps) if cold else []
+        windows: dict[str, list[dict]] = {case: [] for case, _ in cases}
+        for _ in range(rounds):
+            for case, arrivals in cases:
+                windows[case].append(no_stall(engine, steps, requests, plan, case, stream_refs, arrivals()))
+        return {case: median_window(rows) for case, rows in windows.items()}, cold(engine, steps) if cold else []
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -348,7 +367,10 @@ def run(args: argparse.Namespace) -> dict:
         progress(f"adapter store {tmp} ({report['store_filesystem']}): writing adapters")
         store = AdapterStore(Path(tmp), config, BASE_MODEL, dtype, device)
         stream_refs = [store.new(STREAM_SHAPE).ref for _ in range(plan.stream_adapters)]
-        arrival_refs = [store.new(SHAPES[k % len(SHAPES)]).ref for k in range(round(plan.window_s / plan.interval_s))]
+
+        def new_arrivals() -> list[AdapterRef]:
+            """Adapters no engine has seen, one per arrival of a window."""
+            return [store.new(SHAPES[k % len(SHAPES)]).ref for k in range(round(plan.window_s / plan.interval_s))]
         worker = worker_config(plan, device, config, args.adapter_gpu_bytes, synchronous=False)
         parts = assemble_parts(model, worker, store.root)
         tiers = parts.adapters.stats()
@@ -363,8 +385,8 @@ def run(args: argparse.Namespace) -> dict:
         report["capacity"] = capacity(parts, store, worker, config)
         report["transfer"] = transfer(parts, store, fillers, plan, device)
         windows, report["cold_ttft"] = serve_phases(
-            parts, tokenizer, requests, plan, device, [("a_no_loads", None), ("b_async_loads", arrival_refs)],
-            stream_refs, lambda engine, steps: cold_ttft(engine, steps, requests, store, fillers, lengths, plan.repeats))
+            parts, tokenizer, requests, plan, device, [("a_no_loads", lambda: None), ("b_async_loads", new_arrivals)],
+            stream_refs, plan.stall_rounds, lambda engine, steps: cold_ttft(engine, steps, requests, store, fillers, lengths, plan.repeats))
         del parts  # its KV cache and adapter memory, before the baseline's engine takes its own
         gc.unfreeze()  # a frozen cycle is never collected
         gc.collect()
@@ -374,7 +396,8 @@ def run(args: argparse.Namespace) -> dict:
         progress("the baseline: an engine with synchronous adapter loads")
         parts = assemble_parts(model, worker_config(plan, device, config, args.adapter_gpu_bytes, True), store.root)
         sync_windows, _ = serve_phases(parts, tokenizer, requests, plan, device,
-                                       [("a_sync_no_loads", None), ("c_sync_loads", arrival_refs)], stream_refs)
+                                       [("a_sync_no_loads", lambda: None), ("c_sync_loads", new_arrivals)], stream_refs,
+                                       rounds=1)  # every load stops every stream: once says enough
     report["no_stall"] = windows | sync_windows
     report["ratios"] = ratios(report)
     return report

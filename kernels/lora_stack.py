@@ -33,9 +33,11 @@ all of that inside this stack's arena for tests, benchmarks and a pool of fixed 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import array
+import functools
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 import torch
 
@@ -92,11 +94,12 @@ class LoRAStack:
         for mirror in (self.host_a_offsets, self.host_b_offsets, self.host_ranks, self.host_scalings):
             assert len(mirror) == num_slots and all(len(row) == num_slices for row in mirror)
 
-    @property
+    # Cached: the tables' shapes never change, and an install reads these for each of ~100 stacks.
+    @functools.cached_property
     def num_slots(self) -> int:
         return self.ranks.shape[0]
 
-    @property
+    @functools.cached_property
     def num_slices(self) -> int:
         return self.ranks.shape[1]
 
@@ -104,7 +107,7 @@ class LoRAStack:
     def out_features(self) -> int:
         return self.out_offsets[-1]
 
-    @property
+    @functools.cached_property
     def out_sizes(self) -> tuple[int, ...]:
         return tuple(hi - lo for lo, hi in zip(self.out_offsets, self.out_offsets[1:]))
 
@@ -128,7 +131,7 @@ class LoRAStack:
             b_offsets=torch.zeros(shape, dtype=torch.int64, device=device),
             ranks=torch.zeros(shape, dtype=torch.int32, device=device),
             scalings=torch.zeros(shape, dtype=torch.float32, device=device),
-            in_features=in_features, out_offsets=(0, *accumulate(out_sizes)), max_rank=max_rank,
+            in_features=in_features, out_offsets=(0, *itertools.accumulate(out_sizes)), max_rank=max_rank,
             host_a_offsets=[[0] * shape[1] for _ in range(num_slots)],
             host_b_offsets=[[0] * shape[1] for _ in range(num_slots)],
             host_ranks=[[0] * shape[1] for _ in range(num_slots)],
@@ -191,11 +194,11 @@ class LoRAStack:
                    slice_scalings: Sequence[Sequence[float]], upload: bool = True) -> None:
         """`place` for many slots in one table update (benchmarks and the tuner fill thousands)."""
         assert len(set(slots)) == len(slots) == len(offsets) == len(slice_ranks) == len(slice_scalings)
-        scalings32 = torch.tensor(slice_scalings, dtype=torch.float32).reshape(len(slots), self.num_slices).tolist()
-        for slot, offset, ranks, scalings in zip(slots, offsets, slice_ranks, scalings32):
+        for slot, offset, ranks, scalings in zip(slots, offsets, slice_ranks, slice_scalings):
+            scalings = array.array("f", scalings).tolist()  # as the float32 table will hold them
             self._check_slot(slot)
             assert slot not in self.owned, f"slot {slot} holds an adapter set_slot loaded: reset_slot first"
-            assert offset % ALIGN == 0 and len(ranks) == self.num_slices, (offset, ranks)
+            assert offset % ALIGN == 0 and len(ranks) == len(scalings) == self.num_slices, (offset, ranks, scalings)
             assert all(0 <= r <= self.max_rank for r in ranks), (ranks, self.max_rank)
             a_rel, b_rel, elems = packed_layout(self.in_features, self.out_sizes, ranks)
             assert offset + elems <= self.arena.capacity, (offset, elems, self.arena.capacity)
@@ -345,21 +348,19 @@ def upload_rows(stacks: Sequence[LoRAStack], slot: int) -> None:
     `clear` with upload False): one staging copy per table dtype and one multi-tensor copy each, instead of
     a few launches per stack (an adapter of a 32-layer model touches 96 stacks). Non-blocking, on the
     current stream."""
-    width = max(stack.num_slices for stack in stacks)
+    widths = [stack.num_slices for stack in stacks]
 
-    def staged(rows: list[list], dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=dtype)
-        return _to_device(host, stacks[0].device)
+    def staged(rows: Iterable[list], dtype: torch.dtype) -> list[torch.Tensor]:
+        """The rows, concatenated, on the device in one copy; -> a view of each row there."""
+        flat = torch.tensor([value for row in rows for value in row], dtype=dtype)
+        return list(_to_device(flat, stacks[0].device).split(widths * (flat.numel() // sum(widths))))
 
-    offsets = staged([stack.host_a_offsets[slot] for stack in stacks]
-                     + [stack.host_b_offsets[slot] for stack in stacks], torch.int64)
-    ranks = staged([stack.host_ranks[slot] for stack in stacks], torch.int32)
-    scalings = staged([stack.host_scalings[slot] for stack in stacks], torch.float32)
-    twice = [*stacks, *stacks]  # the offsets' rows: every stack's A, then every stack's B
-    torch._foreach_copy_([s.a_offsets[slot] for s in stacks] + [s.b_offsets[slot] for s in stacks],
-                         [offsets[i, :s.num_slices] for i, s in enumerate(twice)])
-    torch._foreach_copy_([s.ranks[slot] for s in stacks], [ranks[i, :s.num_slices] for i, s in enumerate(stacks)])
-    torch._foreach_copy_([s.scalings[slot] for s in stacks], [scalings[i, :s.num_slices] for i, s in enumerate(stacks)])
+    offsets = staged(itertools.chain((s.host_a_offsets[slot] for s in stacks), (s.host_b_offsets[slot] for s in stacks)),
+                     torch.int64)
+    torch._foreach_copy_([s.a_offsets[slot] for s in stacks] + [s.b_offsets[slot] for s in stacks], offsets)
+    torch._foreach_copy_([s.ranks[slot] for s in stacks], staged((s.host_ranks[slot] for s in stacks), torch.int32))
+    torch._foreach_copy_([s.scalings[slot] for s in stacks],
+                         staged((s.host_scalings[slot] for s in stacks), torch.float32))
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
