@@ -293,27 +293,25 @@ def cold_ttft(engine: Engine, steps: StepLog, requests: Requests, store: Adapter
     for i, length in enumerate([lengths[-1]] + lengths):  # the first round warms up
         adapter = store.new(SHAPES[i % len(SHAPES)])
         disk, disk_admit = timed_ttft(adapter.ref, length)
-        hosts, residents, installs, compactions = [], [], [], 0
+        hosts, residents, compactions = [], [], 0
         for _ in range(repeats):
             evict_from_gpu(adapter.ref.name, fillers, lambda ref: ttft(ref, 2), settled)
             before = settled()
             hosts.append(timed_ttft(adapter.ref, length))
             after = settled()
-            installs.append(load_clock_s(after, "host") - load_clock_s(before, "host"))  # start to copy seen done
             compactions += after.gpu_compactions - before.gpu_compactions
             residents.append(timed_ttft(adapter.ref, length))
         (host, host_admit), (resident, resident_admit) = (
             tuple(statistics.median(column) for column in zip(*pairs)) for pairs in (hosts, residents))
-        install = statistics.median(installs)
         if i:
             rows.append(dict(length=length, adapter=adapter.shape.label, resident_ms=resident * 1e3,
                              host_ms=host * 1e3, disk_ms=disk * 1e3, resident_admit_ms=resident_admit * 1e3,
                              host_admit_ms=host_admit * 1e3, disk_admit_ms=disk_admit * 1e3,
-                             host_install_ms=install * 1e3, host_compactions=compactions))
+                             host_compactions=compactions))
             progress(f"cold TTFT, {length} tokens, {adapter.shape.label}: resident {resident * 1e3:.1f} ms, "
                      f"host {host * 1e3:.1f} ms, disk {disk * 1e3:.1f} ms (submit to prefill launch "
-                     f"{resident_admit * 1e3:.1f} / {host_admit * 1e3:.1f} / {disk_admit * 1e3:.1f} ms; host install "
-                     f"to copy seen done {install * 1e3:.1f} ms, {compactions} compactions; medians of {repeats})")
+                     f"{resident_admit * 1e3:.1f} / {host_admit * 1e3:.1f} / {disk_admit * 1e3:.1f} ms; "
+                     f"{compactions} compactions; medians of {repeats})")
     return rows
 
 
