@@ -1,0 +1,54 @@
+"""`python -m cpu_lora_worker --work-area PATH --weights PATH --index I [--cores 2-3] [--dtype bfloat16]`:
+one CPU LoRA worker, pinned to `--cores` (the launcher chooses them on the GPU's NUMA node and checks
+the pinning from /proc after start), serving the work area of its GPU worker until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import mmap
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cpu_lora_worker.worker import serve
+from services.common.lora_shm import WorkArea
+from services.common.numa import parse_cpulist
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def map_weights(path: Path, dtype: torch.dtype) -> torch.Tensor:
+    """The weights region as a flat tensor, mapped copy-on-write: every process reads the one copy in
+    memory, and nothing this process does can change it."""
+    with path.open("rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8)).view(dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--work-area", type=Path, required=True)
+    parser.add_argument("--weights", type=Path, required=True)
+    parser.add_argument("--index", type=int, required=True, help="this worker's control block")
+    parser.add_argument("--cores", help="CPU list to pin to, as the kernel writes it (2-3,6)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the weights region's dtype")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu-lora[%(process)d] %(levelname)s %(message)s")
+    if args.cores:
+        cores = parse_cpulist(args.cores)
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    area = WorkArea.open(args.work_area)
+    if not 0 <= args.index < area.shape.workers:
+        parser.error(f"--index {args.index}: the work area has {area.shape.workers} workers")
+    serve(area, args.index, map_weights(args.weights, DTYPES[args.dtype]), lambda: bool(stop))
+
+
+if __name__ == "__main__":
+    main()

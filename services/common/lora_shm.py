@@ -1,0 +1,178 @@
+"""The shared-memory work area between a GPU worker and its CPU LoRA workers (CaraServe's CPU-assisted
+prefill): per LoRA layer the worker writes the cold requests' input rows and a list of segments, and
+bumps each CPU worker's request counter; each CPU worker computes the LoRA delta of its share of the
+tokens, writes it to the output rows and sets its done counter. No pickling and no sockets per layer:
+only loads and stores on one mapped file (on x86, stores are seen in order, so a counter written after
+the data it publishes is never seen before that data).
+
+Layout of the file (int64 / float32, little-endian), for `workers` CPU workers:
+
+    header     [MAGIC, workers, max_tokens, max_in, max_out, max_segments]            8 x int64
+    control    per worker, one cache line each: [request, done, status, pid, first token, last token,
+               rate at ranks 8, 16, 32, 64, 128 (tokens/s on one core)]              16 x int64
+    job        [num_tokens, in_features, out_features, num_segments]                   4 x int64
+    segments   per segment: [first token, last token, A offset, Bt offset, rank, out offset, out size,
+               scaling as float64 bits]                                                 8 x int64
+    x          [max_tokens, max_in] float32: the input rows
+    y          [max_tokens, max_out] float32: the LoRA deltas (the worker adds them to its projection)
+
+A segment is one adapter slice over a run of tokens: y[t, out:out+size] = scaling * x[t] @ A.T @ Bt
+for t in [first, last), where A [rank, in] and Bt [rank, size] are read from the weights region at
+their element offsets (the adapter arena's layout, kernels/lora_stack.py). The file is created by the
+GPU worker, private to its user (0600); the CPU workers map it read-write, the weights read-only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = 0x54455353_4C4F5241  # "TESSLORA"
+HEADER = 8
+CONTROL = 16  # int64 per worker: one 128-byte line, so that no two workers write the same cache line
+JOB = 4
+SEGMENT = 8
+RATE_RANKS = (8, 16, 32, 64, 128)
+REQUEST, DONE, STATUS, PID, FIRST, LAST, RATES = range(7)
+STATUS_OK, STATUS_FAILED = 0, 1
+
+
+@dataclass(frozen=True)
+class Segment:
+    first: int        # tokens [first, last) of the job
+    last: int
+    a_offset: int     # element offsets of A [rank, in] and Bt [rank, size] in the weights region
+    bt_offset: int
+    rank: int
+    out_offset: int   # the output columns [out_offset, out_offset + out_size) of y
+    out_size: int
+    scaling: float
+
+
+def even_shares(tokens: int, workers: int) -> list[tuple[int, int]]:
+    """[first, last) of each worker's share of `tokens`, as even as whole tokens allow."""
+    bounds = [tokens * w // workers for w in range(workers + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+@dataclass(frozen=True)
+class Shape:
+    workers: int
+    max_tokens: int
+    max_in: int
+    max_out: int
+    max_segments: int
+
+    @property
+    def int_words(self) -> int:
+        return HEADER + CONTROL * self.workers + JOB + SEGMENT * self.max_segments
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * self.int_words + 4 * self.max_tokens * (self.max_in + self.max_out)
+
+
+class WorkArea:
+    """One mapping of the work area: the GPU worker's (`create`) or a CPU worker's (`open`)."""
+
+    def __init__(self, path: Path, shape: Shape, mapping: mmap.mmap) -> None:
+        self.path, self.shape, self._mapping = path, shape, mapping
+        words = np.frombuffer(mapping, dtype=np.int64, count=shape.int_words)
+        self.control = words[HEADER:HEADER + CONTROL * shape.workers].reshape(shape.workers, CONTROL)
+        self.job = words[HEADER + CONTROL * shape.workers:][:JOB]
+        self.segments = words[HEADER + CONTROL * shape.workers + JOB:].reshape(shape.max_segments, SEGMENT)
+        floats = np.frombuffer(mapping, dtype=np.float32, offset=8 * shape.int_words)
+        self.x = floats[:shape.max_tokens * shape.max_in].reshape(shape.max_tokens, shape.max_in)
+        self.y = floats[shape.max_tokens * shape.max_in:].reshape(shape.max_tokens, shape.max_out)
+
+    @classmethod
+    def create(cls, path: Path, shape: Shape) -> WorkArea:
+        """A new zeroed work area at `path` (private to this user); fails if the path exists."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, shape.nbytes)
+            mapping = mmap.mmap(fd, shape.nbytes)
+        finally:
+            os.close(fd)
+        header = np.frombuffer(mapping, dtype=np.int64, count=HEADER)
+        header[:6] = (MAGIC, shape.workers, shape.max_tokens, shape.max_in, shape.max_out, shape.max_segments)
+        return cls(path, shape, mapping)
+
+    @classmethod
+    def open(cls, path: Path) -> WorkArea:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        magic, *sizes = np.frombuffer(mapping, dtype=np.int64, count=6).tolist()
+        if magic != MAGIC:
+            raise ValueError(f"{path} is not a Tessera LoRA work area")
+        shape = Shape(*sizes)
+        if mapping.size() != shape.nbytes:
+            raise ValueError(f"{path}: {mapping.size()} bytes, its header says {shape.nbytes}")
+        return cls(path, shape, mapping)
+
+    # --- the GPU worker's side ---
+
+    def post(self, x: np.ndarray, out_features: int, segments: list[Segment], shares: list[tuple[int, int]]) -> None:
+        """Publish a job: input rows `x` [tokens, in], `segments`, and each worker's token share
+        [first, last) (an empty share for a worker that sits this one out)."""
+        tokens, in_features = x.shape
+        shape = self.shape
+        if tokens > shape.max_tokens or in_features > shape.max_in or out_features > shape.max_out:
+            raise ValueError(f"job of {tokens} x {in_features} -> {out_features} exceeds the work area {shape}")
+        if len(segments) > shape.max_segments or len(shares) != shape.workers:
+            raise ValueError(f"{len(segments)} segments, {len(shares)} shares for {shape}")
+        self.x[:tokens, :in_features] = x
+        self.y[:tokens, :out_features] = 0.0  # columns no segment covers add nothing
+        for row, s in zip(self.segments, segments):
+            row[:7] = (s.first, s.last, s.a_offset, s.bt_offset, s.rank, s.out_offset, s.out_size)
+            row[7] = struct.unpack("<q", struct.pack("<d", s.scaling))[0]
+        self.job[:] = (tokens, in_features, out_features, len(segments))
+        for worker, (first, last) in enumerate(shares):
+            control = self.control[worker]
+            control[FIRST], control[LAST] = first, last
+            control[REQUEST] += 1  # last: publishes everything above
+
+    def wait(self, timeout_s: float) -> None:
+        """Until every worker has answered the posted job. TimeoutError names the workers that did not
+        (dead or stuck); RuntimeError those that failed it."""
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0
+        while pending := self.pending():
+            if time.monotonic() > deadline:
+                pids = [int(self.control[w, PID]) for w in pending]
+                raise TimeoutError(f"CPU LoRA workers {pending} (pids {pids}) gave no answer in {timeout_s:g} s")
+            if pause:
+                time.sleep(pause)
+            pause = min(1e-3, pause * 2 or 1e-5)  # a layer's share takes 0.1-10 ms: poll, then back off
+        if failed := self.failed():
+            raise RuntimeError(f"CPU LoRA workers {failed} failed the job (see their logs)")
+
+    def pending(self) -> list[int]:
+        """Workers whose answer to the posted job has not come."""
+        return [w for w in range(self.shape.workers) if self.control[w, DONE] != self.control[w, REQUEST]]
+
+    def failed(self) -> list[int]:
+        return [w for w in range(self.shape.workers) if self.control[w, STATUS] != STATUS_OK]
+
+    # --- a CPU worker's side ---
+
+    def read_job(self, worker: int) -> tuple[np.ndarray, int, list[Segment], tuple[int, int]]:
+        """(x [tokens, in], out_features, segments, this worker's share) of the posted job."""
+        tokens, in_features, out_features, count = self.job.tolist()
+        segments = [Segment(*row[:7].tolist(), struct.unpack("<d", struct.pack("<q", int(row[7])))[0])
+                    for row in self.segments[:count]]
+        control = self.control[worker]
+        return self.x[:tokens, :in_features], out_features, segments, (int(control[FIRST]), int(control[LAST]))
+
+    def close(self) -> None:
+        self.control = self.job = self.segments = self.x = self.y = None  # views first: they pin the mapping
+        self._mapping.close()
