@@ -9,6 +9,7 @@ import logging
 import mmap
 import os
 import signal
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +23,14 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def map_weights(path: Path, dtype: torch.dtype) -> torch.Tensor:
-    """The weights region as a flat tensor, mapped copy-on-write: every process reads the one copy in
-    memory, and nothing this process does can change it."""
+    """The weights region (the GPU worker's host tier) as a flat tensor, mapped shared and read-only:
+    every process reads the one copy in memory, sees adapters written into it later, and cannot
+    change it (a write would fault)."""
     with path.open("rb") as f:
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8)).view(dtype)
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():  # torch warns that the array is not writable: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8)).view(dtype)
 
 
 def main(argv: list[str] | None = None) -> None:

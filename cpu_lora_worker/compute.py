@@ -5,22 +5,34 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.common.lora_shm import Segment
+from services.common.lora_shm import Job
 
 
-def lora_delta(x: np.ndarray, y: np.ndarray, weights: torch.Tensor, segments: list[Segment],
-               share: tuple[int, int]) -> None:
-    """y[t, out:out+size] = scaling * x[t] @ A.T @ Bt for each segment's tokens inside `share`
-    [first, last); `weights` is the flat adapter region (any float dtype), A [rank, in] and
-    Bt [rank, size] at the segments' element offsets."""
-    first, last = share
-    in_features = x.shape[1]
-    for s in segments:
+def block(region: torch.Tensor, pages: np.ndarray, page_elems: int, table: int, offset: int, count: int
+          ) -> torch.Tensor:
+    """Elements [offset, offset + count) of an adapter's packed copy, whose pages are listed in
+    `pages` from entry `table` on: a view when they lie in one page, else gathered."""
+    pieces = []
+    while count:
+        page, within = divmod(offset, page_elems)
+        take = min(count, page_elems - within)
+        start = int(pages[table + page]) * page_elems + within
+        pieces.append(region[start:start + take])
+        offset, count = offset + take, count - take
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def lora_delta(job: Job, y: np.ndarray, region: torch.Tensor) -> None:
+    """y[t, out:out+size] = scaling * x[t] @ A.T @ Bt for each segment's tokens inside the job's share;
+    `region` is the flat weights region (any float dtype) the job's page table points into."""
+    first, last = job.share
+    in_features = job.x.shape[1]
+    for s in job.segments:
         begin, end = max(s.first, first), min(s.last, last)
         if begin >= end:
             continue
-        a = weights[s.a_offset:s.a_offset + s.rank * in_features].view(s.rank, in_features).float()
-        bt = weights[s.bt_offset:s.bt_offset + s.rank * s.out_size].view(s.rank, s.out_size).float()
-        rows = torch.from_numpy(x[begin:end])
-        delta = (rows @ a.t()) @ bt
+        a = block(region, job.pages, job.page_elems, s.table, s.a_offset, s.rank * in_features)
+        bt = block(region, job.pages, job.page_elems, s.table, s.bt_offset, s.rank * s.out_size)
+        delta = (torch.from_numpy(job.x[begin:end]) @ a.view(s.rank, in_features).float().t()) \
+            @ bt.view(s.rank, s.out_size).float()
         torch.from_numpy(y[begin:end, s.out_offset:s.out_offset + s.out_size]).copy_(delta.mul_(s.scaling))

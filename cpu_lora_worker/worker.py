@@ -55,8 +55,7 @@ def serve(area: WorkArea, index: int, weights: torch.Tensor, stopping: Callable[
                 pause = min(MAX_PAUSE_S, pause * 2 or 1e-5)
             continue
         try:
-            x, _, segments, share = area.read_job(index)
-            lora_delta(x, area.y, weights, segments, share)
+            lora_delta(area.read_job(index), area.y, weights)
             control[STATUS] = STATUS_OK
         except Exception:  # noqa: BLE001 - a bad job fails that job, not the worker
             log.exception("CPU LoRA job %d failed", request)

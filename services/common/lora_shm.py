@@ -7,19 +7,22 @@ the data it publishes is never seen before that data).
 
 Layout of the file (int64 / float32, little-endian), for `workers` CPU workers:
 
-    header     [MAGIC, workers, max_tokens, max_in, max_out, max_segments]            8 x int64
+    header     [MAGIC, workers, max_tokens, max_in, max_out, max_segments, max_pages]  8 x int64
     control    per worker, one cache line each: [request, done, status, pid, first token, last token,
                rate at ranks 8, 16, 32, 64, 128 (tokens/s on one core)]              16 x int64
-    job        [num_tokens, in_features, out_features, num_segments]                   4 x int64
+    job        [num_tokens, in_features, out_features, num_segments, page elements]   8 x int64
     segments   per segment: [first token, last token, A offset, Bt offset, rank, out offset, out size,
-               scaling as float64 bits]                                                 8 x int64
+               scaling as float64 bits, first page-table entry]                        9 x int64
+    pages      the job's page table: page numbers in the weights region                max_pages x int64
     x          [max_tokens, max_in] float32: the input rows
     y          [max_tokens, max_out] float32: the LoRA deltas (the worker adds them to its projection)
 
 A segment is one adapter slice over a run of tokens: y[t, out:out+size] = scaling * x[t] @ A.T @ Bt
-for t in [first, last), where A [rank, in] and Bt [rank, size] are read from the weights region at
-their element offsets (the adapter arena's layout, kernels/lora_stack.py). The file is created by the
-GPU worker, private to its user (0600); the CPU workers map it read-write, the weights read-only.
+for t in [first, last), where A [rank, in] and Bt [rank, size] lie in the adapter's packed copy (the
+adapter arena's layout, kernels/lora_stack.py) at those element offsets; the copy is spread over
+pages of the weights region (the worker's host tier), listed from the segment's page-table entry on.
+The file is created by the GPU worker, private to its user (0600); the CPU workers map it read-write,
+the weights read-only.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ import numpy as np
 MAGIC = 0x54455353_4C4F5241  # "TESSLORA"
 HEADER = 8
 CONTROL = 16  # int64 per worker: one 128-byte line, so that no two workers write the same cache line
-JOB = 4
-SEGMENT = 8
+JOB = 8
+SEGMENT = 9
 RATE_RANKS = (8, 16, 32, 64, 128)
 REQUEST, DONE, STATUS, PID, FIRST, LAST, RATES = range(7)
 STATUS_OK, STATUS_FAILED = 0, 1
@@ -53,6 +56,17 @@ class Segment:
     out_offset: int   # the output columns [out_offset, out_offset + out_size) of y
     out_size: int
     scaling: float
+    table: int = 0    # where the adapter's pages start in the job's page table
+
+
+@dataclass(frozen=True)
+class Job:
+    x: np.ndarray              # [tokens, in] the input rows
+    out_features: int
+    segments: list[Segment]
+    share: tuple[int, int]     # this worker's tokens [first, last)
+    pages: np.ndarray          # the page table (entries from each segment's `table` on)
+    page_elems: int            # elements of the weights region per page
 
 
 def even_shares(tokens: int, workers: int) -> list[tuple[int, int]]:
@@ -68,10 +82,11 @@ class Shape:
     max_in: int
     max_out: int
     max_segments: int
+    max_pages: int
 
     @property
     def int_words(self) -> int:
-        return HEADER + CONTROL * self.workers + JOB + SEGMENT * self.max_segments
+        return HEADER + CONTROL * self.workers + JOB + SEGMENT * self.max_segments + self.max_pages
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +101,9 @@ class WorkArea:
         words = np.frombuffer(mapping, dtype=np.int64, count=shape.int_words)
         self.control = words[HEADER:HEADER + CONTROL * shape.workers].reshape(shape.workers, CONTROL)
         self.job = words[HEADER + CONTROL * shape.workers:][:JOB]
-        self.segments = words[HEADER + CONTROL * shape.workers + JOB:].reshape(shape.max_segments, SEGMENT)
+        at = HEADER + CONTROL * shape.workers + JOB
+        self.segments = words[at:at + SEGMENT * shape.max_segments].reshape(shape.max_segments, SEGMENT)
+        self.pages = words[at + SEGMENT * shape.max_segments:]
         floats = np.frombuffer(mapping, dtype=np.float32, offset=8 * shape.int_words)
         self.x = floats[:shape.max_tokens * shape.max_in].reshape(shape.max_tokens, shape.max_in)
         self.y = floats[shape.max_tokens * shape.max_in:].reshape(shape.max_tokens, shape.max_out)
@@ -101,7 +118,8 @@ class WorkArea:
         finally:
             os.close(fd)
         header = np.frombuffer(mapping, dtype=np.int64, count=HEADER)
-        header[:6] = (MAGIC, shape.workers, shape.max_tokens, shape.max_in, shape.max_out, shape.max_segments)
+        header[:7] = (MAGIC, shape.workers, shape.max_tokens, shape.max_in, shape.max_out, shape.max_segments,
+                      shape.max_pages)
         return cls(path, shape, mapping)
 
     @classmethod
@@ -111,7 +129,7 @@ class WorkArea:
             mapping = mmap.mmap(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
-        magic, *sizes = np.frombuffer(mapping, dtype=np.int64, count=6).tolist()
+        magic, *sizes = np.frombuffer(mapping, dtype=np.int64, count=7).tolist()
         if magic != MAGIC:
             raise ValueError(f"{path} is not a Tessera LoRA work area")
         shape = Shape(*sizes)
@@ -121,21 +139,25 @@ class WorkArea:
 
     # --- the GPU worker's side ---
 
-    def post(self, x: np.ndarray, out_features: int, segments: list[Segment], shares: list[tuple[int, int]]) -> None:
-        """Publish a job: input rows `x` [tokens, in], `segments`, and each worker's token share
-        [first, last) (an empty share for a worker that sits this one out)."""
+    def post(self, x: np.ndarray, out_features: int, segments: list[Segment], shares: list[tuple[int, int]],
+             pages: list[int], page_elems: int) -> None:
+        """Publish a job: input rows `x` [tokens, in], `segments`, each worker's token share [first, last)
+        (an empty share for a worker that sits this one out), and the page table `pages` of the weights
+        region's pages of `page_elems` elements that the segments' adapters lie in."""
         tokens, in_features = x.shape
         shape = self.shape
         if tokens > shape.max_tokens or in_features > shape.max_in or out_features > shape.max_out:
             raise ValueError(f"job of {tokens} x {in_features} -> {out_features} exceeds the work area {shape}")
-        if len(segments) > shape.max_segments or len(shares) != shape.workers:
-            raise ValueError(f"{len(segments)} segments, {len(shares)} shares for {shape}")
+        if len(segments) > shape.max_segments or len(shares) != shape.workers or len(pages) > shape.max_pages:
+            raise ValueError(f"{len(segments)} segments, {len(shares)} shares, {len(pages)} pages for {shape}")
         self.x[:tokens, :in_features] = x
         self.y[:tokens, :out_features] = 0.0  # columns no segment covers add nothing
         for row, s in zip(self.segments, segments):
             row[:7] = (s.first, s.last, s.a_offset, s.bt_offset, s.rank, s.out_offset, s.out_size)
             row[7] = struct.unpack("<q", struct.pack("<d", s.scaling))[0]
-        self.job[:] = (tokens, in_features, out_features, len(segments))
+            row[8] = s.table
+        self.pages[:len(pages)] = pages
+        self.job[:5] = (tokens, in_features, out_features, len(segments), page_elems)
         for worker, (first, last) in enumerate(shares):
             control = self.control[worker]
             control[FIRST], control[LAST] = first, last
@@ -165,14 +187,15 @@ class WorkArea:
 
     # --- a CPU worker's side ---
 
-    def read_job(self, worker: int) -> tuple[np.ndarray, int, list[Segment], tuple[int, int]]:
-        """(x [tokens, in], out_features, segments, this worker's share) of the posted job."""
-        tokens, in_features, out_features, count = self.job.tolist()
-        segments = [Segment(*row[:7].tolist(), struct.unpack("<d", struct.pack("<q", int(row[7])))[0])
+    def read_job(self, worker: int) -> Job:
+        """The posted job, with this worker's share of its tokens."""
+        tokens, in_features, out_features, count, page_elems = self.job[:5].tolist()
+        segments = [Segment(*row[:7].tolist(), struct.unpack("<d", struct.pack("<q", int(row[7])))[0], int(row[8]))
                     for row in self.segments[:count]]
         control = self.control[worker]
-        return self.x[:tokens, :in_features], out_features, segments, (int(control[FIRST]), int(control[LAST]))
+        return Job(self.x[:tokens, :in_features], out_features, segments, (int(control[FIRST]), int(control[LAST])),
+                   self.pages, page_elems)
 
     def close(self) -> None:
-        self.control = self.job = self.segments = self.x = self.y = None  # views first: they pin the mapping
+        self.control = self.job = self.segments = self.pages = self.x = self.y = None  # views pin the mapping
         self._mapping.close()

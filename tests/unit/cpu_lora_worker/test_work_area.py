@@ -20,20 +20,30 @@ from services.common.lora_shm import PID, RATE_RANKS, RATES, Segment, Shape, Wor
 from services.common.numa import allowed_cpus, format_cpulist
 
 IN, OUT = 48, 40
+PAGE = 100  # elements: blocks straddle pages
 START_S = 60.0
 
 
 class Region:
-    """A weights file: adapters' A [rank, IN] and Bt [rank, size] blocks laid one after another."""
+    """A weights file in pages of PAGE elements: adapters' A [rank, IN] and Bt [rank, size] blocks laid
+    one after another in one packed copy, whose pages sit in the file in a scrambled order (as an
+    adapter's host pages may), listed by `pages`."""
 
     def __init__(self, path: Path, dtype: torch.dtype) -> None:
-        self.path, self.dtype, self.blocks = path, dtype, torch.empty(0, dtype=dtype)
+        self.path, self.dtype, self.copy = path, dtype, torch.empty(0, dtype=dtype)
+        self.pages: list[int] = []
 
     def add(self, rank: int, size: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         a, bt = torch.randn(rank, IN).to(self.dtype), torch.randn(rank, size).to(self.dtype)
-        a_offset = self.blocks.numel()
-        self.blocks = torch.cat([self.blocks, a.flatten(), bt.flatten()])
-        self.path.write_bytes(self.blocks.view(torch.uint8).numpy().tobytes())
+        a_offset = self.copy.numel()
+        self.copy = torch.cat([self.copy, a.flatten(), bt.flatten()])
+        count = -(-self.copy.numel() // PAGE)
+        self.pages = torch.randperm(count, generator=torch.Generator().manual_seed(count)).tolist()
+        region = torch.zeros(count * PAGE, dtype=self.dtype)
+        padded = torch.cat([self.copy, torch.zeros(count * PAGE - self.copy.numel(), dtype=self.dtype)])
+        for virtual, page in enumerate(self.pages):
+            region[page * PAGE:(page + 1) * PAGE] = padded[virtual * PAGE:(virtual + 1) * PAGE]
+        self.path.write_bytes(region.view(torch.uint8).numpy().tobytes())
         return a_offset, a_offset + a.numel(), a.float(), bt.float()
 
 
@@ -57,16 +67,16 @@ def pair(tmp_path):
     """Two CPU LoRA workers over one work area, each pinned to one allowed core (both to the same
     one on a one-core machine), with a float32 weights region to fill."""
     weights = Region(tmp_path / "weights", torch.float32)
-    weights.add(1, 1)  # the file exists before the workers map it; later blocks are appended
     area = WorkArea.create(tmp_path / "area", Shape(workers=2, max_tokens=64, max_in=IN, max_out=3 * OUT,
-                                                    max_segments=8))
+                                                    max_segments=8, max_pages=64))
     cores = sorted(os.sched_getaffinity(0))
     yield area, weights, cores
     area.close()
 
 
-def run(area: WorkArea, x: torch.Tensor, out_features: int, segments: list[Segment]) -> torch.Tensor:
-    area.post(x.numpy(), out_features, segments, even_shares(x.shape[0], area.shape.workers))
+def run(area: WorkArea, weights: Region, x: torch.Tensor, out_features: int, segments: list[Segment]
+        ) -> torch.Tensor:
+    area.post(x.numpy(), out_features, segments, even_shares(x.shape[0], area.shape.workers), weights.pages, PAGE)
     area.wait(timeout_s=30)
     return torch.from_numpy(area.y[:x.shape[0], :out_features].copy())
 
@@ -101,12 +111,12 @@ def test_deltas_equal_torch_for_adapters_ranks_and_slices_split_between_workers(
             expected[:23, start:start + size] = 0.5 * (x[:23] @ a.t()) @ bt
         expected[23:, starts[1]:starts[1] + sizes[1]] = 2.0 * (x[23:] @ second[2].t()) @ second[3]
         for _ in range(3):  # jobs back to back, as a prefill's layers come
-            torch.testing.assert_close(run(area, x, sum(sizes), segments), expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(run(area, weights, x, sum(sizes), segments), expected, rtol=1e-5, atol=1e-5)
         # A job with a block outside the region fails that job, and the next one is served.
         broken = [Segment(0, 37, 10**9, 10**9, 8, 0, OUT, 1.0)]
         with pytest.raises(RuntimeError, match="failed the job"):
-            run(area, x, OUT, broken)
-        torch.testing.assert_close(run(area, x, sum(sizes), segments), expected, rtol=1e-5, atol=1e-5)
+            run(area, weights, x, OUT, broken)
+        torch.testing.assert_close(run(area, weights, x, sum(sizes), segments), expected, rtol=1e-5, atol=1e-5)
     finally:
         stop(workers)
 
@@ -114,12 +124,12 @@ def test_deltas_equal_torch_for_adapters_ranks_and_slices_split_between_workers(
 def test_bfloat16_weights_are_read_as_stored(tmp_path):
     weights = Region(tmp_path / "weights", torch.bfloat16)
     a_off, bt_off, a, bt = weights.add(32, OUT)
-    area = WorkArea.create(tmp_path / "area", Shape(1, 16, IN, OUT, 2))
+    area = WorkArea.create(tmp_path / "area", Shape(1, 16, IN, OUT, 2, 64))
     workers = [start_worker(area.path, weights, 0, sorted(os.sched_getaffinity(0))[:1])]
     try:
         wait_started(area, workers)
         x = torch.randn(16, IN)
-        got = run(area, x, OUT, [Segment(0, 16, a_off, bt_off, 32, 0, OUT, 0.25)])
+        got = run(area, weights, x, OUT, [Segment(0, 16, a_off, bt_off, 32, 0, OUT, 0.25)])
         torch.testing.assert_close(got, 0.25 * (x @ a.t()) @ bt, rtol=1e-5, atol=1e-4)
     finally:
         stop(workers)
@@ -135,7 +145,7 @@ def test_a_dead_worker_is_named_and_the_others_answer(pair):
         workers[1].send_signal(signal.SIGKILL)
         workers[1].wait(10)
         x = torch.randn(8, IN)
-        area.post(x.numpy(), OUT, [Segment(0, 8, a_off, bt_off, 8, 0, OUT, 1.0)], even_shares(8, 2))
+        area.post(x.numpy(), OUT, [Segment(0, 8, a_off, bt_off, 8, 0, OUT, 1.0)], even_shares(8, 2), weights.pages, PAGE)
         with pytest.raises(TimeoutError, match=rf"workers \[1\] \(pids \[{workers[1].pid}\]\)"):
             area.wait(timeout_s=1.0)
         assert area.pending() == [1]  # worker 0 answered its half
@@ -146,10 +156,10 @@ def test_a_dead_worker_is_named_and_the_others_answer(pair):
 
 
 def test_a_work_area_is_private_and_checked_when_opened(tmp_path):
-    area = WorkArea.create(tmp_path / "area", Shape(2, 4, 8, 8, 1))
+    area = WorkArea.create(tmp_path / "area", Shape(2, 4, 8, 8, 1, 4))
     assert (tmp_path / "area").stat().st_mode & 0o777 == 0o600
     with pytest.raises(FileExistsError):
-        WorkArea.create(tmp_path / "area", Shape(2, 4, 8, 8, 1))
+        WorkArea.create(tmp_path / "area", Shape(2, 4, 8, 8, 1, 4))
     other = WorkArea.open(tmp_path / "area")
     assert other.shape == area.shape
     other.close()
@@ -157,5 +167,5 @@ def test_a_work_area_is_private_and_checked_when_opened(tmp_path):
     with pytest.raises(ValueError, match="not a Tessera LoRA work area"):
         WorkArea.open(tmp_path / "junk")
     with pytest.raises(ValueError, match="exceeds the work area"):
-        area.post(np.zeros((5, 8), dtype=np.float32), 8, [], even_shares(5, 2))
+        area.post(np.zeros((5, 8), dtype=np.float32), 8, [], even_shares(5, 2), [], 4)
     area.close()
