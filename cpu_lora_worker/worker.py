@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from cpu_lora_worker.compute import lora_delta
+from services.common.lora_delta import lora_delta
 from services.common.lora_shm import DONE, PID, RATE_RANKS, RATES, REQUEST, STATUS, STATUS_FAILED, STATUS_OK, WorkArea
 
 log = logging.getLogger(__name__)

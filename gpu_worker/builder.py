@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.kv_cache import CacheShape, PagedKVCache, cuda_blocks_that_fit
 from gpu_worker.lora.adapter_manager import AdapterManager
+from gpu_worker.lora.cpu_assist import CpuLoraPool
 from gpu_worker.lora.gpu_memory import GpuAdapterMemory
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
 from gpu_worker.lora.merge_switch import MergeSwitch
@@ -31,6 +34,7 @@ from kernels import NO_SLOT, AdapterArena
 from services.common.adapter_layout import TEXT_LAYOUT, AdapterLayout
 from services.common.config import ConfigError, WorkerConfig
 from services.common.errors import FailedPrecondition
+from services.common.numa import choose_cores, gpu_numa_node, read_topology
 from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
 
 log = logging.getLogger(__name__)
@@ -121,9 +125,13 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     merge_switch = None
     if worker.merge_after_steps > 0 and worker.adapter_slots > 0:
         merge_switch = MergeSwitch(list({id(m): m for m, _ in layers.values()}.values()))
-    adapters = adapter_manager(GpuAdapterMemory(layers, arena, worker.max_lora_rank, merge_switch), load_checked, worker)
+    memory = GpuAdapterMemory(layers, arena, worker.max_lora_rank, merge_switch)
+    shm_files = _shm_files(worker)
+    adapters = adapter_manager(memory, load_checked, worker, shm_files and shm_files[0])
+    cpu_lora = _cpu_lora_pool(worker, device, adapters, memory, shm_files[1]) if shm_files else None
     scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
-                          BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters)
+                          BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters,
+                          cpu_lora_ready=(lambda: bool(cpu_lora.live())) if cpu_lora else lambda: False)
     if device.type == "cuda" and worker.warm_up_kernels:
         _warm_up_kernels(model, worker, shape, merge_switch)
     graphs = None
@@ -132,14 +140,14 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
                               max_context=model.max_context, with_lora=worker.adapter_slots > 0)
     images = CachedImageEncoder(image_encoder, ImageFeatureCache(worker.image_cache_bytes)) \
         if image_encoder is not None else None
-    return EngineParts(model, ModelRunner(model, kv_cache, device, graphs, merge_switch, images), scheduler, adapters,
-                       Orchestrator(merge_switch, worker.merge_after_steps))
+    runner = ModelRunner(model, kv_cache, device, graphs, merge_switch, images, cpu_lora, memory.modules)
+    return EngineParts(model, runner, scheduler, adapters, Orchestrator(merge_switch, worker.merge_after_steps))
 
 
 def adapter_manager(memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAWeights],
-                    worker: WorkerConfig) -> AdapterManager:
+                    worker: WorkerConfig, host_path: Path | None = None) -> AdapterManager:
     """The adapter tiers as worker.adapter_* say: the GPU tier is `memory`, the host tier
-    adapter_host_bytes (0: four times the GPU tier's bytes)."""
+    adapter_host_bytes (0: four times the GPU tier's bytes), in a file at `host_path` if given."""
     host_bytes = worker.adapter_host_bytes or 4 * memory.budget_bytes
     if host_bytes < memory.budget_bytes:
         raise ConfigError(f"worker.adapter_host_bytes: the host tier holds a copy of every GPU adapter, so it needs "
@@ -148,7 +156,37 @@ def adapter_manager(memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAW
         raise ConfigError("worker.adapter_loader_threads must be >= 1 and worker.adapter_failure_ttl_s >= 0")
     return AdapterManager(memory, read, host_bytes=host_bytes, loader_threads=worker.adapter_loader_threads,
                           eviction=_eviction(worker), failure_ttl_s=worker.adapter_failure_ttl_s,
-                          synchronous=worker.adapter_synchronous_loads)
+                          synchronous=worker.adapter_synchronous_loads, host_path=host_path)
+
+
+def _shm_files(worker: WorkerConfig) -> tuple[Path, Path] | None:
+    """(host tier, work area) files for the CPU LoRA workers, named for this process alone; None without them."""
+    if worker.cpu_lora_workers < 0 or worker.cpu_lora_cores_each < 1:
+        raise ConfigError("worker.cpu_lora_workers must be >= 0 and worker.cpu_lora_cores_each >= 1")
+    if not worker.cpu_lora_workers:
+        return None
+    directory = Path(worker.cpu_lora_shm_dir)
+    if not directory.is_dir():
+        raise ConfigError(f"worker.cpu_lora_shm_dir: {directory} is not a directory")
+    tag = f"tessera-{os.getpid()}-{secrets.token_hex(4)}"
+    return directory / f"{tag}-host", directory / f"{tag}-lora"
+
+
+def _cpu_lora_pool(worker: WorkerConfig, device: torch.device, adapters: AdapterManager, memory: GpuAdapterMemory,
+                   area_path: Path) -> CpuLoraPool:
+    """The CPU LoRA workers, started pinned to cores of the GPU's NUMA node (any node on a CPU device)."""
+    bus_id = getattr(torch.cuda.get_device_properties(device), "pci_bus_id", None) if device.type == "cuda" else None
+    node = gpu_numa_node(bus_id) if bus_id else None
+    try:
+        cores = choose_cores(read_topology(), node, worker.cpu_lora_workers, worker.cpu_lora_cores_each)
+    except ValueError as exc:
+        raise ConfigError(f"worker.cpu_lora_workers: {exc}") from None
+    modules = memory.modules
+    pool = CpuLoraPool(area_path, adapters.host_pages, memory.dtype, cores, max_tokens=worker.max_batch_tokens,
+                       max_in=max(m.in_features for m in modules), max_out=max(m.out_features for m in modules))
+    pool.start()
+    log.info("CPU LoRA workers on cores %s (NUMA node %s)", cores, node)
+    return pool
 
 
 def _eviction(worker: WorkerConfig) -> Eviction:

@@ -116,6 +116,7 @@ class Engine:
         self._intake_threads.shutdown(cancel_futures=True)
         self._inbox.put(None)
         self._thread.join()
+        self._runner.close()
         self._adapters.close()
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:

@@ -10,13 +10,21 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kernels import LoRABatch
 from kernels.attention import AttentionMetadata
 
 if TYPE_CHECKING:
+    import torch
+
     from gpu_worker.kv_cache import PagedKVCache
+
+
+class CpuLoraRows(Protocol):
+    """A step's rows whose LoRA deltas are computed off the GPU (lora/cpu_assist.py's CpuLoraStep)."""
+
+    def add(self, module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -24,6 +32,7 @@ class ForwardContext:
     attention: AttentionMetadata
     kv_cache: PagedKVCache
     lora: LoRABatch
+    cpu_lora: CpuLoraRows | None = None  # rows whose LoRA deltas the CPU LoRA workers compute
 
 
 _CONTEXT: ContextVar[ForwardContext | None] = ContextVar("tessera_forward_context", default=None)

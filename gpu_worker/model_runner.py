@@ -9,12 +9,15 @@ folded into the base weights first and the step runs base-only."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch
 
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.forward_context import ForwardContext, forward_context
 from gpu_worker.kv_cache import PagedKVCache
+from gpu_worker.lora.cpu_assist import CpuLoraPool, CpuLoraStep
+from gpu_worker.lora.layer import LoRALinear
 from gpu_worker.lora.merge_switch import MergeSwitch
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.orchestrator import InferenceMode, StepPlan
@@ -30,13 +33,18 @@ from kernels.attention import AttentionMetadata
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, device: torch.device,
                  graphs: DecodeGraphs | None = None, merge_switch: MergeSwitch | None = None,
-                 image_encoder: CachedImageEncoder | None = None) -> None:
+                 image_encoder: CachedImageEncoder | None = None, cpu_lora: CpuLoraPool | None = None,
+                 lora_modules: Iterable[LoRALinear] = ()) -> None:
+        """`cpu_lora`: the CPU LoRA workers; `lora_modules`: the projections in the order of a host
+        copy's parts (GpuAdapterMemory's)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.graphs = graphs
         self.merge_switch = merge_switch
         self.image_encoder = image_encoder
+        self.cpu_lora = cpu_lora
+        self._module_index = {module: index for index, module in enumerate(lora_modules)}
 
     @property
     def merged_adapter(self) -> str | None:
@@ -55,10 +63,11 @@ class ModelRunner:
             inputs = dataclasses.replace(inputs, seg_slots=[NO_SLOT] * len(inputs.seg_slots))  # base-only
         in_flight = InFlightIds.of(inputs, previous.seqs, previous.tokens) if previous is not None else None
         assert in_flight is not None or not any(item.seq.num_in_flight for item in items)
-        if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(len(items)):
+        cpu_rows = self._cpu_rows(inputs)
+        if cpu_rows is None and self.graphs is not None and inputs.is_decode_only and self.graphs.fits(len(items)):
             logits = self.graphs.replay(inputs, in_flight)
         else:
-            logits = self._run_eager(inputs, in_flight)
+            logits = self._run_eager(inputs, in_flight, cpu_rows)
         for item in items:
             seq = item.seq
             seq.num_cached += item.num_new
@@ -79,7 +88,24 @@ class ModelRunner:
     def _device_tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _run_eager(self, inputs: StepInputs, in_flight: InFlightIds | None = None) -> torch.Tensor:
+    def close(self) -> None:
+        if self.cpu_lora is not None:
+            self.cpu_lora.close()
+
+    def _cpu_rows(self, inputs: StepInputs) -> CpuLoraStep | None:
+        """The step's CPU-assisted sequences (their packed rows and host copies), if any."""
+        rows, row = [], 0
+        for item in inputs.items:
+            if item.seq.cpu_adapter is not None:
+                rows.append((row, row + item.num_new, item.seq.cpu_adapter))
+            row += item.num_new
+        if not rows:
+            return None
+        assert self.cpu_lora is not None, "a CPU-assisted sequence without CPU LoRA workers"
+        return CpuLoraStep(self.cpu_lora, self._module_index, rows)
+
+    def _run_eager(self, inputs: StepInputs, in_flight: InFlightIds | None = None,
+                   cpu_rows: CpuLoraStep | None = None) -> torch.Tensor:
         width = max(len(table) for table in inputs.block_tables)
         query_start_loc = [0]
         for n in inputs.query_lens:
@@ -96,7 +122,7 @@ class ModelRunner:
         if in_flight is not None:
             in_flight.write_into(input_ids)
         embeds = self._input_embeddings(inputs, input_ids)
-        with forward_context(ForwardContext(attention, self.kv_cache, lora)):
+        with forward_context(ForwardContext(attention, self.kv_cache, lora, cpu_rows)):
             hidden = self.model(input_ids, self._device_tensor(inputs.positions, torch.long), embeds)
         return self.model.compute_logits(hidden[self._device_tensor(inputs.logit_rows, torch.long)])
 

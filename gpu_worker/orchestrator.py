@@ -72,7 +72,7 @@ def _uniform_adapter(batch: ScheduledBatch) -> tuple[int, str] | None:
     """(slot, name) of the adapter every sequence of `batch` uses; None for the base model or a mix."""
     names = {item.seq.adapter.name if item.seq.adapter else None for item in batch.items}
     slots = {item.seq.slot for item in batch.items}
-    if len(names) != 1 or None in names or len(slots) != 1:
+    if len(names) != 1 or None in names or len(slots) != 1 or NO_SLOT in slots:  # NO_SLOT: on CPU LoRA workers
         return None
     return slots.pop(), names.pop()
 

@@ -21,6 +21,7 @@ in flight) is not scheduled again; the engine releases it once that step complet
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -61,10 +62,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, blocks: BlockManager, adapters: AdapterManager) -> None:
+    def __init__(self, limits: SchedulerLimits, blocks: BlockManager, adapters: AdapterManager,
+                 cpu_lora_ready: Callable[[], bool] = lambda: False) -> None:
+        """`cpu_lora_ready`: whether CPU LoRA workers can take a sequence whose adapter cannot be placed
+        on the GPU yet (lora/cpu_assist.py)."""
         self.limits = limits
         self.blocks = blocks
         self.adapters = adapters
+        self.cpu_lora_ready = cpu_lora_ready
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -86,6 +91,9 @@ class Scheduler:
         # Decodes first (stable sort keeps admission order within each group); the tail, where
         # victims are taken from, then holds the newest prefills.
         self.running.sort(key=lambda s: s.num_pending > 1)
+        for seq in self.running:
+            if seq.cpu_adapter is not None:
+                self._move_to_gpu(seq)
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -155,17 +163,30 @@ class Scheduler:
         copying_ok = event is not None and (not batch.items or event in batch.adapter_copies)
         placed = self.adapters.resident(seq.adapter, copying_ok)
         if placed is None:
-            return False
+            # Its GPU placement cannot start (every byte is held): its LoRA runs on the CPU LoRA
+            # workers from its host copy until it can; without them, it waits.
+            host = self.adapters.host_only(seq.adapter) if self.cpu_lora_ready() else None
+            seq.cpu_adapter = host
+            return host is not None
         seq.slot, seq.rank = placed
         if event is not None and event not in batch.adapter_copies:
             batch.adapter_copies.append(event)
         return True
+
+    def _move_to_gpu(self, seq: Sequence) -> None:
+        """A CPU-assisted sequence takes the GPU kernels from the first step after its adapter is usable
+        there (a prefill switches at a chunk's boundary)."""
+        placed = self.adapters.resident(seq.adapter)
+        if placed is not None:
+            seq.slot, seq.rank = placed
+            seq.cpu_adapter = None
 
     def _release(self, seq: Sequence) -> None:
         """Give back the KV blocks of a running sequence (its adapter stays pinned until `finish`)."""
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.slot = NO_SLOT
+        seq.cpu_adapter = None
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)

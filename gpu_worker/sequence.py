@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.detokenizer import IncrementalDetokenizer
+from gpu_worker.lora.host_weights import PackedAdapter
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.vision.images import PromptImages
 from kernels import NO_SLOT
@@ -73,6 +74,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.slot = NO_SLOT
         self.rank = 0
+        # While its adapter cannot be placed on the GPU: the host copy the CPU LoRA workers compute its
+        # LoRA deltas from (lora/cpu_assist.py); slot stays NO_SLOT for the GPU kernels.
+        self.cpu_adapter: PackedAdapter | None = None
         self.num_cached = 0                 # leading tokens whose K/V are in the cache
         self.block_table: list[int] = []    # KV-cache blocks holding those tokens, in order
         # Prefix caching (block_manager.py): content hashes of the leading full blocks computed so far

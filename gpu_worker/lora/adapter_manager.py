@@ -38,6 +38,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -84,11 +85,12 @@ class _Version:
 class AdapterManager:
     def __init__(self, memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAWeights], *, host_bytes: int,
                  loader_threads: int, eviction: Eviction, failure_ttl_s: float, synchronous: bool = False,
-                 host_page_bytes: int | None = None,
+                 host_page_bytes: int | None = None, host_path: Path | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`read`: an adapter from disk, verified and parsed (runs on a loader thread). `synchronous`:
         every load runs to its end on the engine thread, stalling the steps (the behaviour before the
-        tiers, kept as benchmarks/cold_start_bench.py's baseline)."""
+        tiers, kept as benchmarks/cold_start_bench.py's baseline). `host_path`: hold the host tier in a
+        file there, for the CPU LoRA workers to map."""
         assert loader_threads > 0 and failure_ttl_s >= 0, (loader_threads, failure_ttl_s)
         self._memory = memory
         self._read = read
@@ -96,8 +98,9 @@ class AdapterManager:
         # Pages of at most 1/16 of the largest adapter (a 7B's get PAGE_BYTES), so that small models' adapters
         # do not each hold a page many times their size.
         page_bytes = host_page_bytes or max(4096, min(PAGE_BYTES, memory.max_bytes // 16 // 4096 * 4096))
-        self._host_pages = HostPages(host_bytes, page_locked=cuda, page_bytes=page_bytes)  # page-locked once, here: see host_weights.py
-        self._tiers = AdapterTiers(memory.budget_bytes, self._host_pages.capacity_bytes, eviction,
+        # Page-locked once, here: see host_weights.py.
+        self.host_pages = HostPages(host_bytes, page_locked=cuda, page_bytes=page_bytes, path=host_path)
+        self._tiers = AdapterTiers(memory.budget_bytes, self.host_pages.capacity_bytes, eviction,
                                    gpu_max_adapters=memory.num_slots)
         self._loader = concurrent.futures.ThreadPoolExecutor(loader_threads, thread_name_prefix="adapter-loader")
         self._stream = torch.cuda.Stream(memory.device) if cuda else None
@@ -139,6 +142,12 @@ class AdapterManager:
         """The event that ends `ref`'s copy onto the GPU while the copy may still run; None after."""
         version = self._versions.get(ref.sha256)
         return None if version is None else version.copying
+
+    def host_only(self, ref: AdapterRef) -> PackedAdapter | None:
+        """`ref`'s host copy while its version cannot be placed on the GPU (no placement started: every
+        GPU byte is held), for CPU-assisted steps; None otherwise."""
+        version = self._versions.get(ref.sha256)
+        return version.host if version is not None and version.slot is None else None
 
     def failure(self, ref: AdapterRef) -> AdapterLoadFailed | None:
         """The error to fail a request for `ref` with, if its version's load failed lately."""
@@ -320,7 +329,7 @@ class AdapterManager:
         if version.host is None:
             if self._tiers.tier(key) is Tier.DISK:
                 # Room for the most an adapter of its rank can take; the read tells its true size.
-                reserved = self._host_pages.rounded(self._memory.bytes_at_rank(version.ref.rank))
+                reserved = self.host_pages.rounded(self._memory.bytes_at_rank(version.ref.rank))
                 evicted = self._tiers.place_in_host(key, reserved)
                 if evicted is None:
                     return  # host memory is all pinned: a later pass tries again
@@ -359,7 +368,7 @@ class AdapterManager:
 
     def _read_into_host(self, ref: AdapterRef) -> PackedAdapter:
         """Loader thread: read, verify and parse `ref`, then hold it in host memory as the GPU wants it."""
-        return self._memory.pack(self._read(ref), self._host_pages)
+        return self._memory.pack(self._read(ref), self.host_pages)
 
     def _read_done(self, key: str, version: _Version) -> None:
         reading, version.reading = version.reading, None

@@ -66,6 +66,11 @@ class GpuAdapterMemory:
         return self._arena.capacity * self._itemsize
 
     @property
+    def modules(self) -> list[LoRALinear]:
+        """The adapted projections, in the order of a packed adapter's parts."""
+        return list(self._modules)
+
+    @property
     def compactions(self) -> int:
         return self._arena.compactions
 

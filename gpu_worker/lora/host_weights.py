@@ -7,25 +7,31 @@ consecutive pages), with nothing converted, hashed or gathered on the way.
 Page-locking happens once because it stalls the GPU: `cudaHostRegister` (and a fresh `pin_memory()`)
 holds up every other thread's kernel launches while it pins pages, and a load that registered its
 own buffer raised the running streams' step p99 about 10x (docs/benchmarks/adapters.md). Fixed-size
-pages leave no fragmentation to compact, and a later CPU LoRA worker can map the same region.
+pages leave no fragmentation to compact. With a `path`, the region is a file mapping there (in
+/dev/shm: memory, not disk), private to this user, that the CPU LoRA workers map read-only: one copy
+of every host adapter, read by all of them (services/common/lora_shm.py).
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 PAGE_BYTES = 2 << 20  # an adapter wastes at most one page minus its last block; 16 MB adapters none
 
 
-def host_buffer(num_elems: int, dtype: torch.dtype, page_locked: bool) -> torch.Tensor:
+def host_buffer(num_elems: int, dtype: torch.dtype, page_locked: bool, path: Path | None = None) -> torch.Tensor:
     """A zeroed 1-D host buffer; `page_locked`: registered with CUDA for asynchronous copies, and
-    unregistered when the tensor is freed."""
-    buffer = torch.zeros(num_elems, dtype=dtype)
+    unregistered when the tensor is freed; `path`: a new file (0600) mapped shared, removed when the
+    tensor is freed."""
+    buffer = torch.zeros(num_elems, dtype=dtype) if path is None else _shared_file(path, num_elems, dtype)
     if page_locked and num_elems:
         cudart = torch.cuda.cudart()
         nbytes = num_elems * buffer.element_size()
@@ -36,14 +42,30 @@ def host_buffer(num_elems: int, dtype: torch.dtype, page_locked: bool) -> torch.
     return buffer
 
 
+def _shared_file(path: Path, num_elems: int, dtype: torch.dtype) -> torch.Tensor:
+    nbytes = num_elems * dtype.itemsize
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)  # zero pages, taken from memory as they are first written
+        mapping = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    buffer = torch.frombuffer(mapping, dtype=dtype)
+    weakref.finalize(buffer.untyped_storage(), path.unlink, missing_ok=True)
+    return buffer
+
+
 class HostPages:
     """`capacity_bytes` of host memory (rounded up to whole pages); any thread may take and give back pages."""
 
-    def __init__(self, capacity_bytes: int, page_locked: bool, page_bytes: int = PAGE_BYTES) -> None:
+    def __init__(self, capacity_bytes: int, page_locked: bool, page_bytes: int = PAGE_BYTES,
+                 path: Path | None = None) -> None:
+        """`path`: hold the region in a new file there, for other processes to map (see the module doc)."""
         assert page_bytes > 0 and page_bytes % 128 == 0, page_bytes  # packed blocks are 128-byte aligned
         self.page_bytes = page_bytes
+        self.path = path
         num_pages = self.pages_for(capacity_bytes)
-        self._region = host_buffer(num_pages * page_bytes, torch.uint8, page_locked)
+        self._region = host_buffer(num_pages * page_bytes, torch.uint8, page_locked, path)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first: runs stay long
         self._lock = threading.Lock()
         self.num_pages = num_pages
@@ -51,6 +73,11 @@ class HostPages:
     @property
     def capacity_bytes(self) -> int:
         return self.num_pages * self.page_bytes
+
+    @property
+    def region(self) -> torch.Tensor:
+        """The whole region (uint8): page p is bytes [p * page_bytes, (p + 1) * page_bytes)."""
+        return self._region
 
     @property
     def free_pages(self) -> int:

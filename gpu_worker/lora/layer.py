@@ -57,8 +57,11 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
         out = kernels.linear(x, self.weight, self.bias)
-        batch = get_forward_context().lora
+        context = get_forward_context()
+        batch = context.lora
         if self.lora is not None and batch.has_lora:
             y = kernels.lora_shrink(x, self.lora, batch)
             kernels.lora_expand(out, y, self.lora, batch)
+        if context.cpu_lora is not None:
+            context.cpu_lora.add(self, x, out)
         return out

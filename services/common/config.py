@@ -111,6 +111,13 @@ class WorkerConfig:
     # Every adapter load runs to its end on the engine thread, stalling every stream (the behaviour
     # before the tiers): benchmarks/cold_start_bench.py's baseline, not for serving.
     adapter_synchronous_loads: bool = False
+    # CPU LoRA workers (CaraServe's CPU-assisted prefill, gpu_worker/lora/cpu_assist.py): processes the
+    # worker starts, each pinned to cpu_lora_cores_each cores of its GPU's NUMA node, that compute the
+    # LoRA part of requests whose adapter is in host memory while the GPU has no room for it yet. The
+    # host tier and their work area are files in cpu_lora_shm_dir (memory: /dev/shm). 0: none.
+    cpu_lora_workers: int = 0
+    cpu_lora_cores_each: int = 1
+    cpu_lora_shm_dir: str = "/dev/shm"
     max_lora_rank: int = 64  # adapters of higher rank are refused by this worker
     # Projections that get adapter slots (memory: every slot holds max_lora_rank for each);
     # adapters targeting others are refused.

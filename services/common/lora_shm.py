@@ -31,6 +31,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +99,7 @@ class WorkArea:
 
     def __init__(self, path: Path, shape: Shape, mapping: mmap.mmap) -> None:
         self.path, self.shape, self._mapping = path, shape, mapping
+        self._posted: list[int] = []  # the workers asked for the job posted last (the GPU worker's side)
         words = np.frombuffer(mapping, dtype=np.int64, count=shape.int_words)
         self.control = words[HEADER:HEADER + CONTROL * shape.workers].reshape(shape.workers, CONTROL)
         self.job = words[HEADER + CONTROL * shape.workers:][:JOB]
@@ -142,8 +144,8 @@ class WorkArea:
     def post(self, x: np.ndarray, out_features: int, segments: list[Segment], shares: list[tuple[int, int]],
              pages: list[int], page_elems: int) -> None:
         """Publish a job: input rows `x` [tokens, in], `segments`, each worker's token share [first, last)
-        (an empty share for a worker that sits this one out), and the page table `pages` of the weights
-        region's pages of `page_elems` elements that the segments' adapters lie in."""
+        (a worker with an empty share is not asked), and the page table `pages` of the weights region's
+        pages of `page_elems` elements that the segments' adapters lie in."""
         tokens, in_features = x.shape
         shape = self.shape
         if tokens > shape.max_tokens or in_features > shape.max_in or out_features > shape.max_out:
@@ -158,20 +160,22 @@ class WorkArea:
             row[8] = s.table
         self.pages[:len(pages)] = pages
         self.job[:5] = (tokens, in_features, out_features, len(segments), page_elems)
-        for worker, (first, last) in enumerate(shares):
+        self._posted = [worker for worker, (first, last) in enumerate(shares) if last > first]
+        for worker in self._posted:
             control = self.control[worker]
-            control[FIRST], control[LAST] = first, last
+            control[FIRST], control[LAST] = shares[worker]
             control[REQUEST] += 1  # last: publishes everything above
 
-    def wait(self, timeout_s: float) -> None:
+    def wait(self, timeout_s: float, alive: Callable[[int], bool] = lambda worker: True) -> None:
         """Until every worker has answered the posted job. TimeoutError names the workers that did not
-        (dead or stuck); RuntimeError those that failed it."""
+        (`alive` says no, or stuck past `timeout_s`); RuntimeError those that failed it."""
         deadline = time.monotonic() + timeout_s
         pause = 0.0
         while pending := self.pending():
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or not all(alive(w) for w in pending):
                 pids = [int(self.control[w, PID]) for w in pending]
-                raise TimeoutError(f"CPU LoRA workers {pending} (pids {pids}) gave no answer in {timeout_s:g} s")
+                raise TimeoutError(f"CPU LoRA workers {pending} (pids {pids}) gave no answer (dead, or stuck "
+                                   f"past {timeout_s:g} s)")
             if pause:
                 time.sleep(pause)
             pause = min(1e-3, pause * 2 or 1e-5)  # a layer's share takes 0.1-10 ms: poll, then back off
@@ -179,11 +183,13 @@ class WorkArea:
             raise RuntimeError(f"CPU LoRA workers {failed} failed the job (see their logs)")
 
     def pending(self) -> list[int]:
-        """Workers whose answer to the posted job has not come."""
-        return [w for w in range(self.shape.workers) if self.control[w, DONE] != self.control[w, REQUEST]]
+        """Workers asked for the posted job whose answer has not come."""
+        return [w for w in self._posted if self.control[w, DONE] != self.control[w, REQUEST]]
 
     def failed(self) -> list[int]:
-        return [w for w in range(self.shape.workers) if self.control[w, STATUS] != STATUS_OK]
+        """Workers asked for the posted job that answered it with a failure."""
+        return [w for w in self._posted if self.control[w, DONE] == self.control[w, REQUEST]
+                and self.control[w, STATUS] != STATUS_OK]
 
     # --- a CPU worker's side ---
 
@@ -198,4 +204,7 @@ class WorkArea:
 
     def close(self) -> None:
         self.control = self.job = self.segments = self.pages = self.x = self.y = None  # views pin the mapping
-        self._mapping.close()
+        try:
+            self._mapping.close()
+        except BufferError:  # a caller still holds a view: the mapping goes with the last one
+            pass

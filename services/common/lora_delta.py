@@ -1,4 +1,5 @@
-"""A CPU LoRA worker's arithmetic: the LoRA delta of its share of a job's tokens, in float32."""
+"""The arithmetic of a LoRA work-area job (services/common/lora_shm.py): the LoRA delta of a share of its
+tokens, in float32. The CPU LoRA workers run it; the GPU worker runs it itself when a worker fails a job."""
 
 from __future__ import annotations
 

@@ -1,0 +1,163 @@
+"""CPU-assisted prefill (CaraServe): a request whose adapter is in the host tier but cannot be placed on
+the GPU yet (every GPU adapter byte is held by running requests) starts at once, its LoRA deltas
+computed by the worker's CPU LoRA workers from the host copy, layer by layer, over shared memory
+(services/common/lora_shm.py); it switches to the GPU kernels at the first step after its adapter
+becomes usable there (scheduler.py).
+
+`CpuLoraPool` starts the CPU LoRA workers, each pinned to its own cores (services/common/numa.py;
+the pinning is read back from /proc), restarts one that died at the next job, and computes a job's
+share itself when a worker dies or fails mid-job (the same arithmetic, services/common/lora_delta.py),
+so that no output changes and nothing is lost. `CpuLoraStep` is one step's CPU-assisted rows, which
+every LoRA projection hands to the pool (layer.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import services
+from gpu_worker.lora.host_weights import HostPages, PackedAdapter
+from gpu_worker.lora.layer import LoRALinear
+from kernels.lora_stack import packed_layout
+from services.common.lora_delta import lora_delta
+from services.common.lora_shm import PID, Job, Segment, Shape, WorkArea, even_shares
+from services.common.numa import allowed_cpus, format_cpulist
+
+log = logging.getLogger(__name__)
+
+START_S = 120.0     # a worker imports torch and measures its rates before it answers
+JOB_TIMEOUT_S = 30.0  # a live worker that has not answered by then is stuck: killed, its share done here
+
+
+class CpuLoraPool:
+    def __init__(self, area_path: Path, host: HostPages, dtype: torch.dtype, cores: Sequence[tuple[int, ...]],
+                 max_tokens: int, max_in: int, max_out: int) -> None:
+        assert host.path is not None and cores, "the host tier must be a shared file, and one worker at least"
+        self._host, self._dtype, self._cores = host, dtype, list(cores)
+        self._page_elems = host.page_bytes // dtype.itemsize
+        self._region = host.region.view(dtype)  # what the workers map: the host tier's file
+        self.area = WorkArea.create(area_path, Shape(len(cores), max_tokens, max_in, max_out,
+                                                     max_segments=64, max_pages=host.num_pages))
+        self._procs: list[subprocess.Popen | None] = [None] * len(cores)
+        self.restarts = 0
+
+    def start(self) -> None:
+        """Start every worker and wait until each answers (its rates measured) pinned where it was put."""
+        for index in range(len(self._cores)):
+            self._spawn(index)
+        deadline = time.monotonic() + START_S
+        while not all(self._ready(i) for i in range(len(self._cores))):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self._procs):
+                self.close()
+                raise RuntimeError("CPU LoRA workers did not start (see their logs)")
+            time.sleep(0.02)
+        for index, proc in enumerate(self._procs):
+            if allowed_cpus(proc.pid) != sorted(self._cores[index]):
+                self.close()
+                raise RuntimeError(f"CPU LoRA worker {index} runs on CPUs {allowed_cpus(proc.pid)}, "
+                                   f"not the {sorted(self._cores[index])} it was given")
+
+    def live(self) -> list[int]:
+        """Workers ready for a job; a dead one is started again (ready a few seconds later)."""
+        for index, proc in enumerate(self._procs):
+            if proc is not None and proc.poll() is not None:
+                log.warning("CPU LoRA worker %d (pid %d) exited with %s; starting it again", index, proc.pid,
+                            proc.returncode)
+                self.restarts += 1
+                self._spawn(index)
+        return [i for i in range(len(self._procs)) if self._ready(i)]
+
+    def run(self, x: np.ndarray, out_features: int, segments: list[Segment], pages: list[int]) -> np.ndarray:
+        """The job's LoRA deltas [tokens, out_features] (a view of the work area: read before the next job)."""
+        tokens = x.shape[0]
+        live = self.live()
+        shares = [(0, 0)] * len(self._procs)
+        for index, share in zip(live, even_shares(tokens, len(live)) if live else []):
+            shares[index] = share
+        self.area.post(x, out_features, segments, shares, pages, self._page_elems)
+        try:
+            self.area.wait(JOB_TIMEOUT_S, alive=lambda w: self._procs[w].poll() is None)
+        except (TimeoutError, RuntimeError) as exc:
+            log.warning("%s; computing their share here", exc)
+        pending = self.area.pending()
+        for index in pending:
+            if self._procs[index].poll() is None:
+                self._procs[index].kill()  # stuck: it must not write into a later job's rows
+                self._procs[index].wait()
+        left = [shares[index] for index in pending + self.area.failed()] if live else [(0, tokens)]
+        for share in left:  # the same arithmetic the workers run: the outputs do not change
+            lora_delta(Job(self.area.x[:tokens, :x.shape[1]], out_features, segments, share, self.area.pages,
+                           self._page_elems), self.area.y, self._region)
+        return self.area.y[:tokens, :out_features]
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for proc in self._procs:
+            if proc is not None:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        self.area.close()
+        self.area.path.unlink(missing_ok=True)
+
+    def _ready(self, index: int) -> bool:
+        proc = self._procs[index]
+        return proc is not None and proc.poll() is None and int(self.area.control[index, PID]) == proc.pid
+
+    def _spawn(self, index: int) -> None:
+        self.area.control[index, PID] = 0
+        root = str(Path(services.__file__).resolve().parent.parent)  # where the roles' packages are
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self._procs[index] = subprocess.Popen(
+            [sys.executable, "-m", "cpu_lora_worker", "--work-area", str(self.area.path),
+             "--weights", str(self._host.path), "--index", str(index), "--cores", format_cpulist(self._cores[index]),
+             "--dtype", str(self._dtype).removeprefix("torch.")], env=env)
+
+
+@dataclass(frozen=True)
+class CpuLoraStep:
+    """One step's CPU-assisted sequences: packed rows [first, last) of each, with its adapter's host copy."""
+    pool: CpuLoraPool
+    module_index: dict[LoRALinear, int]  # a projection's place in a PackedAdapter's parts
+    rows: list[tuple[int, int, PackedAdapter]]
+
+    def add(self, module: LoRALinear, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[rows] += the LoRA deltas of x[rows] through `module`'s slices of each host copy."""
+        index = self.module_index.get(module)
+        if index is None:
+            return
+        segments, pages, tables, token = [], [], {}, 0
+        for first, last, packed in self.rows:
+            offset, ranks, scalings = packed.parts[index]
+            if any(ranks):
+                if id(packed) not in tables:
+                    tables[id(packed)] = len(pages)
+                    pages.extend(packed.pages)
+                a_rel, b_rel, _ = packed_layout(module.in_features, module.out_sizes, ranks)
+                segments.extend(
+                    Segment(token, token + last - first, offset + a_rel[s], offset + b_rel[s], rank,
+                            module.out_offsets[s], module.out_sizes[s], scalings[s], tables[id(packed)])
+                    for s, rank in enumerate(ranks) if rank)
+            token += last - first
+        if not segments:
+            return
+        x_rows = torch.cat([x[first:last] for first, last, _ in self.rows]).float().cpu().numpy()
+        delta = torch.from_numpy(self.pool.run(x_rows, module.out_features, segments, pages))
+        delta = delta.to(out.device, out.dtype)
+        token = 0
+        for first, last, _ in self.rows:
+            out[first:last] += delta[token:token + last - first]
+            token += last - first

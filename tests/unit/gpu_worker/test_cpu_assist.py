@@ -1,0 +1,117 @@
+"""CPU-assisted prefill in a running engine (tiny Llama, real PEFT adapters, real CPU LoRA worker
+processes): a request whose adapter cannot be placed on the GPU while another request holds the GPU
+tier starts at once with its LoRA deltas computed by the CPU LoRA workers, in steps it shares with
+the warm request, then switches to the GPU kernels mid-prefill once the adapter lands; its greedy
+output equals transformers + PEFT. A CPU LoRA worker killed mid-request costs nothing: the worker
+computes the missing shares itself and the pool starts it again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from gpu_worker.engine import StepRecord
+from gpu_worker.intake import GenerationRequest
+from gpu_worker.sequence import SamplingParams
+from services.common.lora_shm import REQUEST
+from services.common.numa import allowed_cpus
+from services.demo_assets import DEMO_BASE_MODEL
+from tests.reference import ReferenceModels, assert_same_greedy
+
+from .conftest import idle_stats
+from .test_adapter_tiers_engine import _packed_bytes
+
+WARM, COLD = "demo-r64", "demo-r16"
+WARM_PROMPT = "import os\nimport sys\n"
+COLD_PROMPT = "for i in range(10):\n    print(i)\n" * 8  # prefilled in several chunks of max_batch_tokens
+MAX_NEW = 12
+WARM_NEW = 200  # it outlives the cold request unless aborted
+
+
+class StepHook(list):
+    """The engine's step records (make_engine appends them), each also shown to `on_step`."""
+
+    def __init__(self, on_step) -> None:
+        super().__init__()
+        self.on_step = on_step
+
+    def append(self, record: StepRecord) -> None:
+        super().append(record)
+        self.on_step(record)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_assets) -> ReferenceModels:
+    return ReferenceModels(DEMO_BASE_MODEL, tiny_assets.base_dir,
+                           {name: ref.storage_path for name, ref in tiny_assets.adapters.items()})
+
+
+def _engine(engine_factory, tiny_assets, tmp_path, steps: StepHook):
+    """GPU adapter memory for WARM alone: while a request holds WARM there, COLD cannot be placed."""
+    sizes = _packed_bytes(engine_factory, tiny_assets)
+    return engine_factory(steps, adapter_gpu_bytes=sizes[WARM], adapter_host_bytes=8 * sum(sizes.values()),
+                          cpu_lora_workers=1, cpu_lora_shm_dir=str(tmp_path), max_batch_tokens=24)
+
+
+def _serve_cold_beside_warm(engine, tiny_assets) -> tuple[list[int], list[int]]:
+    """A long WARM request runs; COLD arrives. -> (WARM's tokens, COLD's tokens)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        warm = aiter(engine.submit(GenerationRequest("warm", WARM_PROMPT, SamplingParams(max_tokens=WARM_NEW),
+                                                     tiny_assets.adapters[WARM]), loop))
+        first = await anext(warm)  # running: WARM holds the GPU tier
+        cold = engine.submit(GenerationRequest("cold", COLD_PROMPT, SamplingParams(max_tokens=MAX_NEW),
+                                               tiny_assets.adapters[COLD]), loop)
+        cold_tokens = [t async for out in cold for t in out.token_ids]
+        warm_tokens = first.token_ids + [t async for out in warm for t in out.token_ids]
+        return warm_tokens, cold_tokens
+    return asyncio.run(main())
+
+
+def test_a_cold_request_runs_on_cpu_lora_workers_then_switches_mid_prefill(engine_factory, tiny_assets, tmp_path,
+                                                                          reference):
+    cold_steps = []
+
+    def on_step(record: StepRecord) -> None:
+        if "cold" in record.request_ids:
+            cold_steps.append((record, int(pool.area.control[0, REQUEST])))
+            if len(cold_steps) == 1:
+                engine.abort("warm")  # WARM leaves the GPU tier: COLD's adapter can be placed now
+    engine = _engine(engine_factory, tiny_assets, tmp_path, StepHook(on_step))
+    pool = engine._runner.cpu_lora
+    assert allowed_cpus(pool._procs[0].pid) == list(pool._cores[0])  # pinned where the pool put it
+
+    _, cold_tokens = _serve_cold_beside_warm(engine, tiny_assets)
+    assert_same_greedy("cold, CPU-assisted then on the GPU", reference.greedy_text(COLD, COLD_PROMPT, MAX_NEW),
+                       cold_tokens)
+    first_record, jobs_after_first = cold_steps[0]
+    assert first_record.num_prefills and "warm" in first_record.request_ids  # one step, warm beside cold
+    assert jobs_after_first > 0  # its LoRA ran on the CPU LoRA worker
+    prefill_steps = [jobs for record, jobs in cold_steps if record.num_prefills]
+    assert len(prefill_steps) >= 3 and prefill_steps[-1] == prefill_steps[-2]  # later chunks: no CPU job
+    assert COLD in idle_stats(engine).adapters.gpu_adapters
+
+
+def test_a_cpu_lora_worker_killed_mid_request_changes_nothing(engine_factory, tiny_assets, tmp_path, reference):
+    killed = []
+
+    def on_step(record: StepRecord) -> None:
+        if "cold" in record.request_ids and not killed:
+            os.kill(victim, signal.SIGKILL)  # before the next step's jobs
+            killed.append(record.step)
+    engine = _engine(engine_factory, tiny_assets, tmp_path, StepHook(on_step))
+    pool = engine._runner.cpu_lora
+    victim = pool._procs[0].pid
+
+    warm_tokens, cold_tokens = _serve_cold_beside_warm(engine, tiny_assets)
+    assert_same_greedy("cold, its CPU LoRA worker killed", reference.greedy_text(COLD, COLD_PROMPT, MAX_NEW),
+                       cold_tokens)
+    assert_same_greedy("warm beside it", reference.greedy_text(WARM, WARM_PROMPT, WARM_NEW), warm_tokens)
+    deadline = time.monotonic() + 60
+    while not pool.live() and time.monotonic() < deadline:  # started again
+        time.sleep(0.1)
+    assert pool.restarts == 1 and pool._procs[0].pid != victim and pool.live() == [0]
