@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from services.common.lora_shm import allocate
+
 PAGE_BYTES = 2 << 20  # an adapter wastes at most one page minus its last block; 16 MB adapters none
 
 
@@ -46,7 +48,7 @@ def _shared_file(path: Path, num_elems: int, dtype: torch.dtype) -> torch.Tensor
     nbytes = num_elems * dtype.itemsize
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, nbytes)  # zero pages, taken from memory as they are first written
+        allocate(fd, nbytes, path)
         mapping = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)

@@ -70,6 +70,17 @@ class Job:
     page_elems: int            # elements of the weights region per page
 
 
+def allocate(fd: int, nbytes: int, path: Path) -> None:
+    """Give the new file `fd` its `nbytes` now: a file in a full tmpfs (a container's 64 MB /dev/shm) would
+    otherwise take them page by page as they are written, and the first page short kills the process."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"cannot hold {nbytes} bytes in {path.parent} ({exc.strerror}): give it more "
+                                 "room (docker --shm-size) or set worker.cpu_lora_shm_dir elsewhere") from None
+
+
 def even_shares(tokens: int, workers: int) -> list[tuple[int, int]]:
     """[first, last) of each worker's share of `tokens`, as even as whole tokens allow."""
     bounds = [tokens * w // workers for w in range(workers + 1)]
@@ -115,7 +126,7 @@ class WorkArea:
         """A new zeroed work area at `path` (private to this user); fails if the path exists."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, shape.nbytes)
+            allocate(fd, shape.nbytes, path)
             mapping = mmap.mmap(fd, shape.nbytes)
         finally:
             os.close(fd)

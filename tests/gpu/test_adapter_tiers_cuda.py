@@ -1,6 +1,7 @@
 """The adapter tiers on CUDA: host copies page-locked, GPU installs on a side stream behind an event,
-and the engine-level checks of tests/unit/gpu_worker/test_adapter_tiers_engine.py on a float32
-CUDA engine against transformers + PEFT on the same GPU."""
+and the engine-level checks of tests/unit/gpu_worker/test_adapter_tiers_engine.py and
+test_cpu_assist.py (the host tier page-locked in /dev/shm, CPU LoRA workers beside a CUDA engine) on a
+float32 CUDA engine against transformers + PEFT on the same GPU."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels
 from tests.unit.gpu_worker.adapter_fakes import IN, OUT, Disk, installed, poll_until, ref, tiny_memory
 from tests.unit.gpu_worker.conftest import make_engine, tiny_assets  # noqa: F401 (fixture)
+from tests.unit.gpu_worker.test_cpu_assist import (  # noqa: F401 (run here on CUDA)
+    test_a_cold_request_runs_on_cpu_lora_workers_then_switches_mid_prefill,
+    test_a_cpu_lora_worker_killed_mid_request_changes_nothing,
+)
 from tests.unit.gpu_worker.test_adapter_tiers_engine import (  # noqa: F401 (fixtures and tests run here on CUDA)
     demo_r8_v2,
     test_a_new_version_serves_new_requests_while_in_flight_ones_finish_on_the_old_weights,

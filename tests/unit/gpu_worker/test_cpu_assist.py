@@ -51,10 +51,12 @@ def reference(tiny_assets) -> ReferenceModels:
 
 
 def _engine(engine_factory, tiny_assets, tmp_path, steps: StepHook):
-    """GPU adapter memory for WARM alone: while a request holds WARM there, COLD cannot be placed."""
+    """GPU adapter memory for WARM alone: while a request holds WARM there, COLD cannot be placed. The
+    shared files in /dev/shm, as served (on CUDA the host tier is page-locked there)."""
     sizes = _packed_bytes(engine_factory, tiny_assets)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
     return engine_factory(steps, adapter_gpu_bytes=sizes[WARM], adapter_host_bytes=8 * sum(sizes.values()),
-                          cpu_lora_workers=1, cpu_lora_shm_dir=str(tmp_path), max_batch_tokens=24)
+                          cpu_lora_workers=1, cpu_lora_shm_dir=shm, max_batch_tokens=24)
 
 
 def _serve_cold_beside_warm(engine, tiny_assets) -> tuple[list[int], list[int]]:
