@@ -335,4 +335,4 @@ class Engine:
     def _snapshot(self) -> EngineStats:
         encoder = self._runner.image_encoder
         return snapshot(self._scheduler, self._adapters, encoder.cache if encoder is not None else None,
-                        self._generated_total)
+                        self._generated_total, self._runner.cpu_lora)

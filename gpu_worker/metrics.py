@@ -67,6 +67,33 @@ class CacheMetrics(Collector):
                                 "cache (0: none)", value=s.image_cache_capacity_bytes)
 
 
+class CpuLoraMetrics(Collector):
+    """The CPU LoRA workers (gpu_worker/lora/cpu_assist.py) from the engine's stats snapshot: how many answer
+    jobs, how many jobs they took, the shares the worker computed itself, restarts, and how many sequences
+    started on them."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._engine.stats()
+        workers = GaugeMetricFamily("tessera_worker_cpu_lora_workers", "CPU LoRA worker processes, configured and "
+                                    "ready for jobs", labels=["state"])
+        workers.add_metric(["configured"], s.cpu_lora.workers)
+        workers.add_metric(["ready"], s.cpu_lora.ready)
+        yield workers
+        yield CounterMetricFamily("tessera_worker_cpu_lora_jobs", "Projections' LoRA jobs posted to the CPU LoRA "
+                                  "workers", value=s.cpu_lora.jobs)
+        yield CounterMetricFamily("tessera_worker_cpu_lora_local_shares", "Shares of CPU LoRA jobs the worker "
+                                  "computed itself (a CPU LoRA worker dead, stuck or failing)",
+                                  value=s.cpu_lora.local_shares)
+        yield CounterMetricFamily("tessera_worker_cpu_lora_restarts", "CPU LoRA workers started again after "
+                                  "they exited", value=s.cpu_lora.restarts)
+        yield CounterMetricFamily("tessera_worker_cpu_assisted_admissions", "Sequences admitted with their LoRA "
+                                  "on the CPU LoRA workers (their adapter had no room on the GPU yet)",
+                                  value=s.cpu_assisted_admissions_total)
+
+
 class AdapterTierMetrics(Collector):
     """The adapter tiers (gpu_worker/lora/adapter_manager.py) from the engine's stats snapshot, labelled by
     tier or source tier only (no adapter names: the label sets stay fixed however many adapters come).
@@ -117,3 +144,4 @@ def bind_engine_stats(engine: Engine) -> None:
     WAITING.set_function(lambda: engine.stats().waiting_requests)
     REGISTRY.register(CacheMetrics(engine))
     REGISTRY.register(AdapterTierMetrics(engine))
+    REGISTRY.register(CpuLoraMetrics(engine))

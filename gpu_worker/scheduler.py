@@ -70,6 +70,7 @@ class Scheduler:
         self.blocks = blocks
         self.adapters = adapters
         self.cpu_lora_ready = cpu_lora_ready
+        self.cpu_assisted_admissions = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -167,6 +168,7 @@ class Scheduler:
             # workers from its host copy until it can; without them, it waits.
             host = self.adapters.host_only(seq.adapter) if self.cpu_lora_ready() else None
             seq.cpu_adapter = host
+            self.cpu_assisted_admissions += host is not None
             return host is not None
         seq.slot, seq.rank = placed
         if event is not None and event not in batch.adapter_copies:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_worker.lora.adapter_manager import AdapterManager
+from gpu_worker.lora.cpu_assist import CpuLoraPool, CpuLoraStats
 from gpu_worker.lora.adapter_stats import AdapterTierStats
 from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import Sequence
@@ -50,11 +51,13 @@ class EngineStats:
     image_cache_capacity_bytes: int = 0     # image_cache_bytes of the config; 0 for a text model
     running_load: tuple[SeqLoad, ...] = ()
     waiting_load: tuple[SeqLoad, ...] = ()
+    cpu_lora: CpuLoraStats = CpuLoraStats()  # the CPU LoRA workers (none configured: zeros)
+    cpu_assisted_admissions_total: int = 0   # sequences admitted with their LoRA on the CPU LoRA workers
 
 
 def snapshot(scheduler: Scheduler, adapters: AdapterManager, image_cache: ImageFeatureCache | None,
-             generated_tokens_total: int) -> EngineStats:
-    """The stats now; `image_cache` is None for a text model."""
+             generated_tokens_total: int, cpu_lora: CpuLoraPool | None = None) -> EngineStats:
+    """The stats now; `image_cache` is None for a text model, `cpu_lora` without CPU LoRA workers."""
     running, blocks = scheduler.running, scheduler.blocks
     images = image_cache if image_cache is not None else _NO_IMAGE_CACHE
     tiers = adapters.stats()
@@ -80,7 +83,9 @@ def snapshot(scheduler: Scheduler, adapters: AdapterManager, image_cache: ImageF
         image_cache_capacity_bytes=images.max_bytes,
         running_load=tuple(map(_seq_load, running)),
         waiting_load=tuple(map(_seq_load, scheduler.waiting)),
-        adapters=tiers)
+        adapters=tiers,
+        cpu_lora=cpu_lora.stats() if cpu_lora is not None else CpuLoraStats(),
+        cpu_assisted_admissions_total=scheduler.cpu_assisted_admissions)
 
 
 def _seq_load(seq: Sequence) -> SeqLoad:

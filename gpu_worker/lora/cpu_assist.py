@@ -39,6 +39,15 @@ START_S = 120.0     # a worker imports torch and measures its rates before it an
 JOB_TIMEOUT_S = 30.0  # a live worker that has not answered by then is stuck: killed, its share done here
 
 
+@dataclass(frozen=True)
+class CpuLoraStats:
+    workers: int = 0        # configured
+    ready: int = 0          # answering jobs now
+    jobs: int = 0           # projections' jobs posted to them
+    local_shares: int = 0   # shares the engine computed itself (a worker dead, stuck or failing)
+    restarts: int = 0
+
+
 class CpuLoraPool:
     def __init__(self, area_path: Path, host: HostPages, dtype: torch.dtype, cores: Sequence[tuple[int, ...]],
                  max_tokens: int, max_in: int, max_out: int) -> None:
@@ -49,7 +58,7 @@ class CpuLoraPool:
         self.area = WorkArea.create(area_path, Shape(len(cores), max_tokens, max_in, max_out,
                                                      max_segments=64, max_pages=host.num_pages))
         self._procs: list[subprocess.Popen | None] = [None] * len(cores)
-        self.restarts = 0
+        self.restarts = self._jobs = self._local_shares = 0
 
     def start(self) -> None:
         """Start every worker and wait until each answers (its rates measured) pinned where it was put."""
@@ -85,6 +94,7 @@ class CpuLoraPool:
         for index, share in zip(live, even_shares(tokens, len(live)) if live else []):
             shares[index] = share
         self.area.post(x, out_features, segments, shares, pages, self._page_elems)
+        self._jobs += 1
         try:
             self.area.wait(JOB_TIMEOUT_S, alive=lambda w: self._procs[w].poll() is None)
         except (TimeoutError, RuntimeError) as exc:
@@ -95,10 +105,15 @@ class CpuLoraPool:
                 self._procs[index].kill()  # stuck: it must not write into a later job's rows
                 self._procs[index].wait()
         left = [shares[index] for index in pending + self.area.failed()] if live else [(0, tokens)]
+        self._local_shares += len(left)
         for share in left:  # the same arithmetic the workers run: the outputs do not change
             lora_delta(Job(self.area.x[:tokens, :x.shape[1]], out_features, segments, share, self.area.pages,
                            self._page_elems), self.area.y, self._region)
         return self.area.y[:tokens, :out_features]
+
+    def stats(self) -> CpuLoraStats:
+        return CpuLoraStats(len(self._procs), sum(map(self._ready, range(len(self._procs)))), self._jobs,
+                            self._local_shares, self.restarts)
 
     def close(self) -> None:
         for proc in self._procs:

@@ -13,9 +13,11 @@ import signal
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gpu_worker.engine import StepRecord
 from gpu_worker.intake import GenerationRequest
+from gpu_worker.metrics import CpuLoraMetrics
 from gpu_worker.sequence import SamplingParams
 from services.common.lora_shm import REQUEST
 from services.common.numa import allowed_cpus
@@ -95,7 +97,16 @@ def test_a_cold_request_runs_on_cpu_lora_workers_then_switches_mid_prefill(engin
     assert jobs_after_first > 0  # its LoRA ran on the CPU LoRA worker
     prefill_steps = [jobs for record, jobs in cold_steps if record.num_prefills]
     assert len(prefill_steps) >= 3 and prefill_steps[-1] == prefill_steps[-2]  # later chunks: no CPU job
-    assert COLD in idle_stats(engine).adapters.gpu_adapters
+    stats = idle_stats(engine)
+    assert COLD in stats.adapters.gpu_adapters
+    assert (stats.cpu_assisted_admissions_total, stats.cpu_lora.workers, stats.cpu_lora.ready) == (1, 1, 1)
+    assert stats.cpu_lora.jobs == prefill_steps[-1] and stats.cpu_lora.local_shares == 0
+    metrics = CollectorRegistry()
+    metrics.register(CpuLoraMetrics(engine))
+    text = generate_latest(metrics).decode()
+    for line in ('tessera_worker_cpu_lora_workers{state="ready"} 1.0', "tessera_worker_cpu_assisted_admissions_total 1.0",
+                 f"tessera_worker_cpu_lora_jobs_total {float(prefill_steps[-1])}"):
+        assert line in text, line
 
 
 def test_a_cpu_lora_worker_killed_mid_request_changes_nothing(engine_factory, tiny_assets, tmp_path, reference):
@@ -117,3 +128,4 @@ def test_a_cpu_lora_worker_killed_mid_request_changes_nothing(engine_factory, ti
     while not pool.live() and time.monotonic() < deadline:  # started again
         time.sleep(0.1)
     assert pool.restarts == 1 and pool._procs[0].pid != victim and pool.live() == [0]
+    assert engine.stats().cpu_lora.local_shares > 0  # the shares of the dead worker, computed by the engine
