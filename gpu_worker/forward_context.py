@@ -7,7 +7,7 @@ ContextVar keeps it private to the thread running the engine (tests may run mode
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class CpuLoraRows(Protocol):
     """A step's rows whose LoRA deltas are computed off the GPU (lora/cpu_assist.py's CpuLoraStep)."""
 
-    def add(self, module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> None: ...
+    def start(self, module: torch.nn.Module, x: torch.Tensor) -> Callable[[torch.Tensor], None] | None: ...
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ becomes usable there (scheduler.py).
 `CpuLoraPool` starts the CPU LoRA workers, each pinned to its own cores (services/common/numa.py;
 the pinning is read back from /proc), restarts one that died at the next job, and computes a job's
 share itself when a worker dies or fails mid-job (the same arithmetic, services/common/lora_delta.py),
-so that no output changes and nothing is lost. `CpuLoraStep` is one step's CPU-assisted rows, which
-every LoRA projection hands to the pool (layer.py).
+so that no output changes and nothing is lost. `CpuLoraStep` is one step's CPU-assisted rows: every
+LoRA projection sends them to the pool before its own kernels and adds the deltas after (layer.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,11 +149,40 @@ class CpuLoraStep:
     module_index: dict[LoRALinear, int]  # a projection's place in a PackedAdapter's parts
     rows: list[tuple[int, int, PackedAdapter]]
 
-    def add(self, module: LoRALinear, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out[rows] += the LoRA deltas of x[rows] through `module`'s slices of each host copy."""
+    def start(self, module: LoRALinear, x: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
+        """Take x[rows] to the host for `module`'s deltas, ahead of the projection's own kernels; -> the
+        call that adds the deltas to its output once they are computed (None: nothing to add). On CUDA
+        the copy is queued before the projection's matmul, so the host waits for the rows alone and the
+        CPU LoRA workers compute while the GPU computes the base projection."""
         index = self.module_index.get(module)
         if index is None:
-            return
+            return None
+        segments, pages = self._segments(module, index)
+        if not segments:
+            return None
+        rows = torch.cat([x[first:last] for first, last, _ in self.rows])
+        copied = None
+        if rows.is_cuda:
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            rows = host
+
+        def finish(out: torch.Tensor) -> None:
+            """out[rows] += the deltas (the engine thread waits for the CPU LoRA workers here)."""
+            if copied is not None:
+                copied.synchronize()
+            y = self.pool.run(rows.float().numpy(), module.out_features, segments, pages)
+            delta = torch.from_numpy(y).to(out.device, out.dtype)
+            token = 0
+            for first, last, _ in self.rows:
+                out[first:last] += delta[token:token + last - first]
+                token += last - first
+        return finish
+
+    def _segments(self, module: LoRALinear, index: int) -> tuple[list[Segment], list[int]]:
+        """The job's segments for `module` (its slices of each row range's adapter) and its page table."""
         segments, pages, tables, token = [], [], {}, 0
         for first, last, packed in self.rows:
             offset, ranks, scalings = packed.parts[index]
@@ -167,12 +196,4 @@ class CpuLoraStep:
                             module.out_offsets[s], module.out_sizes[s], scalings[s], tables[id(packed)])
                     for s, rank in enumerate(ranks) if rank)
             token += last - first
-        if not segments:
-            return
-        x_rows = torch.cat([x[first:last] for first, last, _ in self.rows]).float().cpu().numpy()
-        delta = torch.from_numpy(self.pool.run(x_rows, module.out_features, segments, pages))
-        delta = delta.to(out.device, out.dtype)
-        token = 0
-        for first, last, _ in self.rows:
-            out[first:last] += delta[token:token + last - first]
-            token += last - first
+        return segments, pages

@@ -56,12 +56,13 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
-        out = kernels.linear(x, self.weight, self.bias)
         context = get_forward_context()
+        add_cpu_deltas = context.cpu_lora.start(self, x) if context.cpu_lora is not None else None
+        out = kernels.linear(x, self.weight, self.bias)
         batch = context.lora
         if self.lora is not None and batch.has_lora:
             y = kernels.lora_shrink(x, self.lora, batch)
             kernels.lora_expand(out, y, self.lora, batch)
-        if context.cpu_lora is not None:
-            context.cpu_lora.add(self, x, out)
+        if add_cpu_deltas is not None:
+            add_cpu_deltas(out)
         return out
