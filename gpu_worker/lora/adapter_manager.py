@@ -260,6 +260,7 @@ class AdapterManager:
         for pool in (self._loader, self._copy_waiter):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        self.host_pages.close()
 
     # --- what it holds ---
 

@@ -81,6 +81,11 @@ class HostPages:
         """The whole region (uint8): page p is bytes [p * page_bytes, (p + 1) * page_bytes)."""
         return self._region
 
+    def close(self) -> None:
+        """Remove the region's file, if it has one (its memory goes with the last mapping of it)."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
     @property
     def free_pages(self) -> int:
         with self._lock:

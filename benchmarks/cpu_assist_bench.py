@@ -1,0 +1,154 @@
+"""CPU-assisted prefill (issue 40) on a 7B-shaped Llama (Llama-2-7B config, random bf16 weights), one GPU
+and its host's cores: the TTFT of a request whose adapter is in host memory while the GPU adapter tier
+is full (a running request holds all of it), served with its LoRA on the CPU LoRA workers, against
+the same request's TTFT once its adapter is resident (a base-model stream running beside it in both
+cases), over prompt lengths from the shared conv trace and ranks 8-128 on q,k,v (CaraServe's
+targets). The map of CPU-assisted over resident TTFT by (length, rank) is what the cold-start policy
+weighs against waiting for room on the GPU. Adapters are real PEFT files (benchmarks/adapter_files.py).
+
+    PYTHONPATH=.:protos python3 -m benchmarks.cpu_assist_bench [--workers 4] [--cores-each 3] [--json OUT.json]
+    PYTHONPATH=.:protos python3 -m benchmarks.cpu_assist_bench --device cpu --tiny   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from benchmarks.adapter_files import ALL_SEVEN, AdapterShape, AdapterStore, adapter_bytes
+from benchmarks.cold_start_bench import LLAMA2_7B, PLANS, TINY_LLAMA, TRACE, Requests, progress, prompt_lengths
+from benchmarks.load_stall import first_token_s
+from benchmarks.serving import BASE_MODEL, bench_tokenizer, running_engine
+from gpu_worker.builder import assemble_parts, async_scheduling_on
+from gpu_worker.engine import Engine
+from gpu_worker.intake import GenerationRequest
+from gpu_worker.models.random_weights import random_llama
+from services.common.config import WorkerConfig
+from services.common.lora_shm import RATE_RANKS, RATES
+from services.common.runtime import freeze_startup_heap
+
+QKV = ("q_proj", "k_proj", "v_proj")
+RANKS = (8, 32, 128)
+REPEATS = 3
+HOLD_TOKENS = 2048  # the holding streams decode this long at most (the model's context allowing): longer than a cell
+
+
+async def _started(engine: Engine, request: GenerationRequest) -> asyncio.Task:
+    """Submit `request` and return once it has a token (it is running), draining it in the background."""
+    outputs = aiter(engine.submit(request, asyncio.get_running_loop()))
+    await anext(outputs)
+
+    async def drain() -> None:
+        async for _ in outputs:
+            pass
+    return asyncio.create_task(drain())
+
+
+async def _ttft_ms(engine: Engine, requests: Requests, adapter, length: int) -> float:
+    return statistics.median([await first_token_s(engine, requests.make(adapter, length, 1))
+                              for _ in range(REPEATS)]) * 1e3
+
+
+async def cell(engine: Engine, requests: Requests, blocker, adapter, length: int, hold_tokens: int) -> dict:
+    """CPU-assisted then resident TTFT of `adapter` at `length` prompt tokens."""
+    assisted_before = engine.stats().cpu_assisted_admissions_total
+    holding = requests.make(blocker, 16, hold_tokens)
+    hold = await _started(engine, holding)  # the blocker fills the GPU tier
+    await first_token_s(engine, requests.make(adapter, 8, 1))  # disk -> host; runs CPU-assisted already
+    cpu_ms = await _ttft_ms(engine, requests, adapter, length)
+    assisted = engine.stats().cpu_assisted_admissions_total - assisted_before
+    engine.abort(holding.request_id)
+    await hold
+    base = requests.make(None, 16, hold_tokens)
+    stream = await _started(engine, base)  # a stream beside it as before, holding no adapter memory
+    await first_token_s(engine, requests.make(adapter, 8, 1))  # placed on the GPU now
+    resident_ms = await _ttft_ms(engine, requests, adapter, length)
+    engine.abort(base.request_id)
+    await stream
+    return dict(length=length, rank=adapter.rank, cpu_ms=cpu_ms, resident_ms=resident_ms,
+                cpu_over_resident=cpu_ms / resident_ms, cpu_assisted_requests=assisted)
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    config = LlamaConfig(**(TINY_LLAMA if args.tiny else LLAMA2_7B))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    plan = PLANS["tiny" if args.tiny else "quick"]
+    lengths, source = prompt_lengths(args.trace, dataclasses.replace(plan, lengths=4))
+    report: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "date": datetime.date.today().isoformat(), "lengths": lengths, "lengths_source": source,
+                    "workers": args.workers, "cores_each": args.cores_each}
+    progress(f"device: {report['device']}; torch {torch.__version__}; lengths {lengths}; "
+             f"{args.workers} CPU LoRA workers x {args.cores_each} cores")
+    tokenizer = bench_tokenizer(config.vocab_size)
+    requests = Requests(tokenizer)
+    model = random_llama(config, device=device, dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    with tempfile.TemporaryDirectory(prefix="cpu-assist-store-") as tmp:
+        store = AdapterStore(Path(tmp), config, BASE_MODEL, dtype, device)
+        largest = AdapterShape(max(RANKS), ALL_SEVEN)
+        blocker = store.new(largest)
+        worker = WorkerConfig(
+            device=str(device), base_model=BASE_MODEL, max_num_seqs=8, adapter_gpu_bytes=adapter_bytes(
+                config, largest, itemsize), adapter_host_bytes=64 * adapter_bytes(config, largest, itemsize),
+            max_lora_rank=max(RANKS), lora_targets=list(ALL_SEVEN), merge_after_steps=0,
+            max_batch_tokens=max(4096, 2 * plan.max_length), kv_cache_tokens=4 * (HOLD_TOKENS + plan.max_length),
+            cpu_lora_workers=args.workers, cpu_lora_cores_each=args.cores_each, cpu_lora_shm_dir=args.shm_dir)
+        parts = assemble_parts(model, worker, store.root)
+        pool = parts.runner.cpu_lora
+        report["rates_tokens_per_s_one_core"] = {
+            rank: [int(pool.area.control[w, RATES + i]) for w in range(args.workers)]
+            for i, rank in enumerate(RATE_RANKS)}
+        progress(f"one-core LoRA rates (tokens/s, hidden {config.hidden_size}): {report['rates_tokens_per_s_one_core']}")
+        freeze_startup_heap()
+        rows, hold_tokens = [], min(HOLD_TOKENS, config.max_position_embeddings - 32)
+        with running_engine(parts, tokenizer, max(RANKS), async_scheduling_on(worker.async_scheduling, device)) \
+                as engine:
+            asyncio.run(cell(engine, requests, blocker.ref, store.new(AdapterShape(8, QKV)).ref, lengths[0],
+                             hold_tokens))  # warm-up
+            for rank in RANKS:
+                for length in lengths:
+                    row = asyncio.run(cell(engine, requests, blocker.ref, store.new(AdapterShape(rank, QKV)).ref,
+                                           length, hold_tokens))
+                    rows.append(row)
+                    progress(f"rank {rank} q,k,v, {length} tokens: CPU-assisted {row['cpu_ms']:.1f} ms, resident "
+                             f"{row['resident_ms']:.1f} ms ({row['cpu_over_resident']:.2f}x; "
+                             f"{row['cpu_assisted_requests']} CPU-assisted)")
+        report["rows"] = rows
+        report["cpu_lora"] = dataclasses.asdict(engine.stats().cpu_lora)
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model (with --device cpu: a smoke run)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--workers", type=int, default=4, help="CPU LoRA workers")
+    parser.add_argument("--cores-each", type=int, default=3)
+    parser.add_argument("--shm-dir", default="/dev/shm", help="where the host tier and the work area are mapped")
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("CUDA is not available: use --device cpu --tiny")
+    report = run(args)
+    print("CPU-assisted TTFT over resident, by rank (rows) and prompt length (columns):", flush=True)
+    print("rank  " + "".join(f"{n:>8}" for n in report["lengths"]))
+    for rank in RANKS:
+        print(f"{rank:<6}" + "".join(f"{r['cpu_over_resident']:8.2f}" for r in report["rows"] if r["rank"] == rank))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
