@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import services
@@ -86,8 +85,9 @@ class CpuLoraPool:
                 self._spawn(index)
         return [i for i in range(len(self._procs)) if self._ready(i)]
 
-    def run(self, x: np.ndarray, out_features: int, segments: list[Segment], pages: list[int]) -> np.ndarray:
-        """The job's LoRA deltas [tokens, out_features] (a view of the work area: read before the next job)."""
+    def run(self, x: torch.Tensor, out_features: int, segments: list[Segment], pages: list[int]) -> torch.Tensor:
+        """The job's LoRA deltas [tokens, out_features], float32, filled in the segments' rows and columns
+        only (a view of the work area: read before the next job). `x`: the rows, on the host."""
         tokens = x.shape[0]
         live = self.live()
         shares = [(0, 0)] * len(self._procs)
@@ -109,7 +109,7 @@ class CpuLoraPool:
         for share in left:  # the same arithmetic the workers run: the outputs do not change
             lora_delta(Job(self.area.x[:tokens, :x.shape[1]], out_features, segments, share, self.area.pages,
                            self._page_elems), self.area.y, self._region)
-        return self.area.y[:tokens, :out_features]
+        return torch.from_numpy(self.area.y[:tokens, :out_features])
 
     def stats(self) -> CpuLoraStats:
         return CpuLoraStats(len(self._procs), sum(map(self._ready, range(len(self._procs)))), self._jobs,
@@ -157,7 +157,7 @@ class CpuLoraStep:
         index = self.module_index.get(module)
         if index is None:
             return None
-        segments, pages = self._segments(module, index)
+        segments, pages, shifts = self._segments(module, index)
         if not segments:
             return None
         rows = torch.cat([x[first:last] for first, last, _ in self.rows])
@@ -170,20 +170,19 @@ class CpuLoraStep:
             rows = host
 
         def finish(out: torch.Tensor) -> None:
-            """out[rows] += the deltas (the engine thread waits for the CPU LoRA workers here)."""
+            """out[rows, slices] += the deltas (the engine thread waits for the CPU LoRA workers here)."""
             if copied is not None:
                 copied.synchronize()
-            y = self.pool.run(rows.float().numpy(), module.out_features, segments, pages)
-            delta = torch.from_numpy(y).to(out.device, out.dtype)
-            token = 0
-            for first, last, _ in self.rows:
-                out[first:last] += delta[token:token + last - first]
-                token += last - first
+            y = self.pool.run(rows, module.out_features, segments, pages)
+            for s, shift in zip(segments, shifts):
+                columns = slice(s.out_offset, s.out_offset + s.out_size)
+                out[s.first + shift:s.last + shift, columns] += y[s.first:s.last, columns].to(out.device, out.dtype)
         return finish
 
-    def _segments(self, module: LoRALinear, index: int) -> tuple[list[Segment], list[int]]:
-        """The job's segments for `module` (its slices of each row range's adapter) and its page table."""
-        segments, pages, tables, token = [], [], {}, 0
+    def _segments(self, module: LoRALinear, index: int) -> tuple[list[Segment], list[int], list[int]]:
+        """The job's segments for `module` (its slices of each row range's adapter), its page table, and
+        each segment's shift from job tokens to the step's rows."""
+        segments, pages, shifts, tables, token = [], [], [], {}, 0
         for first, last, packed in self.rows:
             offset, ranks, scalings = packed.parts[index]
             if any(ranks):
@@ -191,9 +190,11 @@ class CpuLoraStep:
                     tables[id(packed)] = len(pages)
                     pages.extend(packed.pages)
                 a_rel, b_rel, _ = packed_layout(module.in_features, module.out_sizes, ranks)
-                segments.extend(
-                    Segment(token, token + last - first, offset + a_rel[s], offset + b_rel[s], rank,
-                            module.out_offsets[s], module.out_sizes[s], scalings[s], tables[id(packed)])
-                    for s, rank in enumerate(ranks) if rank)
+                for s, rank in enumerate(ranks):
+                    if rank:
+                        segments.append(Segment(token, token + last - first, offset + a_rel[s], offset + b_rel[s],
+                                                rank, module.out_offsets[s], module.out_sizes[s], scalings[s],
+                                                tables[id(packed)]))
+                        shifts.append(first - token)
             token += last - first
-        return segments, pages
+        return segments, pages, shifts

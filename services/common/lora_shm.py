@@ -18,7 +18,7 @@ Layout of the file (int64 / float32, little-endian), for `workers` CPU workers:
     y          [max_tokens, max_out] float32: the LoRA deltas (the worker adds them to its projection)
 
 A segment is one adapter slice over a run of tokens: y[t, out:out+size] = scaling * x[t] @ A.T @ Bt
-for t in [first, last), where A [rank, in] and Bt [rank, size] lie in the adapter's packed copy (the
+for t in [first, last) (the rest of y is not written: readers take the segments' parts), where A [rank, in] and Bt [rank, size] lie in the adapter's packed copy (the
 adapter arena's layout, kernels/lora_stack.py) at those element offsets; the copy is spread over
 pages of the weights region (the worker's host tier), listed from the segment's page-table entry on.
 The file is created by the GPU worker, private to its user (0600); the CPU workers map it read-write,
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 MAGIC = 0x54455353_4C4F5241  # "TESSLORA"
 HEADER = 8
@@ -152,19 +153,19 @@ class WorkArea:
 
     # --- the GPU worker's side ---
 
-    def post(self, x: np.ndarray, out_features: int, segments: list[Segment], shares: list[tuple[int, int]],
-             pages: list[int], page_elems: int) -> None:
-        """Publish a job: input rows `x` [tokens, in], `segments`, each worker's token share [first, last)
-        (a worker with an empty share is not asked), and the page table `pages` of the weights region's
-        pages of `page_elems` elements that the segments' adapters lie in."""
+    def post(self, x: np.ndarray | torch.Tensor, out_features: int, segments: list[Segment],
+             shares: list[tuple[int, int]], pages: list[int], page_elems: int) -> None:
+        """Publish a job: input rows `x` [tokens, in] (any float dtype, on the host), `segments`, each
+        worker's token share [first, last) (a worker with an empty share is not asked), and the page table
+        `pages` of the weights region's pages of `page_elems` elements that the segments' adapters lie in.
+        The answer fills each segment's rows and columns of y; other parts of y are left as they were."""
         tokens, in_features = x.shape
         shape = self.shape
         if tokens > shape.max_tokens or in_features > shape.max_in or out_features > shape.max_out:
             raise ValueError(f"job of {tokens} x {in_features} -> {out_features} exceeds the work area {shape}")
         if len(segments) > shape.max_segments or len(shares) != shape.workers or len(pages) > shape.max_pages:
             raise ValueError(f"{len(segments)} segments, {len(shares)} shares, {len(pages)} pages for {shape}")
-        self.x[:tokens, :in_features] = x
-        self.y[:tokens, :out_features] = 0.0  # columns no segment covers add nothing
+        torch.from_numpy(self.x[:tokens, :in_features]).copy_(torch.as_tensor(x))  # converted on the way
         for row, s in zip(self.segments, segments):
             row[:7] = (s.first, s.last, s.a_offset, s.bt_offset, s.rank, s.out_offset, s.out_size)
             row[7] = struct.unpack("<q", struct.pack("<d", s.scaling))[0]
