@@ -14,6 +14,7 @@ LoRA projection sends them to the pool before its own kernels and adds the delta
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -29,13 +30,23 @@ from gpu_worker.lora.host_weights import HostPages, PackedAdapter
 from gpu_worker.lora.layer import LoRALinear
 from kernels.lora_stack import packed_layout
 from services.common.lora_delta import lora_delta
-from services.common.lora_shm import PID, Job, Segment, Shape, WorkArea, even_shares
+from services.common.lora_shm import PID, RATE_RANKS, RATES, Job, Segment, Shape, WorkArea, even_shares
 from services.common.numa import allowed_cpus, format_cpulist
 
 log = logging.getLogger(__name__)
 
 START_S = 120.0     # a worker imports torch and measures its rates before it answers
 JOB_TIMEOUT_S = 30.0  # a live worker that has not answered by then is stuck: killed, its share done here
+MIN_SHARE_S = 1e-3    # a share smaller than this much of a core's work is not worth waking another worker
+
+
+def workers_for(tokens: int, rate: int, available: int) -> int:
+    """How many workers a job of `tokens` gets at one core's `rate` (tokens/s): one per MIN_SHARE_S of
+    work, at least one, at most `available` (all of them when the rate is unknown). A decode's token
+    goes to one worker instead of waking them all."""
+    if not rate:
+        return available
+    return max(1, min(available, math.ceil(tokens / (rate * MIN_SHARE_S))))
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,7 @@ class CpuLoraPool:
         only (a view of the work area: read before the next job). `x`: the rows, on the host."""
         tokens = x.shape[0]
         live = self.live()
+        live = live[:workers_for(tokens, self._rate(max(s.rank for s in segments)), len(live))]
         shares = [(0, 0)] * len(self._procs)
         for index, share in zip(live, even_shares(tokens, len(live)) if live else []):
             shares[index] = share
@@ -110,6 +122,12 @@ class CpuLoraPool:
             lora_delta(Job(self.area.x[:tokens, :x.shape[1]], out_features, segments, share, self.area.pages,
                            self._page_elems), self.area.y, self._region)
         return torch.from_numpy(self.area.y[:tokens, :out_features])
+
+    def _rate(self, rank: int) -> int:
+        """Tokens per second one core computes at `rank`, as the slowest worker measured at start (0: none yet)."""
+        bucket = next((i for i, r in enumerate(RATE_RANKS) if r >= rank), len(RATE_RANKS) - 1)
+        rates = [int(self.area.control[w, RATES + bucket]) for w in range(len(self._procs))]
+        return min((r for r in rates if r > 0), default=0)
 
     def stats(self) -> CpuLoraStats:
         return CpuLoraStats(len(self._procs), sum(map(self._ready, range(len(self._procs)))), self._jobs,

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gpu_worker.engine import StepRecord
 from gpu_worker.intake import GenerationRequest
+from gpu_worker.lora.cpu_assist import workers_for
 from gpu_worker.metrics import CpuLoraMetrics
 from gpu_worker.sequence import SamplingParams
 from services.common.lora_shm import REQUEST
@@ -129,3 +130,13 @@ def test_a_cpu_lora_worker_killed_mid_request_changes_nothing(engine_factory, ti
         time.sleep(0.1)
     assert pool.restarts == 1 and pool._procs[0].pid != victim and pool.live() == [0]
     assert engine.stats().cpu_lora.local_shares > 0  # the shares of the dead worker, computed by the engine
+
+
+@pytest.mark.parametrize("tokens, rate, available, expected", [
+    (1, 20_000, 4, 1),        # a decode's token: one worker
+    (30, 20_000, 4, 2),       # 1.5 ms of one core's work: two
+    (2048, 20_000, 4, 4),     # a long prefill chunk: every worker
+    (2048, 0, 3, 3),          # no rate measured yet: every worker
+])
+def test_a_job_gets_a_worker_per_millisecond_of_a_cores_work(tokens, rate, available, expected):
+    assert workers_for(tokens, rate, available) == expected
