@@ -60,13 +60,15 @@ class CpuLoraStats:
 
 class CpuLoraPool:
     def __init__(self, area_path: Path, host: HostPages, dtype: torch.dtype, cores: Sequence[tuple[int, ...]],
-                 max_tokens: int, max_in: int, max_out: int) -> None:
+                 max_tokens: int, max_in: int, max_out: int, max_segments: int) -> None:
+        """A job holds at most `max_tokens` rows of `max_in` features, `max_out` outputs and
+        `max_segments` segments (a step's sequences times a projection's slices)."""
         assert host.path is not None and cores, "the host tier must be a shared file, and one worker at least"
         self._host, self._dtype, self._cores = host, dtype, list(cores)
         self._page_elems = host.page_bytes // dtype.itemsize
         self._region = host.region.view(dtype)  # what the workers map: the host tier's file
         self.area = WorkArea.create(area_path, Shape(len(cores), max_tokens, max_in, max_out,
-                                                     max_segments=64, max_pages=host.num_pages))
+                                                     max_segments, max_pages=host.num_pages))
         self._procs: list[subprocess.Popen | None] = [None] * len(cores)
         self.restarts = self._jobs = self._local_shares = 0
 
