@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from registry.adapter_files import AdapterSource
@@ -24,6 +25,7 @@ from services.common.errors import Internal, InvalidArgument
 
 CHUNK_BYTES = 1024 * 1024
 STAGING_PREFIX = ".staging-"
+RETIRED = ".retired"  # in a stored directory: when its last adapter was deleted (unix seconds)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,6 +88,7 @@ class AdapterBlobStore:
         final = self.path_for(staged.sha256)
         if self._intact(final, staged.sha256):
             self.discard(staged)
+            (final / RETIRED).unlink(missing_ok=True)  # registered again before it was swept: kept
             return final
         if final.exists():  # a damaged earlier copy: replace it
             shutil.rmtree(final)
@@ -96,10 +99,28 @@ class AdapterBlobStore:
     def discard(self, staged: StagedAdapter) -> None:
         shutil.rmtree(staged.directory, ignore_errors=True)
 
-    def remove(self, directory: Path) -> None:
-        """Delete a stored adapter's directory (a direct child of the root, or nothing)."""
-        if directory.resolve().parent == self.root.resolve() and not directory.name.startswith(STAGING_PREFIX):
-            shutil.rmtree(directory, ignore_errors=True)
+    def retire(self, directory: Path, now_s: float) -> None:
+        """Mark a stored adapter's directory (a direct child of the root, or nothing) for removal by
+        `sweep`: requests a worker took before the adapter was deleted may still have to read it."""
+        if self._stored(directory) and directory.is_dir():
+            (directory / RETIRED).write_text(repr(now_s))
+
+    def sweep(self, now_s: float, grace_s: float, referenced: Callable[[Path], bool]) -> list[Path]:
+        """Remove the directories retired at least `grace_s` ago that nothing references again; -> them."""
+        removed = []
+        for marker in self.root.glob(f"*/{RETIRED}"):
+            directory = marker.parent
+            try:
+                retired_at = float(marker.read_text())
+            except (OSError, ValueError):
+                retired_at = 0.0  # unreadable: as old as can be
+            if now_s - retired_at >= grace_s and self._stored(directory) and not referenced(directory):
+                shutil.rmtree(directory, ignore_errors=True)
+                removed.append(directory)
+        return removed
+
+    def _stored(self, directory: Path) -> bool:
+        return directory.resolve().parent == self.root.resolve() and not directory.name.startswith(STAGING_PREFIX)
 
     @staticmethod
     def _intact(directory: Path, digest: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -45,6 +46,15 @@ def resolve_admin_api_key(config: TesseraConfig) -> str:
     return key
 
 
+async def _sweep_deleted_files(store: RegistryStore, grace_s: float, stop: asyncio.Event) -> None:
+    """Remove deleted adapters' files once their grace has passed: at start, then every quarter grace."""
+    while not stop.is_set():
+        for directory in await asyncio.to_thread(store.sweep_deleted_files):
+            log.info("removed the stored files of deleted adapters at %s", directory)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(1.0, grace_s / 4))
+
+
 def serve(config: TesseraConfig) -> None:
     setup_logging("registry", config.log_level)
     tls = cluster_credentials(config, "registry")  # first: a missing certificate fails before anything binds
@@ -64,7 +74,9 @@ def serve(config: TesseraConfig) -> None:
             tls.server() if tls else None)
         log.info("registry ready: gRPC %s:%s, admin API http://%s:%s/admin/v1",
                  settings.host, grpc_server.port, settings.host, admin.port)
+        sweeping = asyncio.create_task(_sweep_deleted_files(store, settings.deleted_files_grace_s, stop))
         await stop.wait()
+        await sweeping
         await grpc_server.stop()
         await admin.close()
 

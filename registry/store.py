@@ -72,13 +72,17 @@ def _order_record(row: PlacementOrderRow) -> PlacementOrderRecord:
 
 class RegistryStore:
     def __init__(self, database_url: str, adapter_store: Path, import_roots: list[Path],
-                 worker_timeout_s: float, clock: Callable[[], float] = time.time) -> None:
+                 worker_timeout_s: float, clock: Callable[[], float] = time.time,
+                 deleted_files_grace_s: float = 600.0) -> None:
+        """`deleted_files_grace_s`: a deleted adapter's files stay this long for the requests workers
+        took before it was deleted (`sweep_deleted_files` removes them after)."""
         self._engine = make_engine(database_url)
         self._sessions = make_session_factory(self._engine)
         self._blobs = AdapterBlobStore(adapter_store)
         self._roots = real_roots(import_roots)
         self._worker_timeout_ms = int(worker_timeout_s * 1000)
         self._clock = clock  # wall clock (unix seconds): heartbeats are compared across processes
+        self._deleted_files_grace_s = deleted_files_grace_s
         # Serialises each write with the check before it that another row allows it: blob commits and
         # removals with the rows that reference them (dedup vs delete), and a new name against both the
         # adapters and the base models (requests name either in one `model` field).
@@ -90,7 +94,7 @@ class RegistryStore:
         """The store for `config`, with the database schema migrated to head first."""
         upgrade_schema(config.database_url)
         return cls(config.database_url, config.adapter_store_path, config.import_root_paths,
-                   config.registry.worker_timeout_s)
+                   config.registry.worker_timeout_s, deleted_files_grace_s=config.registry.deleted_files_grace_s)
 
     def close(self) -> None:
         self._engine.dispose()
@@ -166,7 +170,7 @@ class RegistryStore:
                     record = _adapter_record(row)
             except BaseException:
                 self._blobs.discard(staged)
-                self._remove_blob_if_unreferenced(str(self._blobs.path_for(staged.sha256)))
+                self._retire_blob_if_unreferenced(str(self._blobs.path_for(staged.sha256)))
                 raise
         self.changes.publish(CatalogChange())
         return record
@@ -184,8 +188,9 @@ class RegistryStore:
 
     def delete_adapter(self, name: str) -> None:
         """Remove the adapter, its placements and placement orders; its stored files go once no adapter
-        shares them. The gateways stop resolving it at once (`changes`); workers drop it from their
-        tiers once its in-flight requests end (`worker_orders` tells them to)."""
+        shares them, after the grace the worker's queued requests may need them for. The gateways stop
+        resolving it at once (`changes`); workers drop it from their tiers once its in-flight requests
+        end (`worker_orders` tells them to)."""
         with self._blob_lock:
             with self._transaction() as s:
                 row = _get_adapter_row(s, name)
@@ -193,17 +198,24 @@ class RegistryStore:
                 s.execute(delete(PlacementRow).where(PlacementRow.adapter == name))
                 s.execute(delete(PlacementOrderRow).where(PlacementOrderRow.adapter == name))
                 s.delete(row)
-            self._remove_blob_if_unreferenced(storage_path)
+            self._retire_blob_if_unreferenced(storage_path)
         self.changes.publish(CatalogChange(removed_adapters=(name,)))
 
-    def _remove_blob_if_unreferenced(self, storage_path: str) -> None:
+    def sweep_deleted_files(self) -> list[Path]:
+        """Remove the stored files of deleted adapters whose grace has passed (unless registered again)."""
+        with self._blob_lock:
+            return self._blobs.sweep(self._clock(), self._deleted_files_grace_s, self._blob_referenced)
+
+    def _blob_referenced(self, directory: Path) -> bool:
+        with self._transaction() as s:
+            return bool(s.scalar(select(func.count()).select_from(AdapterRow)
+                                 .where(AdapterRow.storage_path == str(directory))))
+
+    def _retire_blob_if_unreferenced(self, storage_path: str) -> None:
         # By path, not digest: a row from before migration 0002 keeps its directory under the weights'
         # sha256 while its digest covers both files, so a new import of the same files lies elsewhere.
-        with self._transaction() as s:
-            references = s.scalar(select(func.count()).select_from(AdapterRow)
-                                  .where(AdapterRow.storage_path == storage_path))
-        if references == 0:
-            self._blobs.remove(Path(storage_path))
+        if not self._blob_referenced(Path(storage_path)):
+            self._blobs.retire(Path(storage_path), self._clock())
 
     # Workers
 

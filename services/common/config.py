@@ -40,6 +40,9 @@ class RegistryConfig:
     worker_timeout_s: float = 10.0  # a worker silent this long is unhealthy
     heartbeat_interval_ms: int = 1000
     http_threads: int = 8
+    # A deleted adapter's stored files stay this long (then a sweep removes them): requests that a
+    # worker took before the DELETE may still have to read them.
+    deleted_files_grace_s: float = 600.0
 
 
 @dataclasses.dataclass(slots=True)

@@ -35,7 +35,7 @@ def error_of(response) -> dict:  # type: ignore[no-untyped-def]
     return body["error"]
 
 
-def test_register_list_show_delete(client: FlaskClient, imports: Path) -> None:
+def test_register_list_show_delete(client: FlaskClient, imports: Path, store: RegistryStore, clock) -> None:
     created = register(client, "support-bot", imports / "all-proj", task_head={"classes": 3})
     assert created.status_code == 201
     record = created.get_json()
@@ -51,7 +51,28 @@ def test_register_list_show_delete(client: FlaskClient, imports: Path) -> None:
 
     assert client.delete("/admin/v1/adapters/support-bot", headers=AUTH).status_code == 200
     assert client.get("/admin/v1/adapters/support-bot", headers=AUTH).status_code == 404
-    assert not Path(record["storage_path"]).exists()
+    # Its files stay through the grace (a worker may still read them for requests it took before),
+    # then the sweep removes them; the other adapter's stay.
+    stored = Path(record["storage_path"])
+    clock.now += 599
+    assert store.sweep_deleted_files() == [] and stored.is_dir()
+    clock.now += 1
+    assert store.sweep_deleted_files() == [stored] and not stored.exists()
+    assert Path(shown_qv(client)["storage_path"]).is_dir()
+
+
+def shown_qv(client: FlaskClient) -> dict:
+    return client.get("/admin/v1/adapters/qv", headers=AUTH).get_json()
+
+
+def test_an_adapter_registered_again_within_the_grace_keeps_its_files(client: FlaskClient, imports: Path,
+                                                                      store: RegistryStore, clock) -> None:
+    first = register(client, "bot", imports / "all-proj").get_json()
+    assert client.delete("/admin/v1/adapters/bot", headers=AUTH).status_code == 200
+    again = register(client, "bot-again", imports / "all-proj").get_json()
+    assert again["storage_path"] == first["storage_path"]  # the same content: the same directory
+    clock.now += 3600
+    assert store.sweep_deleted_files() == [] and Path(again["storage_path"]).is_dir()
 
 
 def test_base_model_registration(client: FlaskClient, imports: Path) -> None:

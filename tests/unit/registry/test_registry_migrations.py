@@ -57,7 +57,7 @@ def test_0002_gives_old_rows_the_digest_of_both_stored_files_and_keeps_their_dir
     engine.dispose()
 
     upgrade_schema(url)
-    store = RegistryStore(url, store_root, [imports], worker_timeout_s=10.0)
+    store = RegistryStore(url, store_root, [imports], worker_timeout_s=10.0, deleted_files_grace_s=0.0)
     old = store.get_adapter("old")
     config_sha = hashlib.sha256((old_dir / "adapter_config.json").read_bytes()).hexdigest()
     manifest = f"tessera-adapter-v1\nadapter_config.json {config_sha}\nadapter_model.safetensors {weights_sha}\n"
@@ -73,5 +73,5 @@ def test_0002_gives_old_rows_the_digest_of_both_stored_files_and_keeps_their_dir
     _migrate(url, "head")
 
     store.delete_adapter("old")  # deletes by path: the directory named by the weights' sha256 goes
-    assert not old_dir.exists()
+    assert store.sweep_deleted_files() == [old_dir] and not old_dir.exists()  # no grace here
     store.close()

@@ -59,19 +59,23 @@ def test_adapter_is_stored_by_content_and_verified(store: RegistryStore, imports
     assert [p.name for p in (tmp_path / "store").iterdir()] == [record.sha256]
 
 
-def test_identical_weights_share_one_blob_until_the_last_is_deleted(store: RegistryStore, imports: Path) -> None:
+def test_identical_weights_share_one_blob_until_the_last_is_deleted(store: RegistryStore, imports: Path,
+                                                                    clock: FakeClock) -> None:
     shutil.copytree(imports / "all-proj", imports / "copy")
     first = store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"))
     second = store.register_adapter("a2", BASE_MODEL, str(imports / "copy"))
     assert first.storage_path == second.storage_path
     store.delete_adapter("a1")
-    assert Path(second.storage_path).is_dir()
+    clock.now += 3600
+    assert store.sweep_deleted_files() == [] and Path(second.storage_path).is_dir()  # a2 still uses it
     store.delete_adapter("a2")
-    assert not Path(second.storage_path).exists()
+    clock.now += 600  # the default grace
+    assert store.sweep_deleted_files() == [Path(second.storage_path)] and not Path(second.storage_path).exists()
     assert store.list_adapters() == []
 
 
-def test_identical_weights_with_another_alpha_are_stored_apart(store: RegistryStore, imports: Path) -> None:
+def test_identical_weights_with_another_alpha_are_stored_apart(store: RegistryStore, imports: Path,
+                                                               clock: FakeClock) -> None:
     shutil.copytree(imports / "all-proj", imports / "copy")
     config_path = imports / "copy" / "adapter_config.json"
     config = json.loads(config_path.read_text())
@@ -83,6 +87,8 @@ def test_identical_weights_with_another_alpha_are_stored_apart(store: RegistrySt
     assert first.sha256 != second.sha256 and first.storage_path != second.storage_path
     assert json.loads((Path(second.storage_path) / "adapter_config.json").read_text())["lora_alpha"] == 32
     store.delete_adapter("a2")
+    clock.now += 600
+    store.sweep_deleted_files()
     assert Path(first.storage_path).is_dir() and not Path(second.storage_path).exists()
 
 
