@@ -164,18 +164,20 @@ class AdapterManager:
 
     # --- an operator's orders, relayed by the registry (lora/placement_orders.py) ---
 
-    def preload(self, ref: AdapterRef) -> None:
+    def preload(self, ref: AdapterRef) -> bool:
         """Load `ref` into host and GPU memory without a request. No access is recorded, so it is the first
-        to leave when room is needed. A no-op if it is usable or on its way, or if its load failed lately."""
+        to leave when room is needed. A no-op if it is usable or on its way; refused (False) while a failure
+        of its load is remembered."""
         if self._failures.cause(ref.sha256) is not None:
-            return
+            return False
         version = self._version_of(ref)
         if version.usable or version.preloading:
-            return
+            return True
         version.preloading = True
         self._tiers.pin(ref.sha256)  # until usable: no other load evicts it halfway
         self._want(ref.sha256, version)
         self._end_preload(ref.sha256, version)
+        return True
 
     def pin(self, ref: AdapterRef) -> bool:
         """Load `ref` onto the GPU and keep it there, never evicted, until `unpin`; whether it is pinned.

@@ -4,7 +4,8 @@ Every heartbeat answer (gpu_worker/registry_client.py) carries the versions to r
 operators' orders for this worker, all of them; the engine thread applies each answer to the adapter
 manager (`OrderBook.apply`). Pins follow the orders exactly: a pin missing from an answer is lifted.
 A preload happens once per order: an adapter preloaded, then evicted for lack of room, is not loaded
-again at the next heartbeat, only if the operator orders it again (or the worker restarts).
+again at the next heartbeat, only if the operator orders it again (or the worker restarts). A preload
+refused because its load failed lately is tried again at the first answer after the failure expires.
 """
 
 from __future__ import annotations
@@ -45,9 +46,7 @@ class OrderBook:
                         pins[digest].name, MAX_PINNED_SHARE * 100)
         self._refused = refused
         ordered = {(ref.name, ref.sha256): ref for ref in orders.preloads}
-        for key, ref in ordered.items():
-            if key not in self._preloaded:
-                adapters.preload(ref)
-        self._preloaded = set(ordered)
+        self._preloaded = {key for key, ref in ordered.items()  # a failed one is carried out again once it may be
+                           if (key in self._preloaded and adapters.failure(ref) is None) or adapters.preload(ref)}
         for name, digest in orders.retire:
             adapters.retire(name, digest)

@@ -154,6 +154,25 @@ def test_the_order_book_follows_pins_exactly_and_preloads_once_per_order():
     assert "c" not in _placed(adapters)
 
 
+def test_a_preload_refused_after_a_failed_load_is_carried_out_once_the_failure_expires():
+    clock = Clock()
+    disk = Disk()
+    adapters, _ = manager(2, disk, clock=clock)
+    book = OrderBook(adapters)
+    flaky = ref("flaky")
+    disk.broken[flaky.sha256] = FailedPrecondition("checksum mismatch")
+    book.apply(PlacementOrders(preloads=(flaky,)))
+    poll_until(adapters, lambda: adapters.failure(flaky) is not None)
+    book.apply(PlacementOrders(preloads=(flaky,)))  # the next answer: the failure is remembered, nothing read
+    assert disk.reads == ["flaky"]
+    del disk.broken[flaky.sha256]  # the files were repaired
+    clock.now += 11
+    book.apply(PlacementOrders(preloads=(flaky,)))  # the order stands: carried out now
+    poll_until(adapters, lambda: adapters.resident(flaky) is not None)
+    book.apply(PlacementOrders(preloads=(flaky,)))
+    assert disk.reads == ["flaky", "flaky"]
+
+
 def test_the_order_book_retires_a_pinned_deleted_adapter():
     disk = Disk()
     adapters, _ = manager(2, disk)
