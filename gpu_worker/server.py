@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from grpc_health.v1 import health
+from grpc_health.v1.health_pb2 import HealthCheckResponse
 
 from gpu_worker import metrics
 from gpu_worker.builder import build_engine
@@ -14,6 +18,7 @@ from gpu_worker.device_kind import device_name, perf_model_kind
 from gpu_worker.registry_client import RegistryClient, WorkerIdentity, fetch_base_model
 from gpu_worker.servicer import WorkerServicer, worker_stats
 from gpu_worker.state_push import StateSource
+from gpu_worker.stats import EngineStats
 from services.common.config import TesseraConfig
 from services.common.grpc_server import start_grpc_server
 from services.common.logs import setup_logging
@@ -53,6 +58,7 @@ async def _main(config: TesseraConfig, tls: RoleCredentials | None, stop: asynci
         registry = RegistryClient(channel, identity, lambda: worker_stats(engine),
                                   lambda: engine.stats().adapters.placements, engine.apply_orders)
         heartbeat = asyncio.create_task(registry.run(stop, config.registry.heartbeat_interval_ms))
+        cpu_lora_health = asyncio.create_task(report_cpu_lora_health(server.health, engine.stats, stop))
         try:
             await stop.wait()
         finally:
@@ -60,6 +66,25 @@ async def _main(config: TesseraConfig, tls: RoleCredentials | None, stop: asynci
             await server.stop()
             engine.stop()
             await heartbeat
+            await cpu_lora_health
+
+
+CPU_LORA_HEALTH_SERVICE = "tessera.v1.CpuLoraWorkers"
+
+
+async def report_cpu_lora_health(servicer: health.aio.HealthServicer, stats: Callable[[], EngineStats], stop: asyncio.Event,
+                                 interval_s: float = 1.0) -> None:
+    """Keep the standard health service's CPU_LORA_HEALTH_SERVICE status current: SERVING while every
+    configured CPU LoRA worker answers jobs (a probe can tell a worker whose CPU assistance is down);
+    not reported without CPU LoRA workers."""
+    while not stop.is_set():
+        cpu_lora = stats().cpu_lora
+        if cpu_lora.workers:
+            ready = cpu_lora.ready == cpu_lora.workers
+            await servicer.set(CPU_LORA_HEALTH_SERVICE, HealthCheckResponse.SERVING if ready
+                               else HealthCheckResponse.NOT_SERVING)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
 
 
 def serve(config: TesseraConfig) -> None:
