@@ -184,7 +184,7 @@ def _cpu_lora_pool(worker: WorkerConfig, device: torch.device, adapters: Adapter
     modules = memory.modules
     pool = CpuLoraPool(area_path, adapters.host_pages, memory.dtype, cores, max_tokens=worker.max_batch_tokens,
                        max_in=max(m.in_features for m in modules), max_out=max(m.out_features for m in modules),
-                       max_segments=worker.max_num_seqs * max(len(m.out_sizes) for m in modules))
+                       max_segments=worker.max_num_seqs * max(len(m.out_sizes) for m in modules), node=node)
     pool.start()
     log.info("CPU LoRA workers on cores %s (NUMA node %s)", cores, node)
     return pool

@@ -31,7 +31,7 @@ from gpu_worker.lora.layer import LoRALinear
 from kernels.lora_stack import packed_layout
 from services.common.lora_delta import lora_delta
 from services.common.lora_shm import PID, RATE_RANKS, RATES, Job, Segment, Shape, WorkArea, even_shares
-from services.common.numa import allowed_cpus, format_cpulist
+from services.common.numa import allowed_cpus, format_cpulist, membind_prefix
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,10 @@ class CpuLoraStats:
 
 class CpuLoraPool:
     def __init__(self, area_path: Path, host: HostPages, dtype: torch.dtype, cores: Sequence[tuple[int, ...]],
-                 max_tokens: int, max_in: int, max_out: int, max_segments: int) -> None:
+                 max_tokens: int, max_in: int, max_out: int, max_segments: int, node: int | None = None) -> None:
         """A job holds at most `max_tokens` rows of `max_in` features, `max_out` outputs and
-        `max_segments` segments (a step's sequences times a projection's slices)."""
+        `max_segments` segments (a step's sequences times a projection's slices). `node`: the NUMA node
+        the workers' memory is bound to, where numactl can (services/common/numa.py)."""
         assert host.path is not None and cores, "the host tier must be a shared file, and one worker at least"
         self._host, self._dtype, self._cores = host, dtype, list(cores)
         self._page_elems = host.page_bytes // dtype.itemsize
@@ -70,6 +71,7 @@ class CpuLoraPool:
         self.area = WorkArea.create(area_path, Shape(len(cores), max_tokens, max_in, max_out,
                                                      max_segments, max_pages=host.num_pages))
         self._procs: list[subprocess.Popen | None] = [None] * len(cores)
+        self._membind = membind_prefix(node) if node is not None else []
         self.restarts = self._jobs = self._local_shares = 0
 
     def start(self) -> None:
@@ -157,7 +159,7 @@ class CpuLoraPool:
         root = str(Path(services.__file__).resolve().parent.parent)  # where the roles' packages are
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self._procs[index] = subprocess.Popen(
-            [sys.executable, "-m", "cpu_lora_worker", "--work-area", str(self.area.path),
+            [*self._membind, sys.executable, "-m", "cpu_lora_worker", "--work-area", str(self.area.path),
              "--weights", str(self._host.path), "--index", str(index), "--cores", format_cpulist(self._cores[index]),
              "--dtype", str(self._dtype).removeprefix("torch.")], env=env)
 
