@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
         report["rates_tokens_per_s_one_core"] = {
             rank: [int(pool.area.control[w, RATES + i]) for w in range(args.workers)]
             for i, rank in enumerate(RATE_RANKS)}
-        progress(f"one-core LoRA rates (tokens/s, hidden {config.hidden_size}): {report['rates_tokens_per_s_one_core']}")
+        progress(f"one-core LoRA rates (tokens/s) by rank: {report['rates_tokens_per_s_one_core']}")
         freeze_startup_heap()
         rows, hold_tokens = [], min(HOLD_TOKENS, config.max_position_embeddings - 32)
         with running_engine(parts, tokenizer, max(RANKS), async_scheduling_on(worker.async_scheduling, device)) \

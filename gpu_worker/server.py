@@ -72,8 +72,8 @@ async def _main(config: TesseraConfig, tls: RoleCredentials | None, stop: asynci
 CPU_LORA_HEALTH_SERVICE = "tessera.v1.CpuLoraWorkers"
 
 
-async def report_cpu_lora_health(servicer: health.aio.HealthServicer, stats: Callable[[], EngineStats], stop: asyncio.Event,
-                                 interval_s: float = 1.0) -> None:
+async def report_cpu_lora_health(servicer: health.aio.HealthServicer, stats: Callable[[], EngineStats],
+                                 stop: asyncio.Event, interval_s: float = 1.0) -> None:
     """Keep the standard health service's CPU_LORA_HEALTH_SERVICE status current: SERVING while every
     configured CPU LoRA worker answers jobs (a probe can tell a worker whose CPU assistance is down);
     not reported without CPU LoRA workers."""

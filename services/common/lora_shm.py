@@ -18,9 +18,10 @@ Layout of the file (int64 / float32, little-endian), for `workers` CPU workers:
     y          [max_tokens, max_out] float32: the LoRA deltas (the worker adds them to its projection)
 
 A segment is one adapter slice over a run of tokens: y[t, out:out+size] = scaling * x[t] @ A.T @ Bt
-for t in [first, last) (the rest of y is not written: readers take the segments' parts), where A [rank, in] and Bt [rank, size] lie in the adapter's packed copy (the
-adapter arena's layout, kernels/lora_stack.py) at those element offsets; the copy is spread over
-pages of the weights region (the worker's host tier), listed from the segment's page-table entry on.
+for t in [first, last) (the rest of y is not written: readers take the segments' parts), where
+A [rank, in] and Bt [rank, size] lie in the adapter's packed copy (the adapter arena's layout,
+kernels/lora_stack.py) at those element offsets; the copy is spread over pages of the weights region
+(the worker's host tier), listed from the segment's page-table entry on.
 The file is created by the GPU worker, private to its user (0600); the CPU workers map it read-write,
 the weights read-only.
 """

@@ -145,7 +145,8 @@ def test_a_dead_worker_is_named_and_the_others_answer(pair):
         workers[1].send_signal(signal.SIGKILL)
         workers[1].wait(10)
         x = torch.randn(8, IN)
-        area.post(x.numpy(), OUT, [Segment(0, 8, a_off, bt_off, 8, 0, OUT, 1.0)], even_shares(8, 2), weights.pages, PAGE)
+        area.post(x.numpy(), OUT, [Segment(0, 8, a_off, bt_off, 8, 0, OUT, 1.0)], even_shares(8, 2),
+                  weights.pages, PAGE)
         with pytest.raises(TimeoutError, match=rf"workers \[1\] \(pids \[{workers[1].pid}\]\)"):
             area.wait(timeout_s=1.0)
         assert area.pending() == [1]  # worker 0 answered its half

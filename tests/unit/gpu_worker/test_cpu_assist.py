@@ -105,7 +105,8 @@ def test_a_cold_request_runs_on_cpu_lora_workers_then_switches_mid_prefill(engin
     metrics = CollectorRegistry()
     metrics.register(CpuLoraMetrics(engine))
     text = generate_latest(metrics).decode()
-    for line in ('tessera_worker_cpu_lora_workers{state="ready"} 1.0', "tessera_worker_cpu_assisted_admissions_total 1.0",
+    for line in ('tessera_worker_cpu_lora_workers{state="ready"} 1.0',
+                 "tessera_worker_cpu_assisted_admissions_total 1.0",
                  f"tessera_worker_cpu_lora_jobs_total {float(prefill_steps[-1])}"):
         assert line in text, line
 
