@@ -5,7 +5,8 @@ computed by the worker's CPU LoRA workers from the host copy, layer by layer, ov
 becomes usable there (scheduler.py).
 
 `CpuLoraPool` starts the CPU LoRA workers, each pinned to its own cores (services/common/numa.py;
-the pinning is read back from /proc), restarts one that died at the next job, and computes a job's
+the pinning is read back from /proc), restarts one that died (a watcher thread looks every second,
+and every job looks first), and computes a job's
 share itself when a worker dies or fails mid-job (the same arithmetic, services/common/lora_delta.py),
 so that no output changes and nothing is lost. `CpuLoraStep` is one step's CPU-assisted rows: every
 LoRA projection sends them to the pool before its own kernels and adds the deltas after (layer.py).
@@ -18,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -73,6 +75,10 @@ class CpuLoraPool:
         self._procs: list[subprocess.Popen | None] = [None] * len(cores)
         self._membind = membind_prefix(node) if node is not None else []
         self.restarts = self._jobs = self._local_shares = 0
+        # Jobs (engine thread) and the watcher's restarts take turns on the workers and the work area.
+        self._lock = threading.RLock()
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="cpu-lora-watcher", daemon=True)
 
     def start(self) -> None:
         """Start every worker and wait until each answers (its rates measured) pinned where it was put."""
@@ -89,20 +95,30 @@ class CpuLoraPool:
                 self.close()
                 raise RuntimeError(f"CPU LoRA worker {index} runs on CPUs {allowed_cpus(proc.pid)}, "
                                    f"not the {sorted(self._cores[index])} it was given")
+        self._watcher.start()
 
     def live(self) -> list[int]:
         """Workers ready for a job; a dead one is started again (ready a few seconds later)."""
-        for index, proc in enumerate(self._procs):
-            if proc is not None and proc.poll() is not None:
-                log.warning("CPU LoRA worker %d (pid %d) exited with %s; starting it again", index, proc.pid,
-                            proc.returncode)
-                self.restarts += 1
-                self._spawn(index)
-        return [i for i in range(len(self._procs)) if self._ready(i)]
+        with self._lock:
+            for index, proc in enumerate(self._procs):
+                if proc is not None and proc.poll() is not None and not self._closing.is_set():
+                    log.warning("CPU LoRA worker %d (pid %d) exited with %s; starting it again", index, proc.pid,
+                                proc.returncode)
+                    self.restarts += 1
+                    self._spawn(index)
+            return [i for i in range(len(self._procs)) if self._ready(i)]
+
+    def _watch(self) -> None:
+        while not self._closing.wait(1.0):
+            self.live()
 
     def run(self, x: torch.Tensor, out_features: int, segments: list[Segment], pages: list[int]) -> torch.Tensor:
         """The job's LoRA deltas [tokens, out_features], float32, filled in the segments' rows and columns
         only (a view of the work area: read before the next job). `x`: the rows, on the host."""
+        with self._lock:
+            return self._run(x, out_features, segments, pages)
+
+    def _run(self, x: torch.Tensor, out_features: int, segments: list[Segment], pages: list[int]) -> torch.Tensor:
         tokens = x.shape[0]
         live = self.live()
         live = live[:workers_for(tokens, self._rate(max(s.rank for s in segments)), len(live))]
@@ -138,6 +154,9 @@ class CpuLoraPool:
                             self._local_shares, self.restarts)
 
     def close(self) -> None:
+        self._closing.set()
+        if self._watcher.is_alive():
+            self._watcher.join()
         for proc in self._procs:
             if proc is not None and proc.poll() is None:
                 proc.terminate()
