@@ -77,12 +77,12 @@ async def report_cpu_lora_health(servicer: health.aio.HealthServicer, stats: Cal
     """Keep the standard health service's CPU_LORA_HEALTH_SERVICE status current: SERVING while every
     configured CPU LoRA worker answers jobs (a probe can tell a worker whose CPU assistance is down);
     not reported without CPU LoRA workers."""
+    if not stats().cpu_lora.workers:  # configured at start: none now, none later
+        return
     while not stop.is_set():
         cpu_lora = stats().cpu_lora
-        if cpu_lora.workers:
-            ready = cpu_lora.ready == cpu_lora.workers
-            await servicer.set(CPU_LORA_HEALTH_SERVICE, HealthCheckResponse.SERVING if ready
-                               else HealthCheckResponse.NOT_SERVING)
+        await servicer.set(CPU_LORA_HEALTH_SERVICE, HealthCheckResponse.SERVING if cpu_lora.ready == cpu_lora.workers
+                           else HealthCheckResponse.NOT_SERVING)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
 

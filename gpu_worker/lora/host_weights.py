@@ -14,8 +14,6 @@ of every host adapter, read by all of them (services/common/lora_shm.py).
 
 from __future__ import annotations
 
-import mmap
-import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.lora_shm import allocate
+from services.common.lora_shm import create_mapping
 
 PAGE_BYTES = 2 << 20  # an adapter wastes at most one page minus its last block; 16 MB adapters none
 
@@ -45,14 +43,7 @@ def host_buffer(num_elems: int, dtype: torch.dtype, page_locked: bool, path: Pat
 
 
 def _shared_file(path: Path, num_elems: int, dtype: torch.dtype) -> torch.Tensor:
-    nbytes = num_elems * dtype.itemsize
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        allocate(fd, nbytes, path)
-        mapping = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-    buffer = torch.frombuffer(mapping, dtype=dtype)
+    buffer = torch.frombuffer(create_mapping(path, num_elems * dtype.itemsize), dtype=dtype)
     weakref.finalize(buffer.untyped_storage(), path.unlink, missing_ok=True)
     return buffer
 

@@ -72,15 +72,21 @@ class Job:
     page_elems: int            # elements of the weights region per page
 
 
-def allocate(fd: int, nbytes: int, path: Path) -> None:
-    """Give the new file `fd` its `nbytes` now: a file in a full tmpfs (a container's 64 MB /dev/shm) would
+def create_mapping(path: Path, nbytes: int) -> mmap.mmap:
+    """A new zeroed file of `nbytes` at `path` (private to this user; fails if the path exists), mapped
+    shared. Its bytes are taken now: a file in a full tmpfs (a container's 64 MB /dev/shm) would
     otherwise take them page by page as they are written, and the first page short kills the process."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        path.unlink(missing_ok=True)
-        raise OSError(exc.errno, f"cannot hold {nbytes} bytes in {path.parent} ({exc.strerror}): give it more "
-                                 "room (docker --shm-size) or set worker.cpu_lora_shm_dir elsewhere") from None
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise OSError(exc.errno, f"cannot hold {nbytes} bytes in {path.parent} ({exc.strerror}): give it "
+                                     "more room (docker --shm-size) or set worker.cpu_lora_shm_dir elsewhere") from None
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
 
 
 def even_shares(tokens: int, workers: int) -> list[tuple[int, int]]:
@@ -126,12 +132,7 @@ class WorkArea:
     @classmethod
     def create(cls, path: Path, shape: Shape) -> WorkArea:
         """A new zeroed work area at `path` (private to this user); fails if the path exists."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            allocate(fd, shape.nbytes, path)
-            mapping = mmap.mmap(fd, shape.nbytes)
-        finally:
-            os.close(fd)
+        mapping = create_mapping(path, shape.nbytes)
         header = np.frombuffer(mapping, dtype=np.int64, count=HEADER)
         header[:7] = (MAGIC, shape.workers, shape.max_tokens, shape.max_in, shape.max_out, shape.max_segments,
                       shape.max_pages)
