@@ -18,6 +18,7 @@ from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.kv_cache import CacheShape, PagedKVCache, cuda_blocks_that_fit
 from gpu_worker.lora.adapter_manager import AdapterManager
+from gpu_worker.lora.cold_start import ColdStartPolicy
 from gpu_worker.lora.cpu_assist import CpuLoraPool
 from gpu_worker.lora.gpu_memory import GpuAdapterMemory
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
@@ -131,7 +132,7 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     cpu_lora = _cpu_lora_pool(worker, device, adapters, memory, shm_files[1]) if shm_files else None
     scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
                           BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters,
-                          cpu_lora_ready=(lambda: bool(cpu_lora.live())) if cpu_lora else lambda: False)
+                          _cold_start_policy(worker), cpu_lora.extra_step_s if cpu_lora else lambda tokens, packed: None)
     if device.type == "cuda" and worker.warm_up_kernels:
         _warm_up_kernels(model, worker, shape, merge_switch)
     graphs = None
@@ -188,6 +189,15 @@ def _cpu_lora_pool(worker: WorkerConfig, device: torch.device, adapters: Adapter
     pool.start()
     log.info("CPU LoRA workers on cores %s (NUMA node %s)", cores, node)
     return pool
+
+
+def _cold_start_policy(worker: WorkerConfig) -> ColdStartPolicy:
+    if not worker.cold_start_tpot_slo_ms > 0:
+        raise ConfigError(f"worker.cold_start_tpot_slo_ms must be positive, got {worker.cold_start_tpot_slo_ms}")
+    try:
+        return ColdStartPolicy(worker.cold_start_policy, worker.cold_start_tpot_slo_ms / 1e3)
+    except ValueError as exc:
+        raise ConfigError(f"worker.cold_start_policy: {exc}") from None
 
 
 def _eviction(worker: WorkerConfig) -> Eviction:

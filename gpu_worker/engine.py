@@ -41,7 +41,7 @@ from gpu_worker.intake import GenerationRequest, Intake
 from gpu_worker.lora.adapter_manager import AdapterManager
 from gpu_worker.lora.placement_orders import OrderBook, PlacementOrders
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.orchestrator import Orchestrator, StepPlan
+from gpu_worker.orchestrator import InferenceMode, Orchestrator, StepPlan
 from gpu_worker.sampler import SampledTokens, sample
 from gpu_worker.scheduler import ScheduledBatch, Scheduler
 from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus
@@ -238,9 +238,10 @@ class Engine:
         if not batch.items:
             self._skip(previous)
             return
-        for copy in batch.adapter_copies:  # adapters admitted while their copy onto the GPU runs:
-            copy.wait()                    # the device waits, before this step's merge or kernels
         plan = self._orchestrator.plan(batch)
+        if plan.mode is not InferenceMode.UNMERGED:
+            for copy in batch.adapter_copies:  # a merge reads the whole adapter: the device waits for it
+                copy.done.wait()
         launched = self._launch(batch, plan, previous)
         self._postprocess(previous)
         self._publish(batch)
@@ -266,7 +267,8 @@ class Engine:
     def _launch(self, batch: ScheduledBatch, plan: StepPlan, previous: _LaunchedStep | None) -> _LaunchedStep:
         """Run `batch` as `plan` says and sample on the device; the tokens reach the host in `_postprocess`."""
         started = time.perf_counter()
-        sampling, logits = self._runner.run(batch.items, plan, previous.sampled if previous is not None else None)
+        sampling, logits = self._runner.run(batch.items, plan, previous.sampled if previous is not None else None,
+                                            batch.adapter_copies)
         for seq in sampling:
             seq.num_in_flight += 1
         return _LaunchedStep(batch, sample(logits, sampling), started, self._runner.merged_adapter)
@@ -288,12 +290,14 @@ class Engine:
                 self._release(seq)  # its blocks serve the next step already
             self._streams.push(seq, token, token_logprobs)
         self._step += 1
+        duration_s = time.perf_counter() - launched.started
+        self._scheduler.cold_start.observe_step(duration_s)
         if self._on_step is not None:
             batch, seqs = launched.batch, [item.seq for item in launched.batch.items]
             self._on_step(StepRecord(
                 self._step, tuple(s.request_id for s in seqs), tuple(s.adapter.name if s.adapter else None for s in seqs),
                 sum(1 for item in batch.items if item.num_new > 1 or not item.samples), batch.num_tokens,
-                len(batch.preempted), time.perf_counter() - launched.started, launched.merged_adapter))
+                len(batch.preempted), duration_s, launched.merged_adapter))
 
     def _publish(self, batch: ScheduledBatch) -> None:
         """Offer the batch's blocks to the prefix cache (after the step before's tokens: its block

@@ -7,7 +7,7 @@ ContextVar keeps it private to the thread running the engine (tests may run mode
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -27,12 +27,18 @@ class CpuLoraRows(Protocol):
     def start(self, module: torch.nn.Module, x: torch.Tensor) -> Callable[[torch.Tensor], None] | None: ...
 
 
+# Per projection, the device events its LoRA kernels wait for: adapters' copies onto the GPU still in
+# flight (layer-pipelined loading, lora/gpu_memory.py).
+LoraWaits = Mapping["torch.nn.Module", Sequence["torch.cuda.Event"]]
+
+
 @dataclass(frozen=True)
 class ForwardContext:
     attention: AttentionMetadata
     kv_cache: PagedKVCache
     lora: LoRABatch
     cpu_lora: CpuLoraRows | None = None  # rows whose LoRA deltas the CPU LoRA workers compute
+    lora_waits: LoraWaits | None = None
 
 
 _CONTEXT: ContextVar[ForwardContext | None] = ContextVar("tessera_forward_context", default=None)

@@ -69,8 +69,8 @@ class CacheMetrics(Collector):
 
 class CpuLoraMetrics(Collector):
     """The CPU LoRA workers (gpu_worker/lora/cpu_assist.py) from the engine's stats snapshot: how many answer
-    jobs, how many jobs they took, the shares the worker computed itself, restarts, and how many sequences
-    started on them."""
+    jobs, how many jobs they took, the shares the worker computed itself, restarts, and how cold requests
+    started (on them, layer-pipelined or waiting: lora/cold_start.py)."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -89,9 +89,12 @@ class CpuLoraMetrics(Collector):
                                   value=s.cpu_lora.local_shares)
         yield CounterMetricFamily("tessera_worker_cpu_lora_restarts", "CPU LoRA workers started again after "
                                   "they exited", value=s.cpu_lora.restarts)
-        yield CounterMetricFamily("tessera_worker_cpu_assisted_admissions", "Sequences admitted with their LoRA "
-                                  "on the CPU LoRA workers (their adapter had no room on the GPU yet)",
-                                  value=s.cpu_assisted_admissions_total)
+        cold = CounterMetricFamily("tessera_worker_cold_starts", "Sequences admitted whose adapter was not usable "
+                                   "on the GPU, by how they started: pipelined (while its copy ran), cpu (on the "
+                                   "CPU LoRA workers) or wait (once it was usable)", labels=["way"])
+        for way, count in sorted(s.cold_starts_total.items()):
+            cold.add_metric([way], count)
+        yield cold
 
 
 class AdapterTierMetrics(Collector):

@@ -14,9 +14,10 @@ from collections.abc import Iterable
 import torch
 
 from gpu_worker.cuda_graphs import DecodeGraphs
-from gpu_worker.forward_context import ForwardContext, forward_context
+from gpu_worker.forward_context import ForwardContext, LoraWaits, forward_context
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.lora.cpu_assist import CpuLoraPool, CpuLoraStep
+from gpu_worker.lora.gpu_memory import AdapterCopy, copy_waits
 from gpu_worker.lora.layer import LoRALinear
 from gpu_worker.lora.merge_switch import MergeSwitch
 from gpu_worker.models.llama import LlamaForCausalLM
@@ -52,11 +53,12 @@ class ModelRunner:
         return self.merge_switch.merged_adapter if self.merge_switch else None
 
     @torch.inference_mode()
-    def run(self, items: list[ScheduledSeq], plan: StepPlan, previous: SampledTokens | None = None
-            ) -> tuple[list[Sequence], torch.Tensor]:
+    def run(self, items: list[ScheduledSeq], plan: StepPlan, previous: SampledTokens | None = None,
+            copies: list[AdapterCopy] | tuple[()] = ()) -> tuple[list[Sequence], torch.Tensor]:
         """Run `items` in `plan`'s mode; -> (the sequences that sample, their float32 logits [len(them),
         vocab]). A sequence with a token in flight decodes it: its input id is its token in `previous`,
-        still on the device."""
+        still on the device. `copies`: adapters' copies onto the GPU still in flight, whose bytes each
+        projection waits for on the device (eager: a captured graph cannot wait on them)."""
         inputs = build_step_inputs(items, self.kv_cache.block_size)
         merged = self._hold_weights(plan)
         if merged:
@@ -64,10 +66,12 @@ class ModelRunner:
         in_flight = InFlightIds.of(inputs, previous.seqs, previous.tokens) if previous is not None else None
         assert in_flight is not None or not any(item.seq.num_in_flight for item in items)
         cpu_rows = self._cpu_rows(inputs)
-        if cpu_rows is None and self.graphs is not None and inputs.is_decode_only and self.graphs.fits(len(items)):
+        waits = copy_waits(copies) if copies and not merged else None
+        if (cpu_rows is None and waits is None and self.graphs is not None and inputs.is_decode_only
+                and self.graphs.fits(len(items))):
             logits = self.graphs.replay(inputs, in_flight)
         else:
-            logits = self._run_eager(inputs, in_flight, cpu_rows)
+            logits = self._run_eager(inputs, in_flight, cpu_rows, waits)
         for item in items:
             seq = item.seq
             seq.num_cached += item.num_new
@@ -105,7 +109,7 @@ class ModelRunner:
         return CpuLoraStep(self.cpu_lora, self._module_index, rows)
 
     def _run_eager(self, inputs: StepInputs, in_flight: InFlightIds | None = None,
-                   cpu_rows: CpuLoraStep | None = None) -> torch.Tensor:
+                   cpu_rows: CpuLoraStep | None = None, waits: LoraWaits | None = None) -> torch.Tensor:
         width = max(len(table) for table in inputs.block_tables)
         query_start_loc = [0]
         for n in inputs.query_lens:
@@ -122,7 +126,7 @@ class ModelRunner:
         if in_flight is not None:
             in_flight.write_into(input_ids)
         embeds = self._input_embeddings(inputs, input_ids)
-        with forward_context(ForwardContext(attention, self.kv_cache, lora, cpu_rows)):
+        with forward_context(ForwardContext(attention, self.kv_cache, lora, cpu_rows, waits)):
             hidden = self.model(input_ids, self._device_tensor(inputs.positions, torch.long), embeds)
         return self.model.compute_logits(hidden[self._device_tensor(inputs.logit_rows, torch.long)])
 

@@ -4,9 +4,10 @@ Every step is built from the sequences' pending tokens (vLLM v1's view): a decod
 one, a prefilling one the rest of its prompt. Running sequences go first, decodes before prefill
 chunks, so a long prompt never stalls the decodes; then waiting sequences are admitted in FIFO
 order while the step stays within max_batch_tokens and max_num_seqs and the KV cache has blocks;
-a sequence whose adapter is still loading (lora/adapter_manager.py: the load started when the
-request arrived) waits while those behind it go ahead, and one whose adapter failed to load fails at
-once, wherever it is in the queue. An admitted sequence whose leading blocks are in the prefix cache starts
+a sequence whose adapter is not usable on the GPU yet (lora/adapter_manager.py: the load started when
+the request arrived) starts as lora/cold_start.py decides — layer-pipelined while its copy runs, on
+the CPU LoRA workers, or later — and waits while those behind it go ahead; one whose adapter failed to
+load fails at once, wherever it is in the queue. An admitted sequence whose leading blocks are in the prefix cache starts
 its prefill after them. A prompt longer than the remaining budget is prefilled in chunks over
 several steps. When a running sequence needs a block and none is free, the newest running
 sequence is preempted: its blocks are freed and it goes back to the head of the queue, to be
@@ -24,10 +25,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.lora.adapter_manager import AdapterManager
+from gpu_worker.lora.cold_start import ColdOptions, ColdStart, ColdStartPolicy
+from gpu_worker.lora.gpu_memory import AdapterCopy
+from gpu_worker.lora.host_weights import PackedAdapter
 from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus
 from kernels import NO_SLOT
 from services.common.errors import TesseraError
@@ -51,7 +53,7 @@ class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
     failed: list[tuple[Sequence, TesseraError]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    adapter_copies: list[torch.cuda.Event] = field(default_factory=list)  # the step's kernels wait for these
+    adapter_copies: list[AdapterCopy] = field(default_factory=list)  # the step's kernels wait for these
 
     def add(self, seq: Sequence, num_new: int) -> None:
         self.items.append(ScheduledSeq(seq, num_new, seq.num_cached + num_new == seq.num_tokens))
@@ -63,14 +65,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager, adapters: AdapterManager,
-                 cpu_lora_ready: Callable[[], bool] = lambda: False) -> None:
-        """`cpu_lora_ready`: whether CPU LoRA workers can take a sequence whose adapter cannot be placed
-        on the GPU yet (lora/cpu_assist.py)."""
+                 cold_start: ColdStartPolicy, cpu_extra_s: Callable[[int, PackedAdapter], float | None] = lambda tokens, packed: None) -> None:
+        """`cold_start`: how sequences start whose adapter is not usable on the GPU; `cpu_extra_s`: what running a sequence's tokens of an adapter
+        on the CPU LoRA workers adds to a step (lora/cpu_assist.py), None without them."""
         self.limits = limits
         self.blocks = blocks
         self.adapters = adapters
-        self.cpu_lora_ready = cpu_lora_ready
-        self.cpu_assisted_admissions = 0
+        self.cold_start = cold_start
+        self.cpu_extra_s = cpu_extra_s
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -136,7 +138,7 @@ class Scheduler:
                 still_waiting.extend(self.waiting)
                 self.waiting.clear()
                 break
-            if not self._place_adapter(seq, batch):
+            if not self._place_adapter(seq, batch, num_new):
                 still_waiting.append(seq)  # its adapter is loading; others may go ahead
                 continue
             self.blocks.admit(seq, prefix, num_new)
@@ -154,26 +156,39 @@ class Scheduler:
             self.waiting.remove(seq)
             batch.failed.append((seq, error))
 
-    def _place_adapter(self, seq: Sequence, batch: ScheduledBatch) -> bool:
-        """Point `seq` at its adapter's GPU slot; False while the adapter is loading. An adapter whose
-        copy onto the GPU still runs is taken only into a step that nothing else needs yet (an empty
-        batch, or one waiting for that copy already): the step waits for the copy on the device."""
+    def _place_adapter(self, seq: Sequence, batch: ScheduledBatch, num_new: int) -> bool:
+        """Point `seq` at its adapter's GPU slot, or its host copy for the CPU LoRA workers, as the cold-start
+        policy says; False while it waits for its adapter."""
         if seq.adapter is None:
             return True
-        event = self.adapters.copy_event(seq.adapter)
-        copying_ok = event is not None and (not batch.items or event in batch.adapter_copies)
-        placed = self.adapters.resident(seq.adapter, copying_ok)
+        placed = self.adapters.resident(seq.adapter)
         if placed is None:
-            # Its GPU placement cannot start (every byte is held): its LoRA runs on the CPU LoRA
-            # workers from its host copy until it can; without them, it waits.
-            host = self.adapters.host_only(seq.adapter) if self.cpu_lora_ready() else None
-            seq.cpu_adapter = host
-            self.cpu_assisted_admissions += host is not None
-            return host is not None
-        seq.slot, seq.rank = placed
-        if event is not None and event not in batch.adapter_copies:
-            batch.adapter_copies.append(event)
+            seq.cold = True
+            way = self._cold_start_way(seq, batch, num_new)
+            if way is ColdStart.WAIT:
+                return False
+            if way is ColdStart.CPU:
+                seq.cpu_adapter = self.adapters.host_copy(seq.adapter)
+            else:
+                placed = self.adapters.resident(seq.adapter, copying_ok=True)
+                copy = self.adapters.pending_copy(seq.adapter)
+                if copy is not None and copy not in batch.adapter_copies:
+                    batch.adapter_copies.append(copy)
+        elif seq.cold:
+            way = ColdStart.WAIT  # it waited, and its adapter is usable now
+        if seq.cold:
+            self.cold_start.started[way] += 1
+            seq.cold = False
+        if placed is not None:
+            seq.slot, seq.rank = placed
         return True
+
+    def _cold_start_way(self, seq: Sequence, batch: ScheduledBatch, num_new: int) -> ColdStart:
+        host = self.adapters.host_copy(seq.adapter)
+        if host is None:
+            return ColdStart.WAIT  # still on its way from disk
+        return self.cold_start.choose(ColdOptions(self.adapters.copy_left_s(seq.adapter),
+                                                  self.cpu_extra_s(num_new, host), others=bool(batch.items)))
 
     def _move_to_gpu(self, seq: Sequence) -> None:
         """A CPU-assisted sequence takes the GPU kernels from the first step after its adapter is usable

@@ -74,9 +74,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.slot = NO_SLOT
         self.rank = 0
-        # While its adapter cannot be placed on the GPU: the host copy the CPU LoRA workers compute its
+        # While its adapter is not usable on the GPU: the host copy the CPU LoRA workers compute its
         # LoRA deltas from (lora/cpu_assist.py); slot stays NO_SLOT for the GPU kernels.
         self.cpu_adapter: PackedAdapter | None = None
+        self.cold = False  # its adapter was not usable when it was first considered, and it is not admitted yet
         self.num_cached = 0                 # leading tokens whose K/V are in the cache
         self.block_table: list[int] = []    # KV-cache blocks holding those tokens, in order
         # Prefix caching (block_manager.py): content hashes of the leading full blocks computed so far

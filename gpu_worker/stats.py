@@ -7,7 +7,7 @@ GetStats (servicer.py), the state pushed to the gateway (state_push.py) and /met
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_worker.lora.adapter_manager import AdapterManager
 from gpu_worker.lora.cpu_assist import CpuLoraPool, CpuLoraStats
@@ -52,7 +52,8 @@ class EngineStats:
     running_load: tuple[SeqLoad, ...] = ()
     waiting_load: tuple[SeqLoad, ...] = ()
     cpu_lora: CpuLoraStats = CpuLoraStats()  # the CPU LoRA workers (none configured: zeros)
-    cpu_assisted_admissions_total: int = 0   # sequences admitted with their LoRA on the CPU LoRA workers
+    # Sequences admitted whose adapter was not usable on the GPU, by how they started (lora/cold_start.py).
+    cold_starts_total: dict[str, int] = field(default_factory=dict)
 
 
 def snapshot(scheduler: Scheduler, adapters: AdapterManager, image_cache: ImageFeatureCache | None,
@@ -85,7 +86,7 @@ def snapshot(scheduler: Scheduler, adapters: AdapterManager, image_cache: ImageF
         waiting_load=tuple(map(_seq_load, scheduler.waiting)),
         adapters=tiers,
         cpu_lora=cpu_lora.stats() if cpu_lora is not None else CpuLoraStats(),
-        cpu_assisted_admissions_total=scheduler.cpu_assisted_admissions)
+        cold_starts_total={str(way): count for way, count in scheduler.cold_start.started.items()})
 
 
 def _seq_load(seq: Sequence) -> SeqLoad:

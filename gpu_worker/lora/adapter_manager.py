@@ -13,10 +13,10 @@ A request's adapter, step by step (engine thread unless said):
                  marks its end. Neither stops a step.
   poll()         every scheduling pass: take finished reads into the host tier, start GPU copies for
                  the versions requests wait for, make usable those whose copy event has completed.
-  resident(ref)  (slot, rank) once usable: the scheduler admits the request then. When no other
-                 request would share its step, already while its copy runs (`copying_ok`): the
-                 step then waits for `copy_event(ref)` on the device, not the engine for the copy,
-                 so the copy overlaps the step's launch (a lone request's TTFT is not copy + step).
+  resident(ref)  (slot, rank) once usable: the scheduler admits the request then, or already while
+                 its copy runs (`copying_ok`, layer-pipelined loading: lora/cold_start.py decides):
+                 the step's projections then wait on the device for their own bytes of
+                 `pending_copy(ref)`, not the engine for the copy, so the copy overlaps the step.
   failure(ref)   the load failed: the scheduler fails the request at once (AdapterLoadFailed). The
                  failure is remembered `failure_ttl_s`, so requests for the same digest fail without
                  reading the files again.
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.lora.adapter_stats import AdapterPlacement, AdapterTierStats, LoadClock
-from gpu_worker.lora.gpu_memory import GpuAdapterMemory
+from gpu_worker.lora.gpu_memory import AdapterCopy, GpuAdapterMemory
 from gpu_worker.lora.host_weights import PAGE_BYTES, HostPages, PackedAdapter
 from gpu_worker.lora.load_failures import RecentFailures
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights
@@ -67,7 +68,7 @@ class _Version:
     host: PackedAdapter | None = None        # the host copy, once read
     reading: concurrent.futures.Future[PackedAdapter] | None = None
     slot: int | None = None                  # its GPU slot from placement on (the copy may still run)
-    copying: torch.cuda.Event | None = None  # the copy onto the GPU, until it has completed
+    copying: AdapterCopy | None = None       # the copy onto the GPU, until it has completed
     started: float = 0.0                     # when the read or copy in progress started
     pinned: bool = False                     # by an operator's order: made usable, then never evicted
     preloading: bool = False                 # an operator's preload: held (pinned) until usable
@@ -114,6 +115,7 @@ class AdapterManager:
         self._synchronous = synchronous
         self._clock = clock
         self._load_times = LoadClock()
+        self._copy_bytes_per_s = 0.0  # host -> GPU installs as measured (0: none finished yet)
         self._hits = self._misses = 0
         self.wake: Callable[[], None] = lambda: None
 
@@ -138,16 +140,27 @@ class AdapterManager:
             return None
         return version.slot, version.host.rank
 
-    def copy_event(self, ref: AdapterRef) -> torch.cuda.Event | None:
-        """The event that ends `ref`'s copy onto the GPU while the copy may still run; None after."""
+    def pending_copy(self, ref: AdapterRef) -> AdapterCopy | None:
+        """`ref`'s copy onto the GPU while it may still run; None after (or before it started)."""
         version = self._versions.get(ref.sha256)
         return None if version is None else version.copying
 
-    def host_only(self, ref: AdapterRef) -> PackedAdapter | None:
-        """`ref`'s host copy while its version cannot be placed on the GPU (no placement started: every
-        GPU byte is held), for CPU-assisted steps; None otherwise."""
+    def copy_left_s(self, ref: AdapterRef) -> float | None:
+        """About how long `ref`'s copy onto the GPU still runs, at the rate installs have measured; None
+        while it has no GPU placement (its bytes are not read yet, or every GPU byte is held)."""
         version = self._versions.get(ref.sha256)
-        return version.host if version is not None and version.slot is None else None
+        if version is None or version.slot is None:
+            return None
+        if version.copying is None:
+            return 0.0
+        if not self._copy_bytes_per_s:
+            return math.inf  # not measured yet: no estimate to stake other requests' steps on
+        return max(0.0, version.host.nbytes / self._copy_bytes_per_s - (self._clock() - version.started))
+
+    def host_copy(self, ref: AdapterRef) -> PackedAdapter | None:
+        """`ref`'s host copy while it is not usable on the GPU (for CPU-assisted steps); None otherwise."""
+        version = self._versions.get(ref.sha256)
+        return version.host if version is not None and not version.usable else None
 
     def failure(self, ref: AdapterRef) -> AdapterLoadFailed | None:
         """The error to fail a request for `ref` with, if its version's load failed lately."""
@@ -231,9 +244,9 @@ class AdapterManager:
             version = self._versions[key]
             if version.reading is not None and version.reading.done():
                 self._read_done(key, version)
-            elif version.copying is not None and version.copying.query():
+            elif version.copying is not None and version.copying.done.query():
                 version.copying = None
-                self._load_times.observe("host", self._clock() - version.started)
+                self._copied(version)
             if version.wanted and not version.usable:
                 self._advance(key, version)
             self._end_preload(key, version)
@@ -254,7 +267,7 @@ class AdapterManager:
             if version.reading is not None:
                 concurrent.futures.wait([version.reading])
             else:
-                version.copying.synchronize()
+                version.copying.done.synchronize()
             self.poll()
         return placed
 
@@ -355,19 +368,27 @@ class AdapterManager:
         slot = self._free_slots.pop()
         version.started = self._clock()
         try:
-            event = self._memory.install(slot, version.host, self._stream)
+            copy = self._memory.install(slot, version.host, self._stream)
         except Exception as exc:  # noqa: BLE001 - any failure fails only this version's requests
             self._free_slots.append(slot)
             self._fail(key, version, exc)
             return
-        if event is not None and self._synchronous:
-            event.synchronize()
-            event = None
-        version.slot, version.copying = slot, event
-        if event is None:
-            self._load_times.observe("host", self._clock() - version.started)
+        if copy is not None and self._synchronous:
+            copy.done.synchronize()
+            copy = None
+        version.slot, version.copying = slot, copy
+        if copy is None:
+            self._copied(version)
         else:
-            self._copy_waiter.submit(event.synchronize).add_done_callback(lambda _: self.wake())
+            self._copy_waiter.submit(copy.done.synchronize).add_done_callback(lambda _: self.wake())
+
+    def _copied(self, version: _Version) -> None:
+        """`version`'s copy onto the GPU has completed: count its time, and its rate for `copy_left_s`."""
+        seconds = self._clock() - version.started
+        self._load_times.observe("host", seconds)
+        if seconds > 0:
+            rate = version.host.nbytes / seconds
+            self._copy_bytes_per_s = rate if not self._copy_bytes_per_s else 0.8 * self._copy_bytes_per_s + 0.2 * rate
 
     def _read_into_host(self, ref: AdapterRef) -> PackedAdapter:
         """Loader thread: read, verify and parse `ref`, then hold it in host memory as the GPU wants it."""

@@ -1,5 +1,5 @@
-"""CPU-assisted prefill (CaraServe): a request whose adapter is in the host tier but cannot be placed on
-the GPU yet (every GPU adapter byte is held by running requests) starts at once, its LoRA deltas
+"""CPU-assisted prefill (CaraServe): a request whose adapter is in the host tier but not usable on the
+GPU yet (cold_start.py decides when this way is the fastest) starts at once, its LoRA deltas
 computed by the worker's CPU LoRA workers from the host copy, layer by layer, over shared memory
 (services/common/lora_shm.py); it switches to the GPU kernels at the first step after its adapter
 becomes usable there (scheduler.py).
@@ -75,6 +75,7 @@ class CpuLoraPool:
         self._procs: list[subprocess.Popen | None] = [None] * len(cores)
         self._membind = membind_prefix(node) if node is not None else []
         self.restarts = self._jobs = self._local_shares = 0
+        self._job_overhead_s = 0.0  # what a job costs the engine beyond the workers' arithmetic, as measured
         # Jobs (engine thread) and the watcher's restarts take turns on the workers and the work area.
         self._lock = threading.RLock()
         self._closing = threading.Event()
@@ -142,6 +143,25 @@ class CpuLoraPool:
             lora_delta(Job(self.area.x[:tokens, :x.shape[1]], out_features, segments, share, self.area.pages,
                            self._page_elems), self.area.y, self._region)
         return torch.from_numpy(self.area.y[:tokens, :out_features])
+
+    def extra_step_s(self, tokens: int, packed: PackedAdapter) -> float | None:
+        """About how much later a step ends with `tokens` rows of `packed` on the CPU LoRA workers: a job per
+        projection it targets, each its share of the arithmetic at the rates measured at start plus what
+        jobs have cost beyond that; None when no worker is ready."""
+        live = len(self.live())
+        if not live:
+            return None
+        jobs = [max(ranks) for _, ranks, _ in packed.parts if any(ranks)]
+        return sum(self._job_overhead_s + self._arithmetic_s(tokens, rank, live) for rank in jobs)
+
+    def observe_job(self, tokens: int, rank: int, seconds: float) -> None:
+        """A job of `tokens` rows at `rank` held the engine `seconds` (rows out, arithmetic, deltas in)."""
+        overhead = max(0.0, seconds - self._arithmetic_s(tokens, rank, len(self.live()) or 1))
+        self._job_overhead_s = overhead if not self._job_overhead_s else 0.8 * self._job_overhead_s + 0.2 * overhead
+
+    def _arithmetic_s(self, tokens: int, rank: int, live: int) -> float:
+        rate = self._rate(rank)
+        return tokens / (rate * workers_for(tokens, rate, live)) if rate else 0.0
 
     def _rate(self, rank: int) -> int:
         """Tokens per second one core computes at `rank`, as the slowest worker measured at start (0: none yet)."""
@@ -218,6 +238,8 @@ class CpuLoraStep:
             for s, shift in zip(segments, shifts):
                 columns = slice(s.out_offset, s.out_offset + s.out_size)
                 out[s.first + shift:s.last + shift, columns] += y[s.first:s.last, columns].to(out.device, out.dtype)
+            self.pool.observe_job(rows.shape[0], max(s.rank for s in segments), time.perf_counter() - started)
+        started = time.perf_counter()
         return finish
 
     def _segments(self, module: LoRALinear, index: int) -> tuple[list[Segment], list[int], list[int]]:

@@ -5,8 +5,11 @@ targets need (a rank-8 adapter about 1/8 of a rank-64 one), and one row of every
 (its slot; kernels/lora_stack.py). The loader packs an adapter on the host exactly as it will lie in
 that range (`pack`, on a loader thread), so `install` is one copy of its bytes and a table update.
 
-On CUDA, `install` copies on the caller's side stream and returns an event recorded after the copy
-and the table writes; the adapter may be read once the event has completed, and no step waits for it.
+On CUDA, `install` writes the table rows, then copies on the caller's side stream, and returns the copy's
+events (AdapterCopy): one after its last byte, and one after each group of projections' bytes, in
+layer order. A step may take the adapter while the copy runs (layer-pipelined loading): each
+projection's kernels wait on the device for that projection's own bytes (layer.py), so the copy of
+later layers overlaps the compute of earlier ones. Other steps never wait for it.
 An install writes only a free range and its own slot's rows, which no queued step reads (a slot is
 freed only after its adapter's last request ended, and a request ends only once every step that ran
 it has delivered its tokens), so the copy does not wait for the steps queued before it. The
@@ -16,6 +19,9 @@ the install's copy then follows it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +33,25 @@ from kernels import AdapterArena, upload_rows
 from kernels.adapter_arena import aligned
 
 MIN_RANK_PER_SEAT = 8  # table rows: enough for the budget filled with adapters of this rank on every target
+# An install's copy is cut into pieces of about this many bytes, an event after each: a few dozen copies for
+# a 7B's adapter, each ahead of its layers' compute (one event per projection would cost launches, not time).
+COPY_PIECE_BYTES = 2 << 20
+
+
+@dataclass(frozen=True)
+class AdapterCopy:
+    """An install's copy in flight: `done` after its last byte, `by_module` after each projection's."""
+    done: torch.cuda.Event
+    by_module: Mapping[LoRALinear, torch.cuda.Event]
+
+
+def copy_waits(copies: list[AdapterCopy]) -> dict[LoRALinear, list[torch.cuda.Event]]:
+    """For a step that runs adapters whose copies are in flight: each projection's events to wait for."""
+    waits: dict[LoRALinear, list[torch.cuda.Event]] = {}
+    for copy in copies:
+        for module, event in copy.by_module.items():
+            waits.setdefault(module, []).append(event)
+    return waits
 
 
 class GpuAdapterMemory:
@@ -104,8 +129,8 @@ class GpuAdapterMemory:
                 view.copy_(staging[start:start + view.numel()])
         return PackedAdapter(weights.name, weights.rank, self.dtype, nbytes, taken, tuple(parts), pages)
 
-    def install(self, slot: int, packed: PackedAdapter, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        """Copy `packed` into the arena and point `slot` at it; -> the event to wait for on CUDA (`stream`
+    def install(self, slot: int, packed: PackedAdapter, stream: torch.cuda.Stream | None) -> AdapterCopy | None:
+        """Point `slot` at `packed` and copy it into the arena; -> the copy's events on CUDA (`stream`
         given), None when the copy is done already. The caller's budget guarantees the bytes are free."""
         assert slot not in self._offsets, f"slot {slot} is taken"
         elems = packed.nbytes // self._itemsize
@@ -116,13 +141,12 @@ class GpuAdapterMemory:
         assert offset is not None, f"{elems} elements do not fit an arena with {self._arena.free_elems} free"
         self._offsets[slot] = offset
         if stream is None:
-            self._place(slot, offset, packed)
+            self._point(slot, offset, packed)
+            self._copy(offset, packed, 0, packed.nbytes)
             return None
         with torch.cuda.stream(stream):
-            self._place(slot, offset, packed)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+            self._point(slot, offset, packed)
+            return self._copy_in_pieces(offset, packed)
 
     def free(self, slot: int) -> None:
         """`slot`'s adapter leaves the GPU. If it is folded into the base weights (merged mode), those are
@@ -134,17 +158,41 @@ class GpuAdapterMemory:
         for module in self._modules:  # the device rows stay stale, unread, until the slot's next install
             module.lora.clear(slot, upload=False)
 
-    def _place(self, slot: int, offset: int, packed: PackedAdapter) -> None:
-        """On the current stream: the one copy, then every projection's table rows."""
-        arena_bytes = self._arena.data.view(torch.uint8)[offset * self._itemsize:]
-        for start, view in packed.pool.runs(packed.pages, packed.nbytes):
-            arena_bytes[start:start + view.numel()].copy_(view, non_blocking=True)
+    def _point(self, slot: int, offset: int, packed: PackedAdapter) -> None:
+        """Every projection's table rows for `slot` (on the current stream: before the copy, which the
+        rows' readers wait for)."""
         for module, (part, ranks, scalings) in zip(self._modules, packed.parts):
             if any(ranks):
                 module.lora.place(slot, offset + part, ranks, scalings, upload=False)
             else:
                 module.lora.clear(slot, upload=False)
         upload_rows(self._stacks, slot)  # every row of the slot: a projection it skips may hold a stale one
+
+    def _copy_in_pieces(self, offset: int, packed: PackedAdapter) -> AdapterCopy:
+        """On the current stream: the copy in pieces of whole projections, in the packing's (layer) order,
+        each followed by an event."""
+        ends = [part * self._itemsize for part, _, _ in packed.parts[1:]] + [packed.nbytes]
+        by_module: dict[LoRALinear, torch.cuda.Event] = {}
+        piece_start, piece = 0, []
+        for module, end in zip(self._modules, ends):
+            piece.append(module)
+            if end - piece_start >= COPY_PIECE_BYTES or (end == packed.nbytes and end > piece_start):
+                self._copy(offset, packed, piece_start, end)
+                event = torch.cuda.Event()
+                event.record()
+                by_module.update(dict.fromkeys(piece, event))
+                piece_start, piece = end, []
+        done = torch.cuda.Event()  # projections left in `piece` have no bytes: nothing waits for them
+        done.record()
+        return AdapterCopy(done, by_module)
+
+    def _copy(self, offset: int, packed: PackedAdapter, first: int, last: int) -> None:
+        """Bytes [first, last) of `packed` to the arena at `offset` (elements), from its runs of pages."""
+        arena_bytes = self._arena.data.view(torch.uint8)[offset * self._itemsize:]
+        for start, view in packed.pool.runs(packed.pages, packed.nbytes):
+            lo, hi = max(first, start), min(last, start + view.numel())
+            if lo < hi:
+                arena_bytes[lo:hi].copy_(view[lo - start:hi - start], non_blocking=True)
 
     def _compact(self, stream: torch.cuda.Stream | None) -> None:
         """Close the arena's holes on the compute stream, after the copies in flight on `stream` (they

@@ -61,6 +61,8 @@ class LoRALinear(nn.Module):
         out = kernels.linear(x, self.weight, self.bias)
         batch = context.lora
         if self.lora is not None and batch.has_lora:
+            for event in context.lora_waits.get(self, ()) if context.lora_waits else ():
+                event.wait()  # the device waits for this projection's bytes of an adapter still copying
             y = kernels.lora_shrink(x, self.lora, batch)
             kernels.lora_expand(out, y, self.lora, batch)
         if add_cpu_deltas is not None:

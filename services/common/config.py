@@ -116,11 +116,17 @@ class WorkerConfig:
     adapter_synchronous_loads: bool = False
     # CPU LoRA workers (CaraServe's CPU-assisted prefill, gpu_worker/lora/cpu_assist.py): processes the
     # worker starts, each pinned to cpu_lora_cores_each cores of its GPU's NUMA node, that compute the
-    # LoRA part of requests whose adapter is in host memory while the GPU has no room for it yet. The
-    # host tier and their work area are files in cpu_lora_shm_dir (memory: /dev/shm). 0: none.
+    # LoRA part of requests whose adapter is in host memory but not usable on the GPU yet, when the
+    # cold-start policy takes that way (below). The host tier and their work area are files in cpu_lora_shm_dir (memory: /dev/shm). 0: none.
     cpu_lora_workers: int = 0
     cpu_lora_cores_each: int = 1
     cpu_lora_shm_dir: str = "/dev/shm"
+    # How a request starts whose adapter is in host memory but not usable on the GPU yet
+    # (gpu_worker/lora/cold_start.py): auto (the fastest way that keeps running requests within
+    # cold_start_tpot_slo_ms), or one way alone: pipelined (layer-pipelined loading), cpu (the CPU LoRA
+    # workers), wait (until the whole adapter is on the GPU).
+    cold_start_policy: str = "auto"
+    cold_start_tpot_slo_ms: float = 200.0
     max_lora_rank: int = 64  # adapters of higher rank are refused by this worker
     # Projections that get adapter slots (memory: every slot holds max_lora_rank for each);
     # adapters targeting others are refused.

@@ -13,10 +13,18 @@ from gpu_worker.lora.host_weights import HostPages, host_buffer
 from gpu_worker.lora.loader import LoRAModule, LoRAWeights
 from services.common.scheduling.eviction import LRU
 from services.demo_assets import DEMO_BASE_MODEL
-from tests.reference import ReferenceModels
+from tests.reference import ReferenceModels, assert_same_greedy
 from tests.unit.gpu_worker.adapter_fakes import IN, OUT, Disk, installed, poll_until, ref, tiny_memory
 from tests.unit.gpu_worker.conftest import make_engine, tiny_assets  # noqa: F401 (fixture)
 from tests.unit.gpu_worker.test_cpu_assist import (  # noqa: F401 (run here on CUDA)
+    COLD,
+    COLD_PROMPT,
+    MAX_NEW,
+    WARM,
+    WARM_NEW,
+    WARM_PROMPT,
+    StepHook,
+    _serve_cold_beside_warm,
     test_a_cold_request_runs_on_cpu_lora_workers_then_switches_mid_prefill,
     test_a_cpu_lora_worker_killed_mid_request_changes_nothing,
 )
@@ -59,8 +67,8 @@ def test_host_pages_are_page_locked_once_and_installed_by_copies_behind_an_event
     packed = memory.pack(weights, pages)
     assert packed.nbytes == 2 * 64 * 2 and len(packed.pages) == 2  # A and Bᵀ of rank 3, each 64 elements
     stream = torch.cuda.Stream()
-    event = memory.install(1, packed, stream)
-    event.synchronize()
+    copy = memory.install(1, packed, stream)
+    copy.done.synchronize()
     a, b, _ = weights.modules[(0, "q_proj")]
     assert all(torch.equal(have.cpu(), want.bfloat16()) for have, want in zip(installed(module, 1), (a, b)))
     pages.give_back(scattered)
@@ -74,9 +82,9 @@ def test_page_locked_buffers_are_released_with_their_tensors():
 
 
 def test_an_adapter_taken_while_its_copy_runs_is_read_only_after_the_copy():
-    """The scheduler may run an adapter whose copy onto the GPU is still queued (in a step nothing else
-    needs yet), making the step wait for the copy's event on the device. With the side stream held busy
-    (a long sleep kernel ahead of the copy), the slot read after that wait holds the adapter's weights."""
+    """The scheduler may run an adapter whose copy onto the GPU is still queued (layer-pipelined loading),
+    each projection waiting on the device for its own bytes' event. With the side stream held busy (a
+    long sleep kernel ahead of the copy), the slot read after that wait holds the adapter's weights."""
     memory, module = tiny_memory(2, device="cuda", dtype=torch.float32)
     disk = Disk()
     adapters = AdapterManager(memory, disk.read, host_bytes=4 * memory.max_bytes, host_page_bytes=memory.max_bytes,
@@ -87,15 +95,37 @@ def test_an_adapter_taken_while_its_copy_runs_is_read_only_after_the_copy():
     with torch.cuda.stream(adapters._stream):  # the manager's side stream: its copies queue behind this
         torch.cuda._sleep(int(5e8))
     disk.release(sql)
-    poll_until(adapters, lambda: adapters.copy_event(sql) is not None)
-    event = adapters.copy_event(sql)
-    assert not event.query(), "the copy finished before the test could read ahead of it"
+    poll_until(adapters, lambda: adapters.pending_copy(sql) is not None)
+    copy = adapters.pending_copy(sql)
+    assert not copy.done.query(), "the copy finished before the test could read ahead of it"
+    assert adapters.copy_left_s(sql) > 0
     assert adapters.resident(sql) is None  # not usable yet...
     slot, rank = adapters.resident(sql, copying_ok=True)  # ...but may be taken into a step that waits
-    event.wait()  # what Engine.step does before the step's kernels
+    copy.by_module[module].wait()  # what the projection does before its LoRA kernels (layer.py)
     a, b, _ = disk.weights[sql.sha256].modules[(0, "q_proj")]
     assert rank == a.shape[0]
     assert all(torch.equal(have.cpu(), want) for have, want in zip(installed(module, slot), (a, b)))
-    poll_until(adapters, lambda: adapters.copy_event(sql) is None)
+    poll_until(adapters, lambda: adapters.pending_copy(sql) is None)
     assert adapters.resident(sql) == (slot, rank)
     adapters.close()
+
+
+def test_a_cold_request_starts_beside_a_running_one_while_its_adapter_copies(engine_factory, tiny_assets,  # noqa: F811
+                                                                            reference):
+    """Layer-pipelined loading: once WARM runs, a ~300 ms kernel holds the manager's side stream, so
+    COLD's copy onto the GPU queues behind it; the pipelined policy admits COLD at once into WARM's
+    steps, whose projections wait for its bytes on the device. Both outputs equal PEFT's."""
+    held = []
+
+    def on_step(record) -> None:
+        if not held and "warm" in record.request_ids:  # before COLD arrives
+            with torch.cuda.stream(engine._adapters._stream):
+                torch.cuda._sleep(int(6e8))
+            held.append(record.step)
+    steps = StepHook(on_step)
+    engine = engine_factory(steps, cold_start_policy="pipelined")
+    warm_tokens, cold_tokens = _serve_cold_beside_warm(engine, tiny_assets)
+    assert_same_greedy("cold, pipelined", reference.greedy_text(COLD, COLD_PROMPT, MAX_NEW), cold_tokens)
+    assert_same_greedy("warm beside it", reference.greedy_text(WARM, WARM_PROMPT, WARM_NEW), warm_tokens)
+    assert "warm" in next(record for record in steps if "cold" in record.request_ids).request_ids
+    assert engine.stats().cold_starts_total["pipelined"] == 1  # admitted while its copy was in flight

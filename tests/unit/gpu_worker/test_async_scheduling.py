@@ -51,11 +51,11 @@ def count_launched_ahead(monkeypatch) -> list[LaunchedAhead]:
     launched: list[LaunchedAhead] = []
     run = ModelRunner.run
 
-    def recorded(self, items, plan, previous=None):
+    def recorded(self, items, plan, previous=None, copies=()):
         if previous is not None:
             launched.append(LaunchedAhead(sum(1 for item in items if item.seq.num_in_flight),
                                           sum(item.num_new for item in items if item.num_new > 1)))
-        return run(self, items, plan, previous)
+        return run(self, items, plan, previous, copies)
     monkeypatch.setattr(ModelRunner, "run", recorded)
     return launched
 

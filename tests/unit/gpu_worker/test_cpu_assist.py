@@ -100,13 +100,13 @@ def test_a_cold_request_runs_on_cpu_lora_workers_then_switches_mid_prefill(engin
     assert len(prefill_steps) >= 3 and prefill_steps[-1] == prefill_steps[-2]  # later chunks: no CPU job
     stats = idle_stats(engine)
     assert COLD in stats.adapters.gpu_adapters
-    assert (stats.cpu_assisted_admissions_total, stats.cpu_lora.workers, stats.cpu_lora.ready) == (1, 1, 1)
+    assert (stats.cold_starts_total["cpu"], stats.cpu_lora.workers, stats.cpu_lora.ready) == (1, 1, 1)
     assert stats.cpu_lora.jobs == prefill_steps[-1] and stats.cpu_lora.local_shares == 0
     metrics = CollectorRegistry()
     metrics.register(CpuLoraMetrics(engine))
     text = generate_latest(metrics).decode()
     for line in ('tessera_worker_cpu_lora_workers{state="ready"} 1.0',
-                 "tessera_worker_cpu_assisted_admissions_total 1.0",
+                 'tessera_worker_cold_starts_total{way="cpu"} 1.0',
                  f"tessera_worker_cpu_lora_jobs_total {float(prefill_steps[-1])}"):
         assert line in text, line
 

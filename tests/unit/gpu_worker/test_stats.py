@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gpu_worker.block_manager import BlockManager
+from gpu_worker.lora.cold_start import ColdStartPolicy
 from gpu_worker.scheduler import Scheduler, SchedulerLimits
 from gpu_worker.sequence import SamplingParams, Sequence
 from gpu_worker.stats import SeqLoad, snapshot
@@ -13,7 +14,8 @@ from .adapter_fakes import Disk, manager, poll_until, ref
 
 def _scheduler(max_num_seqs: int) -> Scheduler:
     adapters, _ = manager(2, Disk())
-    return Scheduler(SchedulerLimits(max_num_seqs, max_batch_tokens=64), BlockManager(9, 4), adapters)
+    return Scheduler(SchedulerLimits(max_num_seqs, max_batch_tokens=64), BlockManager(9, 4), adapters,
+                     ColdStartPolicy("auto", tpot_slo_s=0.2))
 
 
 def test_running_sequences_count_their_context_and_waiting_ones_their_prompt():
