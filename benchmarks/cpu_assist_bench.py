@@ -1,10 +1,13 @@
-"""CPU-assisted prefill (issue 40) on a 7B-shaped Llama (Llama-2-7B config, random bf16 weights), one GPU
-and its host's cores: the TTFT of a request whose adapter is in host memory while the GPU adapter tier
-is full (a running request holds all of it), served with its LoRA on the CPU LoRA workers, against
-the same request's TTFT once its adapter is resident (a base-model stream running beside it in both
-cases), over prompt lengths from the shared conv trace and ranks 8-128 on q,k,v (CaraServe's
-targets). The map of CPU-assisted over resident TTFT by (length, rank) is what the cold-start policy
-weighs against waiting for room on the GPU. Adapters are real PEFT files (benchmarks/adapter_files.py).
+"""The cold-start ways (issue 40; gpu_worker/lora/cold_start.py) on a 7B-shaped Llama (Llama-2-7B config,
+random bf16 weights), one GPU and its host's cores: the TTFT of a request whose adapter is in host memory,
+not on the GPU, started (a) layer-pipelined while its copy onto the GPU runs, (b) with its LoRA on the
+CPU LoRA workers until the adapter is usable on the GPU (CaraServe), (c) once the whole adapter is on
+the GPU, and (d) as the `auto` policy chooses, against (e) the same request once its adapter is
+resident; a base-model stream runs beside it throughout. Over prompt lengths from the shared conv
+trace and ranks 8-128 on q,k,v (CaraServe's targets): the map of which way wins by (length, rank) is
+the policy's evidence. The GPU adapter tier holds one adapter of the largest size: a 1-token request
+on a blocker adapter of that size puts the measured adapter back in host memory before each cold
+request. Adapters are real PEFT files (benchmarks/adapter_files.py).
 
     PYTHONPATH=.:protos python3 -m benchmarks.cpu_assist_bench [--workers 4] [--cores-each 3] [--json OUT.json]
     PYTHONPATH=.:protos python3 -m benchmarks.cpu_assist_bench --device cpu --tiny   # CPU smoke run
@@ -31,6 +34,8 @@ from benchmarks.serving import BASE_MODEL, bench_tokenizer, running_engine
 from gpu_worker.builder import assemble_parts, async_scheduling_on
 from gpu_worker.engine import Engine
 from gpu_worker.intake import GenerationRequest
+from gpu_worker.lora.cold_start import ColdStartPolicy
+from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
 from services.common.config import WorkerConfig
 from services.common.lora_shm import RATE_RANKS, RATES
@@ -53,29 +58,35 @@ async def _started(engine: Engine, request: GenerationRequest) -> asyncio.Task:
     return asyncio.create_task(drain())
 
 
-async def _ttft_ms(engine: Engine, requests: Requests, adapter, length: int) -> float:
-    return statistics.median([await first_token_s(engine, requests.make(adapter, length, 1))
-                              for _ in range(REPEATS)]) * 1e3
+WAYS = ("pipelined", "cpu", "wait", "auto")  # cold_start_policy values, each measured on its own
 
 
-async def cell(engine: Engine, requests: Requests, blocker, adapter, length: int, hold_tokens: int) -> dict:
-    """CPU-assisted then resident TTFT of `adapter` at `length` prompt tokens."""
-    assisted_before = engine.stats().cpu_assisted_admissions_total
-    holding = requests.make(blocker, 16, hold_tokens)
-    hold = await _started(engine, holding)  # the blocker fills the GPU tier
-    await first_token_s(engine, requests.make(adapter, 8, 1))  # disk -> host; runs CPU-assisted already
-    cpu_ms = await _ttft_ms(engine, requests, adapter, length)
-    assisted = engine.stats().cpu_assisted_admissions_total - assisted_before
-    engine.abort(holding.request_id)
-    await hold
-    base = requests.make(None, 16, hold_tokens)
-    stream = await _started(engine, base)  # a stream beside it as before, holding no adapter memory
-    await first_token_s(engine, requests.make(adapter, 8, 1))  # placed on the GPU now
-    resident_ms = await _ttft_ms(engine, requests, adapter, length)
-    engine.abort(base.request_id)
-    await stream
-    return dict(length=length, rank=adapter.rank, cpu_ms=cpu_ms, resident_ms=resident_ms,
-                cpu_over_resident=cpu_ms / resident_ms, cpu_assisted_requests=assisted)
+async def cell(engine: Engine, policy: ColdStartPolicy, requests: Requests, blocker: AdapterRef, adapter: AdapterRef,
+               length: int, hold_tokens: int) -> dict:
+    """TTFT (medians of REPEATS, ms) of `adapter` at `length` prompt tokens started each way from host
+    memory, and resident, a base-model stream beside it; how the cold requests started (engine stats)."""
+    stream = requests.make(None, 16, hold_tokens)
+    beside = await _started(engine, stream)
+    await first_token_s(engine, requests.make(adapter, 8, 1))  # disk -> host (and onto the GPU)
+    before = dict(engine.stats().cold_starts_total)
+    row: dict = dict(length=length, rank=adapter.rank)
+    for way in WAYS:
+        times = []
+        for _ in range(REPEATS):
+            policy.policy = "pipelined"
+            await first_token_s(engine, requests.make(blocker, 8, 1))  # takes the whole GPU tier: `adapter` leaves
+            assert adapter.name not in engine.stats().adapters.gpu_adapters, "the blocker did not evict it"
+            policy.policy = way
+            times.append(await first_token_s(engine, requests.make(adapter, length, 1)))
+        row[f"{way}_ms"] = statistics.median(times) * 1e3
+    row["resident_ms"] = statistics.median([await first_token_s(engine, requests.make(adapter, length, 1))
+                                            for _ in range(REPEATS)]) * 1e3
+    engine.abort(stream.request_id)
+    await beside
+    after = engine.stats().cold_starts_total
+    row["started"] = {way: count - before.get(way, 0) for way, count in after.items()}
+    row["fastest"] = min(("pipelined", "cpu", "wait"), key=lambda way: row[f"{way}_ms"])
+    return row
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -113,16 +124,19 @@ def run(args: argparse.Namespace) -> dict:
         rows, hold_tokens = [], min(HOLD_TOKENS, config.max_position_embeddings - 32)
         with running_engine(parts, tokenizer, max(RANKS), async_scheduling_on(worker.async_scheduling, device)) \
                 as engine:
-            asyncio.run(cell(engine, requests, blocker.ref, store.new(AdapterShape(8, QKV)).ref, lengths[0],
-                             hold_tokens))  # warm-up
-            for rank in RANKS:
-                for length in lengths:
-                    row = asyncio.run(cell(engine, requests, blocker.ref, store.new(AdapterShape(rank, QKV)).ref,
-                                           length, hold_tokens))
-                    rows.append(row)
-                    progress(f"rank {rank} q,k,v, {length} tokens: CPU-assisted {row['cpu_ms']:.1f} ms, resident "
-                             f"{row['resident_ms']:.1f} ms ({row['cpu_over_resident']:.2f}x; "
-                             f"{row['cpu_assisted_requests']} CPU-assisted)")
+            async def cells() -> None:
+                policy = parts.scheduler.cold_start
+                await cell(engine, policy, requests, blocker.ref, store.new(AdapterShape(8, QKV)).ref, lengths[0],
+                           hold_tokens)  # warm-up
+                for rank in RANKS:
+                    for length in lengths:
+                        row = await cell(engine, policy, requests, blocker.ref, store.new(AdapterShape(rank, QKV)).ref,
+                                         length, hold_tokens)
+                        rows.append(row)
+                        progress(f"rank {rank} q,k,v, {length} tokens: " + ", ".join(
+                            f"{way} {row[f'{way}_ms']:.1f}" for way in (*WAYS, "resident")) +
+                            f" ms; fastest {row['fastest']}; started {row['started']}")
+            asyncio.run(cells())
         report["rows"] = rows
         report["cpu_lora"] = dataclasses.asdict(engine.stats().cpu_lora)
     return report
@@ -141,10 +155,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("CUDA is not available: use --device cpu --tiny")
     report = run(args)
-    print("CPU-assisted TTFT over resident, by rank (rows) and prompt length (columns):", flush=True)
-    print("rank  " + "".join(f"{n:>8}" for n in report["lengths"]))
+    print("The fastest way from host memory, and each way's TTFT over resident, by rank (rows) and prompt length "
+          "(columns):", flush=True)
+    print("rank  " + "".join(f"{n:>28}" for n in report["lengths"]))
     for rank in RANKS:
-        print(f"{rank:<6}" + "".join(f"{r['cpu_over_resident']:8.2f}" for r in report["rows"] if r["rank"] == rank))
+        print(f"{rank:<6}" + "".join(
+            f"{row['fastest']:>10} " + "/".join(f"{row[f'{way}_ms'] / row['resident_ms']:.2f}" for way in WAYS)
+            for row in report["rows"] if row["rank"] == rank))
+    print(f"(each cell: the fastest, then {' / '.join(WAYS)} over resident)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return report

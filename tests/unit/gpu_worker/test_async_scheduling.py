@@ -158,12 +158,12 @@ def test_a_failed_step_fails_the_running_requests_and_frees_their_blocks(engine_
     runner, scheduler = engine._runner, engine._scheduler
     run, faults = runner.run, []
 
-    def failing(items, plan, previous=None):
+    def failing(items, plan, previous=None, copies=()):
         ended_in_flight = [s for s in scheduler.running if s.finish_reason is not None and s.num_in_flight]
         if previous is not None and ended_in_flight and not faults:
             faults.append(ended_in_flight[0].request_id)
             raise RuntimeError("injected device fault")
-        return run(items, plan, previous)
+        return run(items, plan, previous, copies)
     monkeypatch.setattr(runner, "run", failing)
 
     async def one(request):
