@@ -38,7 +38,7 @@ MIN_RANK_PER_SEAT = 8  # table rows: enough for the budget filled with adapters 
 COPY_PIECE_BYTES = 2 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # an identity: steps list the copies they wait for
 class AdapterCopy:
     """An install's copy in flight: `done` after its last byte, `by_module` after each projection's."""
     done: torch.cuda.Event
@@ -172,7 +172,11 @@ class GpuAdapterMemory:
         """On the current stream: the copy in pieces of whole projections, in the packing's (layer) order,
         each followed by an event."""
         ends = [part * self._itemsize for part, _, _ in packed.parts[1:]] + [packed.nbytes]
-        by_module: dict[LoRALinear, torch.cuda.Event] = {}
+        # A projection the adapter skips reads only the slot's table rows (written above, rank 0): it waits
+        # for them, not for stale rows of the slot's last adapter.
+        tables = torch.cuda.Event()
+        tables.record()
+        by_module = dict.fromkeys(self._modules, tables)
         piece_start, piece = 0, []
         for module, end in zip(self._modules, ends):
             piece.append(module)
@@ -182,7 +186,7 @@ class GpuAdapterMemory:
                 event.record()
                 by_module.update(dict.fromkeys(piece, event))
                 piece_start, piece = end, []
-        done = torch.cuda.Event()  # projections left in `piece` have no bytes: nothing waits for them
+        done = torch.cuda.Event()
         done.record()
         return AdapterCopy(done, by_module)
 
