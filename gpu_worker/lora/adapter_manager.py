@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 # most its rank can take): the rest stays for the adapters that requests bring, which would otherwise
 # wait for room forever.
 MAX_PINNED_SHARE = 0.5
+COPY_PROBE_BYTES = 16 << 20  # the copy that measures host -> GPU bandwidth at start
 
 
 @dataclass
@@ -115,7 +116,8 @@ class AdapterManager:
         self._synchronous = synchronous
         self._clock = clock
         self._load_times = LoadClock()
-        self._copy_bytes_per_s = 0.0  # host -> GPU installs as measured (0: none finished yet)
+        # Host -> GPU installs as measured: at start a copy from the host tier's memory, then each install.
+        self._copy_bytes_per_s = self._measure_copy_rate() if cuda else 0.0
         self._hits = self._misses = 0
         self.wake: Callable[[], None] = lambda: None
 
@@ -154,7 +156,7 @@ class AdapterManager:
         if version.copying is None:
             return 0.0
         if not self._copy_bytes_per_s:
-            return math.inf  # not measured yet: no estimate to stake other requests' steps on
+            return math.inf  # not measured: no estimate to stake other requests' steps on
         return max(0.0, version.host.nbytes / self._copy_bytes_per_s - (self._clock() - version.started))
 
     def host_copy(self, ref: AdapterRef) -> PackedAdapter | None:
@@ -381,6 +383,21 @@ class AdapterManager:
             self._copied(version)
         else:
             self._copy_waiter.submit(copy.done.synchronize).add_done_callback(lambda _: self.wake())
+
+    def _measure_copy_rate(self) -> float:
+        """Bytes/s of one copy of up to COPY_PROBE_BYTES of the page-locked host tier onto the GPU (0: no host tier)."""
+        nbytes = min(COPY_PROBE_BYTES, self.host_pages.capacity_bytes)
+        if not nbytes:
+            return 0.0
+        source = self.host_pages.region[:nbytes]
+        target = torch.empty(nbytes, dtype=torch.uint8, device=self._memory.device)
+        target.copy_(source, non_blocking=True)  # the first copy pays for the path's setup
+        started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        started.record()
+        target.copy_(source, non_blocking=True)
+        ended.record()
+        ended.synchronize()
+        return nbytes / (started.elapsed_time(ended) / 1e3)
 
     def _copied(self, version: _Version) -> None:
         """`version`'s copy onto the GPU has completed: count its time, and its rate for `copy_left_s`."""
