@@ -8,8 +8,9 @@ requests:
   pipelined  layer-pipelined loading alone (gpu_worker/lora/cold_start.py)
   cpu        CPU assistance alone: the CPU LoRA workers until the adapter is usable on the GPU
   auto       Tessera's policy: the fastest way that keeps running requests within the TPOT objective
-Sources: `host`, every adapter of the run read into the host tier (in a random order, which leaves
-some 64 of them on the GPU) before it starts; `disk`, none read (an adapter's first request reads it).
+Before a run, the GPU tier holds the 64 most popular adapters (a popularity-driven tier's steady
+state) and, by source, the host tier every other adapter the run asks for (`host`) or none of them
+(`disk`: an adapter's first request reads it).
 Each run gets its own adapters (new digests; their weights share one file, hard-linked). Reported per
 run: mean and p99 TTFT, mean TPOT, and how its cold requests started; against `cached` at the same
 rate, the TTFT and TPOT ratios (targets: auto <= 1.07 and <= 1.03).
@@ -26,7 +27,6 @@ import asyncio
 import datetime
 import gc
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -80,10 +80,11 @@ class Arrival:
 def arrivals(trace: Path, rate: float, duration_s: float, setting: Setting, seed: int) -> list[Arrival]:
     """The conv trace's first requests, their times scaled to `rate` per second, for `duration_s`; each
     request's adapter drawn by Zipf popularity."""
-    source = load_trace(trace, max_requests=5000)
-    native = (len(source) - 1) / (source.arrival_s[-1] - source.arrival_s[0])
-    times = source.arrival_s * native / rate
-    count = int(np.searchsorted(times, duration_s))
+    count = round(rate * duration_s)
+    source = load_trace(trace, max_requests=count + 1)
+    if len(source) <= count:
+        raise ValueError(f"{trace} has {len(source)} requests; a run at {rate:g}/s for {duration_s:g} s needs {count + 1}")
+    times = source.arrival_s * duration_s / source.arrival_s[count]  # the trace's pattern, at `rate` on average
     weights = 1.0 / np.arange(1, setting.adapters + 1) ** setting.skew
     picks = np.random.default_rng(seed).choice(setting.adapters, size=count, p=weights / weights.sum())
     return [Arrival(float(times[i]), int(picks[i]), int(min(source.prompt[i], setting.max_prompt)),
@@ -124,17 +125,20 @@ class Runs:
                  setting: Setting) -> None:
         self.engine, self.parts, self.store, self.requests, self.setting = engine, parts, store, tokenizer_requests, setting
 
-    def run(self, plan: list[Arrival], way: str, source: str, seed: int) -> dict:
-        shape = AdapterShape(self.setting.rank, QKV)
-        refs: dict[int, AdapterRef] = {index: self.store.new(shape).ref for index in sorted({a.adapter for a in plan})}
-        if source in ("host", "cached"):
-            order = list(refs.values())
-            random.Random(seed).shuffle(order)
-            self.parts.scheduler.cold_start.policy = "pipelined"
-            asyncio.run(self._touch(order))
-            if source == "cached":
-                resident = set(self.engine.stats().adapters.gpu_adapters)
-                assert resident >= {ref.name for ref in order}, "the cached engine's GPU tier must hold every adapter"
+    def run(self, plan: list[Arrival], way: str, source: str) -> dict:
+        shape, popular = AdapterShape(self.setting.rank, QKV), range(self.setting.gpu_adapters)
+        asked = sorted({a.adapter for a in plan})
+        refs: dict[int, AdapterRef] = {index: self.store.new(shape).ref for index in sorted({*asked, *popular})}
+        self.parts.scheduler.cold_start.policy = "pipelined"
+        if source == "cached":
+            asyncio.run(self._touch([refs[index] for index in asked]))
+            resident = set(self.engine.stats().adapters.gpu_adapters)
+            assert resident >= {refs[index].name for index in asked}, "the cached GPU tier must hold every adapter"
+        else:
+            # The steady state of a popularity-driven GPU tier: the most popular adapters there (touched last),
+            # from `host` every other adapter of the run in host memory too.
+            others = [refs[index] for index in asked if index not in popular] if source == "host" else []
+            asyncio.run(self._touch(others + [refs[index] for index in popular]))
         self.parts.scheduler.cold_start.policy = way
         requests = [(a.at_s, self.requests.make(refs[a.adapter], a.prompt, a.output)) for a in plan]
         before = self.engine.stats()
@@ -172,12 +176,15 @@ def run(args: argparse.Namespace) -> dict:
     config = LlamaConfig(**(TINY_LLAMA if args.tiny else LLAMA2_7B))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     plans = {rate: arrivals(args.trace, rate, args.duration_s, setting, seed=int(rate * 1000)) for rate in args.rates}
-    distinct = max(len({a.adapter for a in plan}) for plan in plans.values())
+    popular = set(range(setting.gpu_adapters))
+    distinct = max(len({a.adapter for a in plan} | popular) for plan in plans.values())
     report: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "date": datetime.date.today().isoformat(), "setting": setting.__dict__, "rates": args.rates,
                     "duration_s": args.duration_s, "sources": args.sources, "workers": args.workers,
                     "cores_each": args.cores_each,
-                    "plans": {str(rate): dict(requests=len(plan), distinct_adapters=len({a.adapter for a in plan}))
+                    "plans": {str(rate): dict(requests=len(plan), distinct_adapters=len({a.adapter for a in plan}),
+                                              beyond_gpu=len({a.adapter for a in plan} - popular),
+                                              requests_beyond_gpu=sum(a.adapter not in popular for a in plan))
                               for rate, plan in plans.items()}}
     progress(f"device: {report['device']}; {setting}; plans {report['plans']}")
     tokenizer = bench_tokenizer(config.vocab_size)
@@ -196,14 +203,15 @@ def run(args: argparse.Namespace) -> dict:
             with running_engine(parts, tokenizer, setting.rank, async_scheduling_on(WorkerConfig().async_scheduling,
                                                                                     device)) as engine:
                 runner = Runs(engine, parts, store, requests, setting)
-                runner.run(plans[args.rates[0]][:8], "auto", "host", seed=0)  # warm-up: graphs, kernel variants
+                runner.run(plans[args.rates[0]][:8], "auto", "host")  # warm-up: graphs, kernel variants
                 for rate in args.rates:
                     for source in (["cached"] if label == "cached" else args.sources):
                         for way in ways:
                             key = f"{way}/{source}/{rate:g}"
-                            runs[key] = runner.run(plans[rate], "auto" if way == "cached" else way, source,
-                                                   seed=int(rate))
+                            runs[key] = runner.run(plans[rate], "auto" if way == "cached" else way, source)
                             row = runs[key]
+                            if args.json:  # so far: a run cut short keeps what it measured
+                                args.json.write_text(json.dumps(report | {"runs": runs}, indent=1))
                             progress(f"{key}: TTFT mean {row['ttft_mean_ms']:.1f} ms (p99 {row['ttft_p99_ms']:.1f}), "
                                      f"TPOT mean {row['tpot_mean_ms']:.2f} ms; started {row['cold_starts']}; GPU "
                                      f"hits {row['gpu_hits']}, misses {row['gpu_misses']}")
