@@ -117,8 +117,9 @@ class WorkerConfig:
     # CPU LoRA workers (CaraServe's CPU-assisted prefill, gpu_worker/lora/cpu_assist.py): processes the
     # worker starts, each pinned to cpu_lora_cores_each cores of its GPU's NUMA node, that compute the
     # LoRA part of requests whose adapter is in host memory but not usable on the GPU yet, when the
-    # cold-start policy takes that way (below). The host tier and their work area are files in cpu_lora_shm_dir (memory: /dev/shm). 0: none.
-    cpu_lora_workers: int = 0
+    # cold-start policy takes that way (below). The host tier and their work area are files in
+    # cpu_lora_shm_dir (memory: /dev/shm). 0: none (the worker needs one core beside them).
+    cpu_lora_workers: int = 1
     cpu_lora_cores_each: int = 1
     cpu_lora_shm_dir: str = "/dev/shm"
     # How a request starts whose adapter is in host memory but not usable on the GPU yet

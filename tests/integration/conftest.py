@@ -124,7 +124,6 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
         "TESSERA_REGISTRY__HEARTBEAT_INTERVAL_MS": "300",
         "TESSERA_GATEWAY__METADATA_REFRESH_S": "0.5",
         "TESSERA_LAUNCHER__RESTART_BACKOFF_S": "0.2",
-        "TESSERA_WORKER__CPU_LORA_WORKERS": "1",  # beside the worker, as a user turns them on
         "TESSERA_WORKER__CPU_LORA_SHM_DIR": str(home),
         "PYTHONUNBUFFERED": "1",
     })

@@ -84,7 +84,8 @@ def qwen2vl_assets(tiny_assets, tmp_path_factory) -> TinyAssets:
 
 
 def make_engine(assets: TinyAssets, steps: list[StepRecord] | None = None, **worker_fields) -> Engine:
-    worker = WorkerConfig(base_model=assets.name, **worker_fields)
+    # No CPU LoRA worker process unless a test asks for one (they are the served default).
+    worker = WorkerConfig(base_model=assets.name, **{"cpu_lora_workers": 0, **worker_fields})
     if worker.device == "cuda":
         # An engine sizes its KV cache to most of the GPU: what earlier tests' engines held must be
         # freed and given back first (tests/conftest.py: expandable segments, so that all of it can be).

@@ -197,5 +197,5 @@ def test_the_setting_keeps_async_scheduling_to_devices_apart_from_the_host(setti
 
 def test_a_bad_setting_fails_before_the_model_loads(tiny_assets, tmp_path):
     with pytest.raises(ConfigError, match="worker.async_scheduling: expected one of cuda, always, never, got 'on'"):
-        build_engine(tmp_path / "no-model-here", WorkerConfig(base_model=tiny_assets.name, async_scheduling="on"),
+        build_engine(tmp_path / "no-model-here", WorkerConfig(base_model=tiny_assets.name, async_scheduling="on", cpu_lora_workers=0),
                      tiny_assets.store)

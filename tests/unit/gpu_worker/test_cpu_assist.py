@@ -53,24 +53,27 @@ def reference(tiny_assets) -> ReferenceModels:
                            {name: ref.storage_path for name, ref in tiny_assets.adapters.items()})
 
 
-def _engine(engine_factory, tiny_assets, tmp_path, steps: StepHook):
-    """GPU adapter memory for WARM alone: while a request holds WARM there, COLD cannot be placed. The
-    shared files in /dev/shm, as served (on CUDA the host tier is page-locked there)."""
+def _engine(engine_factory, tiny_assets, tmp_path, steps: StepHook, warm: str = WARM, cold: str = COLD):
+    """GPU adapter memory for the larger of `warm` and `cold` alone: while a request holds `warm` there,
+    `cold` cannot be placed. The shared files in /dev/shm, as served (on CUDA the host tier is
+    page-locked there)."""
     sizes = _packed_bytes(engine_factory, tiny_assets)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
-    return engine_factory(steps, adapter_gpu_bytes=sizes[WARM], adapter_host_bytes=8 * sum(sizes.values()),
+    return engine_factory(steps, adapter_gpu_bytes=max(sizes[warm], sizes[cold]),
+                          adapter_host_bytes=8 * sum(sizes.values()),
                           cpu_lora_workers=1, cpu_lora_shm_dir=shm, max_batch_tokens=24)
 
 
-def _serve_cold_beside_warm(engine, tiny_assets) -> tuple[list[int], list[int]]:
-    """A long WARM request runs; COLD arrives. -> (WARM's tokens, COLD's tokens)."""
+def _serve_cold_beside_warm(engine, tiny_assets, warm_name: str = WARM, cold_name: str = COLD
+                            ) -> tuple[list[int], list[int]]:
+    """A long request on `warm_name` runs; one on `cold_name` arrives. -> (their tokens)."""
     async def main():
         loop = asyncio.get_running_loop()
         warm = aiter(engine.submit(GenerationRequest("warm", WARM_PROMPT, SamplingParams(max_tokens=WARM_NEW),
-                                                     tiny_assets.adapters[WARM]), loop))
+                                                     tiny_assets.adapters[warm_name]), loop))
         first = await anext(warm)  # running: WARM holds the GPU tier
         cold = engine.submit(GenerationRequest("cold", COLD_PROMPT, SamplingParams(max_tokens=MAX_NEW),
-                                               tiny_assets.adapters[COLD]), loop)
+                                               tiny_assets.adapters[cold_name]), loop)
         cold_tokens = [t async for out in cold for t in out.token_ids]
         warm_tokens = first.token_ids + [t async for out in warm for t in out.token_ids]
         return warm_tokens, cold_tokens
@@ -109,6 +112,23 @@ def test_a_cold_request_runs_on_cpu_lora_workers_then_switches_mid_prefill(engin
                  'tessera_worker_cold_starts_total{way="cpu"} 1.0',
                  f"tessera_worker_cpu_lora_jobs_total {float(prefill_steps[-1])}"):
         assert line in text, line
+
+
+@pytest.mark.parametrize("warm, cold", [("demo-r64", "demo-r8"), ("demo-r8", "demo-r64")])
+def test_every_rank_and_target_set_gives_peft_outputs_from_cpu_lora_workers(engine_factory, tiny_assets, tmp_path,
+                                                                            reference, warm, cold):
+    """demo-r8 (q,v), demo-r16 (q,k,v,o; the test above) and demo-r64 (all seven, ranks per module),
+    each cold beside another running adapter: CPU-assisted, then on the GPU once the other leaves."""
+    def on_step(record: StepRecord) -> None:
+        if "cold" in record.request_ids and not started:
+            started.append(int(engine._runner.cpu_lora.area.control[0, REQUEST]))  # CPU jobs by then
+            engine.abort("warm")
+    started: list[int] = []
+    engine = _engine(engine_factory, tiny_assets, tmp_path, StepHook(on_step), warm, cold)
+    _, cold_tokens = _serve_cold_beside_warm(engine, tiny_assets, warm, cold)
+    assert_same_greedy(f"{cold}, CPU-assisted then on the GPU", reference.greedy_text(cold, COLD_PROMPT, MAX_NEW),
+                       cold_tokens)
+    assert started[0] > 0 and idle_stats(engine).cold_starts_total["cpu"] == 1
 
 
 def test_a_cpu_lora_worker_killed_mid_request_changes_nothing(engine_factory, tiny_assets, tmp_path, reference):

@@ -70,7 +70,7 @@ def test_checkpoint_is_sharded(family_assets):
 def test_engine_matches_transformers_and_peft(family_assets):
     family, base, store, ref = family_assets
     reference = ReferenceModels(family, base, {ADAPTER.name: ref.storage_path})
-    engine = build_engine(base, WorkerConfig(base_model=family), store)
+    engine = build_engine(base, WorkerConfig(base_model=family, cpu_lora_workers=0), store)
     engine.start()
     try:
         cases = [(adapter, prompt) for adapter in (None, ADAPTER.name) for prompt in PROMPTS]
@@ -89,5 +89,5 @@ def test_engine_matches_transformers_and_peft(family_assets):
 
 def test_sliding_window_caps_the_context(family_assets):
     family, base, store, _ = family_assets
-    engine = build_engine(base, WorkerConfig(base_model=family), store)  # not started: nothing to stop
+    engine = build_engine(base, WorkerConfig(base_model=family, cpu_lora_workers=0), store)  # not started: nothing to stop
     assert engine.max_context == {"mistral": 128}.get(family, SMALL["max_position_embeddings"])
