@@ -1,6 +1,9 @@
-"""`python -m cpu_lora_worker --work-area PATH --weights PATH --index I [--cores 2-3] [--dtype bfloat16]`:
+"""`python -m cpu_lora_worker --work-area PATH --weights PATH --index I [--cores 2-3] [--dtype bfloat16]
+[--parent PID]`:
 one CPU LoRA worker, pinned to `--cores` (the launcher chooses them on the GPU's NUMA node and checks
-the pinning from /proc after start), serving the work area of its GPU worker until SIGTERM."""
+the pinning from /proc after start), serving the work area of its GPU worker until SIGTERM or until
+its GPU worker (`--parent`) is gone (killed, it could not stop its children: they would spin on for
+nothing)."""
 
 from __future__ import annotations
 
@@ -40,18 +43,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--index", type=int, required=True, help="this worker's control block")
     parser.add_argument("--cores", help="CPU list to pin to, as the kernel writes it (2-3,6)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the weights region's dtype")
+    parser.add_argument("--parent", type=int, help="exit once this process is no longer the parent")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpu-lora[%(process)d] %(levelname)s %(message)s")
     if args.cores:
         cores = parse_cpulist(args.cores)
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
-    stop = []
+    stop: list[bool] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     area = WorkArea.open(args.work_area)
     if not 0 <= args.index < area.shape.workers:
         parser.error(f"--index {args.index}: the work area has {area.shape.workers} workers")
-    serve(area, args.index, map_weights(args.weights, DTYPES[args.dtype]), lambda: bool(stop))
+    serve(area, args.index, map_weights(args.weights, DTYPES[args.dtype]),  # an orphan is adopted by another process
+          lambda: bool(stop) or (args.parent is not None and os.getppid() != args.parent))
 
 
 if __name__ == "__main__":

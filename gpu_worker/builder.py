@@ -104,6 +104,11 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     arena = AdapterArena(budget // dtype.itemsize, dtype, device)
     seats = GpuAdapterMemory.seats(budget, largest, worker.max_lora_rank)
     model.init_lora_slots(seats, worker.max_lora_rank, worker.lora_targets, arena)
+    layers = model.lora_layers(worker.lora_targets)
+    merge_switch = None
+    if worker.merge_after_steps > 0 and worker.adapter_slots > 0:
+        # Its backups of the base weights are taken here, before the KV cache is sized on what is left.
+        merge_switch = MergeSwitch(list({id(m): m for m, _ in layers.values()}.values()))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = CacheShape(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.lm_head.weight.dtype, device)
     num_blocks = _num_kv_blocks(model, shape, worker)
@@ -122,10 +127,6 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
                                      f"to {worker.max_lora_rank} (max_lora_rank)")
         return weights
 
-    layers = model.lora_layers(worker.lora_targets)
-    merge_switch = None
-    if worker.merge_after_steps > 0 and worker.adapter_slots > 0:
-        merge_switch = MergeSwitch(list({id(m): m for m, _ in layers.values()}.values()))
     memory = GpuAdapterMemory(layers, arena, worker.max_lora_rank, merge_switch)
     shm_files = _shm_files(worker)
     adapters = adapter_manager(memory, load_checked, worker, shm_files and shm_files[0])

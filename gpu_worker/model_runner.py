@@ -81,8 +81,7 @@ class ModelRunner:
         return inputs.sampling, logits
 
     def _hold_weights(self, plan: StepPlan) -> bool:
-        """Merge or restore the base weights as `plan` says; -> whether the step runs merged (not when
-        the merge found no memory for its backup)."""
+        """Merge or restore the base weights as `plan` says; -> whether the step runs merged."""
         if self.merge_switch is None:
             assert plan.mode is InferenceMode.UNMERGED, plan
             return False

@@ -6,8 +6,8 @@ runs base-only (lora/merge_switch.py does the folding). A step is merged when ev
 tokens uses one adapter and that adapter has already filled `merge_after_steps` steps in a row, so
 that a mix that only briefly looks uniform does not pay for a merge and an unmerge. It stays merged
 while the steps stay on that adapter; the first step that needs anything else (another adapter, the
-base model, a mix) runs unmerged. Once the switch has found no memory for a merge's backup, every
-step runs unmerged.
+base model, a mix) runs unmerged. A switch that found no memory for its backups at start keeps every
+step unmerged.
 
 Running example, merge_after_steps=2, each step's adapter (slot 3, "sql"):
     sql sql sql sql base sql

@@ -200,7 +200,7 @@ class CpuLoraPool:
         self._procs[index] = subprocess.Popen(
             [*self._membind, sys.executable, "-m", "cpu_lora_worker", "--work-area", str(self.area.path),
              "--weights", str(self._host.path), "--index", str(index), "--cores", format_cpulist(self._cores[index]),
-             "--dtype", str(self._dtype).removeprefix("torch.")], env=env)
+             "--dtype", str(self._dtype).removeprefix("torch."), "--parent", str(os.getpid())], env=env)
 
 
 @dataclass(frozen=True)

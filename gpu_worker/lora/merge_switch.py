@@ -7,8 +7,10 @@ the base weights never drift, however often the mode switches. When to merge and
 orchestrator's decision (gpu_worker/orchestrator.py); the model runner brings the weights to what
 it planned through `hold`.
 
-If the GPU has no room for the saved copy, the switch turns itself off (logged): `available` goes
-False, and every step runs unmerged from then on.
+The saved copy (of every adapted projection's weight: a restore must be exact) is allocated when the
+switch is made, before the worker sizes its KV cache on the memory left, so that merged mode has it
+whatever the cache takes. If the device has no room for it, the switch is off (logged): `available`
+is False, and every step runs unmerged.
 """
 
 from __future__ import annotations
@@ -27,10 +29,23 @@ log = logging.getLogger(__name__)
 class MergeSwitch:
     def __init__(self, modules: list[LoRALinear]) -> None:
         self._modules = [m for m in modules if m.lora is not None]
-        self._targets: dict[int, MergeTarget] = {}  # id(module) -> its weight and the backup saved at merge
         self._merged: tuple[int, str] | None = None  # (slot, adapter name) folded into the weights
         self._merged_targets: list[MergeTarget] = []  # weights that hold it (the slot may be reused later)
-        self.available = True  # False once a merge found no memory for the backup
+        # id(module) -> its weight and the buffer its backup is saved in at each merge
+        self._targets: dict[int, MergeTarget] = {}
+        try:
+            for module in self._modules:
+                self._targets[id(module)] = MergeTarget(module.weight.data, torch.empty_like(module.weight),
+                                                        module.lora)
+        except torch.OutOfMemoryError:
+            self._targets.clear()
+            log.warning("no memory to save base weights for merged mode; steps on one adapter run unmerged")
+        self.available = bool(self._targets) or not self._modules
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Device memory held for the base weights' backups."""
+        return sum(t.backup.numel() * t.backup.element_size() for t in self._targets.values())
 
     @property
     def merged(self) -> tuple[int, str] | None:
@@ -43,13 +58,14 @@ class MergeSwitch:
 
     def hold(self, adapter: tuple[int, str] | None) -> bool:
         """Bring the weights to hold `adapter` (slot, name) merged, or none: restore whatever else is
-        merged first. -> whether `adapter` is merged now (False for None, or when the merge found no
-        memory for its backup: the step then runs unmerged)."""
+        merged first. -> whether an adapter is merged now."""
         if adapter == self._merged:
             return adapter is not None
         if self._merged is not None:
             self._unmerge()
-        return adapter is not None and self._merge(*adapter)
+        if adapter is not None:
+            self._merge(*adapter)
+        return adapter is not None
 
     def release_slot(self, slot: int) -> None:
         """`slot`'s adapter leaves GPU memory: restore the base weights if it is the one merged."""
@@ -62,24 +78,13 @@ class MergeSwitch:
         padded rank, which every projection here shares in the models served."""
         warm_up_merge([MergeTarget(m.weight.data, m.weight.data, m.lora) for m in self._modules])
 
-    def _merge(self, slot: int, name: str) -> bool:
+    def _merge(self, slot: int, name: str) -> None:
         assert self._merged is None and self.available, (self._merged, name)
         targeted = [m for m in self._modules if any(m.lora.host_ranks[slot])]
-        try:
-            for module in targeted:
-                if id(module) not in self._targets:
-                    self._targets[id(module)] = MergeTarget(module.weight.data, torch.empty_like(module.weight),
-                                                            module.lora)
-        except torch.OutOfMemoryError:
-            self._targets.clear()
-            self.available = False
-            log.warning("no memory to save base weights for merged mode; steps on one adapter run unmerged")
-            return False
         targets = [self._targets[id(m)] for m in targeted]  # the same objects every time: see MergeTarget
         with torch.inference_mode():
             merge_weights(targets, slot)  # one launch on CUDA for every projection of every layer
         self._merged, self._merged_targets = (slot, name), targets
-        return True
 
     def _unmerge(self) -> None:
         with torch.inference_mode():

@@ -47,11 +47,13 @@ class Region:
         return a_offset, a_offset + a.numel(), a.float(), bt.float()
 
 
+def worker_command(area: Path, weights: Region, index: int, cores: list[int]) -> list[str]:
+    return [sys.executable, "-m", "cpu_lora_worker", "--work-area", str(area), "--weights", str(weights.path),
+            "--index", str(index), "--cores", format_cpulist(cores), "--dtype", str(weights.dtype).removeprefix("torch.")]
+
+
 def start_worker(area: Path, weights: Region, index: int, cores: list[int]) -> subprocess.Popen:
-    dtype = str(weights.dtype).removeprefix("torch.")
-    return subprocess.Popen([sys.executable, "-m", "cpu_lora_worker", "--work-area", str(area), "--weights",
-                             str(weights.path), "--index", str(index), "--cores", format_cpulist(cores),
-                             "--dtype", dtype], cwd=Path(__file__).resolve().parents[3])
+    return subprocess.Popen(worker_command(area, weights, index, cores), cwd=Path(__file__).resolve().parents[3])
 
 
 def wait_started(area: WorkArea, workers: list[subprocess.Popen]) -> None:
@@ -170,3 +172,25 @@ def test_a_work_area_is_private_and_checked_when_opened(tmp_path):
     with pytest.raises(ValueError, match="exceeds the work area"):
         area.post(np.zeros((5, 8), dtype=np.float32), 8, [], even_shares(5, 2), [], 4)
     area.close()
+
+
+def test_a_worker_whose_parent_died_exits(pair):
+    """A GPU worker killed outright cannot stop its CPU LoRA workers: each notices it was orphaned."""
+    area, weights, cores = pair
+    weights.add(4, OUT)
+    parent = ("import os, subprocess, sys; print(subprocess.Popen([*sys.argv[1:], '--parent', str(os.getpid())], "
+              "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")  # starts one, and is gone at once
+    started = subprocess.run([sys.executable, "-c", parent, *worker_command(area.path, weights, 0, cores[:1])],
+                             capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[3])
+    child = int(started.stdout)
+    deadline = time.monotonic() + START_S
+    while Path(f"/proc/{child}").exists() and _state(child) != "Z":
+        assert time.monotonic() < deadline, "the orphaned CPU LoRA worker did not exit"
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.intake import GenerationRequest
+from gpu_worker.lora.merge_switch import MergeSwitch
 from gpu_worker.sequence import SamplingParams
+from services.common.config import WorkerConfig
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels, assert_same_greedy
 
@@ -58,3 +60,23 @@ def test_switching_adapters_never_drifts_the_base_weights(engine_factory, tiny_a
     run_all(engine, [GenerationRequest("base", PROMPT, SamplingParams(max_tokens=1))])
     for name, param in engine._runner.model.named_parameters():
         assert torch.equal(param, before[name]), name
+
+
+def test_the_backups_of_the_base_weights_are_reserved_before_the_kv_cache(engine_factory):
+    """Every adapted projection's backup is held from the start (before the KV cache is sized on what
+    is left), not allocated at the first merge."""
+    engine = engine_factory(merge_after_steps=2)
+    switch, modules = engine._runner.merge_switch, engine._runner.model.lora_layers(WorkerConfig().lora_targets)
+    weights = {id(module): module.weight for module, _ in modules.values()}
+    assert switch.available and switch.reserved_bytes == sum(w.numel() * w.element_size() for w in weights.values())
+
+
+def test_a_switch_without_room_for_its_backups_is_off_from_the_start(engine_factory, monkeypatch):
+    engine = engine_factory(merge_after_steps=1)
+    modules = list({id(m): m for m, _ in engine._runner.model.lora_layers(WorkerConfig().lora_targets).values()}.values())
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room")
+    monkeypatch.setattr(torch, "empty_like", no_memory)
+    switch = MergeSwitch(modules)
+    assert not switch.available and switch.reserved_bytes == 0

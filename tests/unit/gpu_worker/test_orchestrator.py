@@ -18,18 +18,15 @@ class _Switch:
 
     def __init__(self, memory_for_backup: bool = True) -> None:
         self.merged: tuple[int, str] | None = None
-        self.available = True
-        self._memory = memory_for_backup
-        self.merges = 0  # merges tried
+        self.available = memory_for_backup  # the backups are reserved when the switch is made
+        self.merges = 0
 
     def hold(self, plan: StepPlan) -> None:
         target = (plan.merged_slot, plan.merged_adapter) if plan.mode is InferenceMode.MERGED else None
         if target != self.merged:
-            self.merged = None
-            if target is not None:
-                self.merges += 1
-                self.available = self._memory
-                self.merged = target if self._memory else None
+            assert target is None or self.available, "merged without its backups"
+            self.merged = target
+            self.merges += target is not None
 
 
 def _batch(*adapters: str | None) -> ScheduledBatch:
@@ -76,11 +73,11 @@ def test_a_step_mixing_adapters_or_with_the_base_model_never_merges():
     assert _modes(Orchestrator(switch, merge_after_steps=1), switch, steps) == "U" * 9
 
 
-def test_once_a_merge_finds_no_memory_for_its_backup_every_step_runs_unmerged():
+def test_a_switch_without_memory_for_its_backups_keeps_every_step_unmerged():
     switch = _Switch(memory_for_backup=False)
     steps = [("sql",)] * 5
     assert _modes(Orchestrator(switch, merge_after_steps=1), switch, steps) == "UUUUU"
-    assert switch.merges == 1  # the second step tried, and no step after it
+    assert switch.merges == 0
 
 
 def test_without_a_merge_switch_every_step_runs_unmerged():
