@@ -40,7 +40,7 @@ async def _main(config: TesseraConfig, tls: RoleCredentials | None, stop: asynci
             return
         log.info("loading %s from %s on %s", base.name, base.path, w.device)
         engine = await asyncio.to_thread(build_engine, Path(base.path), w, config.worker_adapter_store_path,
-                                         metrics.record_step)
+                                         metrics.StepMetrics())
         freeze_startup_heap()
         engine.start()
         metrics.bind_engine_stats(engine)

@@ -4,9 +4,12 @@ restores them bit for bit; outputs stay equal to transformers + PEFT throughout.
 from __future__ import annotations
 
 import torch
+from prometheus_client import REGISTRY
 
+from gpu_worker.engine import StepRecord
 from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.merge_switch import MergeSwitch
+from gpu_worker.metrics import StepMetrics
 from gpu_worker.sequence import SamplingParams
 from services.common.config import WorkerConfig
 from services.demo_assets import DEMO_BASE_MODEL
@@ -80,3 +83,18 @@ def test_a_switch_without_room_for_its_backups_is_off_from_the_start(engine_fact
     monkeypatch.setattr(torch, "empty_like", no_memory)
     switch = MergeSwitch(modules)
     assert not switch.available and switch.reserved_bytes == 0
+
+
+def test_steps_their_time_and_switches_are_counted_by_mode():
+    """U, M(a), M(a), U, M(b): 3 merged and 2 unmerged steps, 3 switches (merge a, restore, merge b)."""
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+    names = [("tessera_worker_mode_steps_total", {"mode": "merged"}),
+             ("tessera_worker_mode_steps_total", {"mode": "unmerged"}),
+             ("tessera_worker_mode_seconds_total", {"mode": "merged"}), ("tessera_worker_mode_switches_total", {})]
+    before = [value(name, **labels) for name, labels in names]
+    record = StepMetrics()
+    for step, merged in enumerate([None, "a", "a", None, "b"]):
+        record(StepRecord(step, ("r",), (merged or "x",), 0, 1, 0, 0.5, merged))
+    after = [value(name, **labels) for name, labels in names]
+    assert [b - a for a, b in zip(before, after)] == [3, 2, 1.5, 3]
