@@ -103,10 +103,11 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
                           f"{worker.max_lora_rank} on {', '.join(worker.lora_targets)} ({largest} bytes)")
     arena = AdapterArena(budget // dtype.itemsize, dtype, device)
     seats = GpuAdapterMemory.seats(budget, largest, worker.max_lora_rank)
-    model.init_lora_slots(seats, worker.max_lora_rank, worker.lora_targets, arena)
+    merging = worker.merge_after_steps > 0 and worker.adapter_slots > 0
+    model.init_lora_slots(seats + merging, worker.max_lora_rank, worker.lora_targets, arena)  # + the mixture slot
     layers = model.lora_layers(worker.lora_targets)
     merge_switch = None
-    if worker.merge_after_steps > 0 and worker.adapter_slots > 0:
+    if merging:
         # Its backups of the base weights are taken here, before the KV cache is sized on what is left.
         merge_switch = MergeSwitch(list({id(m): m for m, _ in layers.values()}.values()))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

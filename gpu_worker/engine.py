@@ -67,6 +67,7 @@ class StepRecord:
     num_preempted: int     # sequences preempted to make room in this step
     duration_s: float      # launch to tokens on the host (async scheduling launches the next step in between)
     merged_adapter: str | None = None  # the adapter folded into the base weights for this step
+    mode: str = "unmerged"             # the step's inference mode (orchestrator.py's InferenceMode values)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class _LaunchedStep:
     sampled: SampledTokens
     started: float
     merged_adapter: str | None  # folded into the base weights for this step
+    mode: str
 
 
 class Engine:
@@ -271,7 +273,7 @@ class Engine:
                                             batch.adapter_copies)
         for seq in sampling:
             seq.num_in_flight += 1
-        return _LaunchedStep(batch, sample(logits, sampling), started, self._runner.merged_adapter)
+        return _LaunchedStep(batch, sample(logits, sampling), started, self._runner.merged_adapter, plan.mode.value)
 
     def _postprocess(self, launched: _LaunchedStep | None) -> None:
         """Take a launched step's tokens, if there is one: append them, decide which requests finished
@@ -297,7 +299,7 @@ class Engine:
             self._on_step(StepRecord(
                 self._step, tuple(s.request_id for s in seqs), tuple(s.adapter.name if s.adapter else None for s in seqs),
                 sum(1 for item in batch.items if item.num_new > 1 or not item.samples), batch.num_tokens,
-                len(batch.preempted), duration_s, launched.merged_adapter))
+                len(batch.preempted), duration_s, launched.merged_adapter, launched.mode))
 
     def _publish(self, batch: ScheduledBatch) -> None:
         """Offer the batch's blocks to the prefix cache (after the step before's tokens: its block

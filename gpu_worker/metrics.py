@@ -25,7 +25,8 @@ BATCH_TOKENS = Histogram("tessera_worker_step_tokens", "Packed tokens per engine
 STEP_MODELS = Histogram("tessera_worker_step_models", "Distinct adapters (base model counted as one) per engine step",
                         buckets=(1, 2, 3, 4, 8, 16, 32, 64))
 MODE_STEPS = Counter("tessera_worker_mode_steps", "Engine steps by inference mode (orchestrator.py): merged (one "
-                     "adapter folded into the base weights) or unmerged", ["mode"])
+                     "adapter folded into the base weights), mixture (folded in, other adapters beside it) or "
+                     "unmerged", ["mode"])
 MODE_SECONDS = Counter("tessera_worker_mode_seconds", "Engine steps' time (launch to tokens) by inference mode", ["mode"])
 MODE_SWITCHES = Counter("tessera_worker_mode_switches", "Steps that run on other weights than the step before: "
                         "a merge, a restore, or both")
@@ -44,9 +45,8 @@ class StepMetrics:
         STEP_SECONDS.observe(step.duration_s)
         BATCH_TOKENS.observe(step.num_tokens)
         STEP_MODELS.observe(len(set(step.adapters)))
-        mode = "merged" if step.merged_adapter else "unmerged"
-        MODE_STEPS.labels(mode).inc()
-        MODE_SECONDS.labels(mode).inc(step.duration_s)
+        MODE_STEPS.labels(step.mode).inc()
+        MODE_SECONDS.labels(step.mode).inc(step.duration_s)
         if step.merged_adapter != self._merged:
             MODE_SWITCHES.inc()
             self._merged = step.merged_adapter

@@ -4,7 +4,9 @@ chunks over image tokens get the image features as their embeddings; each sequen
 through the image encoder once, at the first chunk that needs them. A step scheduled before the
 previous step's tokens reached the host (async scheduling) takes those of its input ids from the
 device. A step runs in the mode the orchestrator planned (orchestrator.py): merged, its adapter is
-folded into the base weights first and the step runs base-only."""
+folded into the base weights first and the step runs base-only; mixture, the same weights, and every
+token of another adapter or of none also runs the merged adapter negated (lora/merge_switch.py's
+mixture slot), for now as a second pass of the LoRA kernels, eager."""
 
 from __future__ import annotations
 
@@ -61,17 +63,23 @@ class ModelRunner:
         projection waits for on the device (eager: a captured graph cannot wait on them)."""
         inputs = build_step_inputs(items, self.kv_cache.block_size)
         merged = self._hold_weights(plan)
-        if merged:
+        mixture_slots = None
+        if plan.mode is InferenceMode.MIXTURE:  # the merged adapter's tokens run base-only, every other token
+            slots = inputs.seg_slots            # also runs the merged adapter negated (the mixture slot)
+            mixture_slots = [NO_SLOT if slot == plan.merged_slot else self.merge_switch.mixture_slot for slot in slots]
+            inputs = dataclasses.replace(inputs, seg_slots=[NO_SLOT if slot == plan.merged_slot else slot
+                                                            for slot in slots])
+        elif merged:
             inputs = dataclasses.replace(inputs, seg_slots=[NO_SLOT] * len(inputs.seg_slots))  # base-only
         in_flight = InFlightIds.of(inputs, previous.seqs, previous.tokens) if previous is not None else None
         assert in_flight is not None or not any(item.seq.num_in_flight for item in items)
         cpu_rows = self._cpu_rows(inputs)
         waits = copy_waits(copies) if copies and not merged else None
-        if (cpu_rows is None and waits is None and self.graphs is not None and inputs.is_decode_only
-                and self.graphs.fits(len(items))):
+        if (cpu_rows is None and waits is None and mixture_slots is None and self.graphs is not None
+                and inputs.is_decode_only and self.graphs.fits(len(items))):
             logits = self.graphs.replay(inputs, in_flight)
         else:
-            logits = self._run_eager(inputs, in_flight, cpu_rows, waits)
+            logits = self._run_eager(inputs, in_flight, cpu_rows, waits, mixture_slots)
         for item in items:
             seq = item.seq
             seq.num_cached += item.num_new
@@ -81,11 +89,11 @@ class ModelRunner:
         return inputs.sampling, logits
 
     def _hold_weights(self, plan: StepPlan) -> bool:
-        """Merge or restore the base weights as `plan` says; -> whether the step runs merged."""
+        """Merge or restore the base weights as `plan` says; -> whether the step runs on merged weights."""
         if self.merge_switch is None:
             assert plan.mode is InferenceMode.UNMERGED, plan
             return False
-        merged = plan.mode is InferenceMode.MERGED
+        merged = plan.mode is not InferenceMode.UNMERGED
         return self.merge_switch.hold((plan.merged_slot, plan.merged_adapter) if merged else None)
 
     def _device_tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
@@ -108,7 +116,8 @@ class ModelRunner:
         return CpuLoraStep(self.cpu_lora, self._module_index, rows)
 
     def _run_eager(self, inputs: StepInputs, in_flight: InFlightIds | None = None,
-                   cpu_rows: CpuLoraStep | None = None, waits: LoraWaits | None = None) -> torch.Tensor:
+                   cpu_rows: CpuLoraStep | None = None, waits: LoraWaits | None = None,
+                   mixture_slots: list[int] | None = None) -> torch.Tensor:
         width = max(len(table) for table in inputs.block_tables)
         query_start_loc = [0]
         for n in inputs.query_lens:
@@ -121,11 +130,12 @@ class ModelRunner:
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens))
         lora = LoRABatch.build(inputs.seg_lens, inputs.seg_slots, self.device, max_rank=inputs.max_lora_rank,
                                mean_rank=inputs.mean_lora_rank)
+        mixture = LoRABatch.build(inputs.seg_lens, mixture_slots, self.device) if mixture_slots else None
         input_ids = self._device_tensor(inputs.input_ids, torch.long)
         if in_flight is not None:
             in_flight.write_into(input_ids)
         embeds = self._input_embeddings(inputs, input_ids)
-        with forward_context(ForwardContext(attention, self.kv_cache, lora, cpu_rows, waits)):
+        with forward_context(ForwardContext(attention, self.kv_cache, lora, cpu_rows, waits, mixture)):
             hidden = self.model(input_ids, self._device_tensor(inputs.positions, torch.long), embeds)
         return self.model.compute_logits(hidden[self._device_tensor(inputs.logit_rows, torch.long)])
 

@@ -27,17 +27,18 @@ from kernels import NO_SLOT
 class InferenceMode(enum.Enum):
     UNMERGED = "unmerged"  # LoRA kernels over the base weights; any mix of adapters
     MERGED = "merged"      # one adapter folded into the base weights; no LoRA kernels
+    MIXTURE = "mixture"    # one adapter folded in; the other tokens add their delta and the merged one's negated
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """How one step runs."""
     mode: InferenceMode
-    merged_adapter: str | None = None  # MERGED: the adapter folded into the base weights
-    merged_slot: int = NO_SLOT         # MERGED: its adapter slot
+    merged_adapter: str | None = None  # MERGED, MIXTURE: the adapter folded into the base weights
+    merged_slot: int = NO_SLOT         # MERGED, MIXTURE: its adapter slot
 
     def __post_init__(self) -> None:
-        merged = self.mode is InferenceMode.MERGED
+        merged = self.mode is not InferenceMode.UNMERGED
         assert merged == (self.merged_adapter is not None) == (self.merged_slot != NO_SLOT), self
 
 

@@ -219,6 +219,19 @@ class LoRAStack:
         if upload:
             self._upload([slot])
 
+    def mirror(self, source: int, slot: int, scale: float, upload: bool = True) -> None:
+        """Point `slot` at `source`'s adapter with its scalings times `scale` (mixture mode reads the merged
+        adapter's weights negated this way: no copy of them). `upload`: as for `place`."""
+        self._check_slot(source)
+        self._check_slot(slot)
+        assert slot not in self.owned, f"slot {slot} holds an adapter set_slot loaded: reset_slot first"
+        self.host_a_offsets[slot] = list(self.host_a_offsets[source])
+        self.host_b_offsets[slot] = list(self.host_b_offsets[source])
+        self.host_ranks[slot] = list(self.host_ranks[source])
+        self.host_scalings[slot] = array.array("f", [s * scale for s in self.host_scalings[source]]).tolist()
+        if upload:
+            self._upload([slot])
+
     def rebase(self, slot: int, delta: int) -> None:
         """The adapter in `slot` moved by `delta` elements in the arena (a compaction): follow it."""
         self._shift(slot, delta)

@@ -58,12 +58,13 @@ class GpuAdapterMemory:
     def __init__(self, layers: dict[tuple[int, str], tuple[LoRALinear, int]], arena: AdapterArena, max_rank: int,
                  merge_switch: MergeSwitch | None = None) -> None:
         """`layers`: (layer, PEFT target) -> (module, output slice), from the model, whose modules have
-        their slots in `arena` already (LoRALinear.init_slots); `max_rank`: the largest rank served."""
+        their slots in `arena` already (LoRALinear.init_slots); `max_rank`: the largest rank served. The
+        merge switch's mixture slot, if any, is the stacks' last and holds no adapter of its own."""
         self._layers = layers
         self._modules = list({id(module): module for module, _ in layers.values()}.values())
         assert all(m.lora is not None and m.lora.arena is arena for m in self._modules)
         self._stacks = [m.lora for m in self._modules]
-        self.num_slots = self._modules[0].lora.num_slots
+        self.num_slots = self._modules[0].lora.num_slots - (merge_switch is not None)
         self._arena = arena
         self._itemsize = arena.data.element_size()
         self._served: dict[LoRALinear, set[int]] = {m: set() for m in self._modules}

@@ -2,7 +2,9 @@
 
 While an adapter is merged, its B·A (times its scaling) is added to the base weights of the
 projections it targets, and steps run as base-only steps: no LoRA kernels at all, so a batch on one
-adapter costs what a base batch costs. Restoring copies back the weights saved before the merge, so
+adapter costs what a base batch costs. In mixture mode (deLoRA) the other tokens of a step run on
+those weights too, each adding its own adapter's delta and the merged adapter's negated: the stacks'
+last slot (`mixture_slot`) points at the merged adapter's weights with its scalings negated. Restoring copies back the weights saved before the merge, so
 the base weights never drift, however often the mode switches. When to merge and unmerge is the
 orchestrator's decision (gpu_worker/orchestrator.py); the model runner brings the weights to what
 it planned through `hold`.
@@ -20,7 +22,7 @@ import logging
 import torch
 
 from gpu_worker.lora.layer import LoRALinear
-from kernels import merge_weights, restore_weights, warm_up_merge
+from kernels import merge_weights, restore_weights, upload_rows, warm_up_merge
 from kernels.merge import MergeTarget
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,9 @@ log = logging.getLogger(__name__)
 
 class MergeSwitch:
     def __init__(self, modules: list[LoRALinear]) -> None:
+        """`modules`' stacks keep their last slot for mixture mode (`mixture_slot`)."""
         self._modules = [m for m in modules if m.lora is not None]
+        self.mixture_slot = self._modules[0].lora.num_slots - 1 if self._modules else -1
         self._merged: tuple[int, str] | None = None  # (slot, adapter name) folded into the weights
         self._merged_targets: list[MergeTarget] = []  # weights that hold it (the slot may be reused later)
         # id(module) -> its weight and the buffer its backup is saved in at each merge
@@ -82,6 +86,9 @@ class MergeSwitch:
         assert self._merged is None and self.available, (self._merged, name)
         targeted = [m for m in self._modules if any(m.lora.host_ranks[slot])]
         targets = [self._targets[id(m)] for m in targeted]  # the same objects every time: see MergeTarget
+        for module in self._modules:  # mixture mode's slot: the merged adapter, negated
+            module.lora.mirror(slot, self.mixture_slot, -1.0, upload=False)
+        upload_rows([m.lora for m in self._modules], self.mixture_slot)
         with torch.inference_mode():
             merge_weights(targets, slot)  # one launch on CUDA for every projection of every layer
         self._merged, self._merged_targets = (slot, name), targets

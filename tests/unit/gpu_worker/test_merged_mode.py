@@ -1,7 +1,10 @@
 """Merged mode: a run of steps on one adapter folds it into the base weights; anything else
-restores them bit for bit; outputs stay equal to transformers + PEFT throughout."""
+restores them bit for bit; outputs stay equal to transformers + PEFT throughout, in mixture mode too
+(other adapters' and base-model tokens beside the merged adapter's)."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from prometheus_client import REGISTRY
@@ -10,6 +13,7 @@ from gpu_worker.engine import StepRecord
 from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.merge_switch import MergeSwitch
 from gpu_worker.metrics import StepMetrics
+from gpu_worker.orchestrator import UNMERGED, InferenceMode, StepPlan
 from gpu_worker.sequence import SamplingParams
 from services.common.config import WorkerConfig
 from services.demo_assets import DEMO_BASE_MODEL
@@ -95,6 +99,39 @@ def test_steps_their_time_and_switches_are_counted_by_mode():
     before = [value(name, **labels) for name, labels in names]
     record = StepMetrics()
     for step, merged in enumerate([None, "a", "a", None, "b"]):
-        record(StepRecord(step, ("r",), (merged or "x",), 0, 1, 0, 0.5, merged))
+        record(StepRecord(step, ("r",), (merged or "x",), 0, 1, 0, 0.5, merged, "merged" if merged else "unmerged"))
     after = [value(name, **labels) for name, labels in names]
     assert [b - a for a, b in zip(before, after)] == [3, 2, 1.5, 3]
+
+
+def test_mixture_mode_gives_peft_outputs_for_every_adapter_and_the_base_model(engine_factory, tiny_assets):
+    """demo-r64 folded into the weights while demo-r16, demo-r8 and base-model requests share its steps
+    (each adding its own delta and demo-r64's negated), switching between mixture and unmerged steps
+    mid-prefill and mid-decode; then a step without demo-r64 restores the base weights bit for bit."""
+    steps = []
+    engine = engine_factory(steps=steps, merge_after_steps=1, max_batch_tokens=24)
+    before = _weights(engine)
+    calls = itertools.count()
+
+    def plan(batch):
+        slots = {item.seq.adapter.name: item.seq.slot for item in batch.items if item.seq.adapter}
+        if "demo-r64" in slots and next(calls) % 3:  # two steps in three mixture, the third unmerged
+            return StepPlan(InferenceMode.MIXTURE, "demo-r64", slots["demo-r64"])
+        return UNMERGED
+    engine._orchestrator.plan = plan
+    prompts = {"demo-r64": PROMPT * 3, "demo-r16": "def f(x):\n", "demo-r8": PROMPT, None: "for i in range(3):\n"}
+    requests = [GenerationRequest(f"x{i}", prompt, SamplingParams(max_tokens=MAX_NEW),
+                                  tiny_assets.adapters[name] if name else None)
+                for i, (name, prompt) in enumerate(prompts.items())]
+    outputs = run_all(engine, requests)
+    assert {s.mode for s in steps} == {"mixture", "unmerged"}
+    assert any(s.mode == "mixture" and s.num_prefills and len(set(s.adapters)) > 2 for s in steps)
+
+    models = ReferenceModels(DEMO_BASE_MODEL, tiny_assets.base_dir,
+                             {name: tiny_assets.adapters[name].storage_path for name in prompts if name})
+    for (name, prompt), output in zip(prompts.items(), outputs):
+        assert_same_greedy(f"{name} in mixture mode", models.greedy_text(name or DEMO_BASE_MODEL, prompt, MAX_NEW),
+                           tokens_of(output))
+    run_all(engine, [GenerationRequest("base", PROMPT, SamplingParams(max_tokens=1))])
+    for name, param in engine._runner.model.named_parameters():
+        assert torch.equal(param, before[name]), name
