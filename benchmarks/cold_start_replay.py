@@ -40,7 +40,8 @@ from transformers import LlamaConfig
 
 from benchmarks.adapter_files import AdapterShape, AdapterStore, adapter_bytes
 from benchmarks.cluster_sim.workload import load_trace
-from benchmarks.cold_start_bench import LLAMA2_7B, TINY_LLAMA, TRACE, Requests, progress
+from benchmarks.cold_start_bench import LLAMA2_7B, TINY_LLAMA, Requests, progress
+from benchmarks.cpu_assist_bench import cold_start_arguments, parse_cold_start_arguments
 from benchmarks.load_stall import percentile
 from benchmarks.serving import BASE_MODEL, bench_tokenizer, running_engine
 from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
@@ -241,20 +242,11 @@ def ratios(runs: dict[str, dict], rates: list[float], sources: list[str]) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model (with --device cpu: a smoke run)")
-    parser.add_argument("--device", default="cuda")
+    parser = cold_start_arguments(__doc__)
     parser.add_argument("--sources", nargs="+", choices=("host", "disk"), default=["host", "disk"])
     parser.add_argument("--rates", nargs="+", type=float, default=[3.0, 6.0, 9.0], help="requests per second")
     parser.add_argument("--duration-s", type=float, default=15.0, help="seconds of arrivals per run")
-    parser.add_argument("--workers", type=int, default=4, help="CPU LoRA workers")
-    parser.add_argument("--cores-each", type=int, default=3)
-    parser.add_argument("--shm-dir", default="/dev/shm", help="where the host tier and the work area are mapped")
-    parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("CUDA is not available: use --device cpu --tiny")
+    args = parse_cold_start_arguments(parser, argv)
     report = run(args)
     report["command"] = " ".join(["python -m benchmarks.cold_start_replay", *(sys.argv[1:] if argv is None else argv)])
     print("mean TTFT / mean TPOT over cached (mean over the rates; per rate in the JSON):")

@@ -142,8 +142,9 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def cold_start_arguments(description: str) -> argparse.ArgumentParser:
+    """The options of the cold-start benchmarks that run CPU LoRA workers beside a GPU engine."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model (with --device cpu: a smoke run)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--workers", type=int, default=4, help="CPU LoRA workers")
@@ -151,9 +152,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the host tier and the work area are mapped")
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--json", type=Path)
+    return parser
+
+
+def parse_cold_start_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("CUDA is not available: use --device cpu --tiny")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_cold_start_arguments(cold_start_arguments(__doc__), argv)
     report = run(args)
     print("The fastest way from host memory, and each way's TTFT over resident, by rank (rows) and prompt length "
           "(columns):", flush=True)

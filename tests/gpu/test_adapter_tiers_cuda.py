@@ -15,7 +15,6 @@ from services.common.scheduling.eviction import LRU
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels, assert_same_greedy
 from tests.unit.gpu_worker.adapter_fakes import IN, OUT, Disk, installed, poll_until, ref, tiny_memory
-from tests.unit.gpu_worker.conftest import make_engine, tiny_assets  # noqa: F401 (fixture)
 from tests.unit.gpu_worker.test_cpu_assist import (  # noqa: F401 (run here on CUDA)
     COLD,
     COLD_PROMPT,
@@ -37,19 +36,6 @@ from tests.unit.gpu_worker.test_adapter_tiers_engine import (  # noqa: F401 (fix
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture
-def engine_factory(tiny_assets):  # noqa: F811
-    """Float32 CUDA engines (the unit tests' factory, on the GPU)."""
-    engines = []
-
-    def factory(steps=None, **fields):
-        engines.append(make_engine(tiny_assets, steps, device="cuda", dtype="float32", kv_cache_tokens=2048, **fields))
-        return engines[-1]
-    yield factory
-    for engine in engines:
-        engine.stop()
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +95,7 @@ def test_an_adapter_taken_while_its_copy_runs_is_read_only_after_the_copy():
     adapters.close()
 
 
-def test_a_cold_request_starts_beside_a_running_one_while_its_adapter_copies(engine_factory, tiny_assets,  # noqa: F811
+def test_a_cold_request_starts_beside_a_running_one_while_its_adapter_copies(engine_factory, tiny_assets,
                                                                             reference):
     """Layer-pipelined loading: once WARM runs, a ~300 ms kernel holds the manager's side stream, so
     COLD's copy onto the GPU queues behind it; the pipelined policy admits COLD at once into WARM's

@@ -17,7 +17,6 @@ from benchmarks.serving import BASE_MODEL, bench_tokenizer, running_engine, serv
 from gpu_worker.builder import assemble_parts
 from gpu_worker.models.random_weights import random_llama
 from services.common.config import WorkerConfig
-from tests.unit.gpu_worker.conftest import make_engine, tiny_assets  # noqa: F401 (fixture)
 from tests.unit.gpu_worker.test_merged_mode import (  # noqa: F401 (run here on CUDA)
     test_mixture_mode_gives_peft_outputs_for_every_adapter_and_the_base_model,
     test_one_adapter_runs_merged_then_base_weights_come_back_exactly,
@@ -25,19 +24,6 @@ from tests.unit.gpu_worker.test_merged_mode import (  # noqa: F401 (run here on 
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture
-def engine_factory(tiny_assets):  # noqa: F811
-    """Float32 CUDA engines (the unit tests' factory, on the GPU)."""
-    engines = []
-
-    def factory(steps=None, **fields):
-        engines.append(make_engine(tiny_assets, steps, device="cuda", dtype="float32", kv_cache_tokens=2048, **fields))
-        return engines[-1]
-    yield factory
-    for engine in engines:
-        engine.stop()
 
 
 def test_merged_mode_engages_at_default_settings_on_a_7b(tmp_path):
