@@ -53,10 +53,10 @@ class GatewayCore:
         request = validate_generate_request(request, self._config)
         resolved = await self._cache.resolve(request.model)
         check_takes_images(request, resolved)
-        worker_request = _worker_request(request, resolved)
+        routing = routing_request(request, resolved, self._config)
+        worker_request = _worker_request(request, resolved, routing.slo)
         if request.request_id:
             log.debug("request %s has the client's label %r", worker_request.request_id, request.request_id)
-        routing = routing_request(request, resolved, self._config)
         with self._admission.admit(resolved.base_model), IN_FLIGHT.track_inprogress():
             accepted = time.monotonic()
             first_token = True
@@ -127,9 +127,11 @@ def routing_request(request: inference_pb2.GenerateRequest, resolved: ResolvedMo
                           chars // CHARS_PER_TOKEN + 1, request.sampling.max_tokens, slo)
 
 
-def _worker_request(request: inference_pb2.GenerateRequest, resolved: ResolvedModel) -> worker_pb2.WorkerGenerateRequest:
-    out = worker_pb2.WorkerGenerateRequest(request_id=uuid.uuid4().hex,
-                                           base_model=resolved.base_model, sampling=request.sampling)
+def _worker_request(request: inference_pb2.GenerateRequest, resolved: ResolvedModel,
+                    slo: Slo) -> worker_pb2.WorkerGenerateRequest:
+    out = worker_pb2.WorkerGenerateRequest(request_id=uuid.uuid4().hex, base_model=resolved.base_model,
+                                           sampling=request.sampling, tpot_slo_ms=slo.tpot_s * 1e3,
+                                           ttft_slo_ms=slo.ttft_s * 1e3)
     if resolved.adapter is not None:
         out.adapter.CopyFrom(resolved.adapter)
     if request.WhichOneof("prompt") == "text":

@@ -187,8 +187,9 @@ class Scheduler:
         host = self.adapters.host_copy(seq.adapter)
         if host is None:
             return ColdStart.WAIT  # still on its way from disk
-        return self.cold_start.choose(ColdOptions(self.adapters.copy_left_s(seq.adapter),
-                                                  self.cpu_extra_s(num_new, host), others=bool(batch.items)))
+        slos = [item.seq.tpot_slo_s for item in batch.items if item.seq.tpot_slo_s]
+        return self.cold_start.choose(ColdOptions(self.adapters.copy_left_s(seq.adapter), self.cpu_extra_s(num_new, host),
+                                                  others=bool(batch.items), tpot_slo_s=min(slos, default=None)))
 
     def _move_to_gpu(self, seq: Sequence) -> None:
         """A CPU-assisted sequence takes the GPU kernels from the first step after its adapter is usable

@@ -78,6 +78,7 @@ class Sequence:
         # LoRA deltas from (lora/cpu_assist.py); slot stays NO_SLOT for the GPU kernels.
         self.cpu_adapter: PackedAdapter | None = None
         self.cold = False  # its adapter was not usable when it was first considered, and it is not admitted yet
+        self.tpot_slo_s: float | None = None  # its TPOT objective (the gateway's routing), if any
         self.num_cached = 0                 # leading tokens whose K/V are in the cache
         self.block_table: list[int] = []    # KV-cache blocks holding those tokens, in order
         # Prefix caching (block_manager.py): content hashes of the leading full blocks computed so far

@@ -11,6 +11,7 @@ PERMISSION_DENIED (services/common/peer_role.py); the gRPC health service answer
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -71,6 +72,9 @@ def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: in
                             max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, stop=tuple(s.stop),
                             stop_token_ids=_stop_token_ids(s.stop_token_ids, vocab_size),
                             seed=s.seed if s.HasField("seed") else None, logprobs=logprobs)
+    if not (math.isfinite(message.tpot_slo_ms) and message.tpot_slo_ms >= 0 and math.isfinite(message.ttft_slo_ms)
+            and message.ttft_slo_ms >= 0):
+        raise InvalidArgument("tpot_slo_ms and ttft_slo_ms must be finite and >= 0 (0: none)", param="slo")
     kind = message.WhichOneof("prompt")
     if kind is None:
         raise InvalidArgument("request has no prompt", param="prompt")
@@ -79,7 +83,7 @@ def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: in
     adapter = None
     if message.HasField("adapter"):
         adapter = adapter_ref(message.adapter)
-    return GenerationRequest(uuid.uuid4().hex, prompt, params, adapter)
+    return GenerationRequest(uuid.uuid4().hex, prompt, params, adapter, message.tpot_slo_ms / 1e3 or None)
 
 
 def _token_logprobs(output: RequestOutput,

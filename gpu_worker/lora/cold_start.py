@@ -10,7 +10,8 @@ Three ways, priced each scheduling pass from what the worker measures, not const
              The step is late by what the CPU path adds to it (measured per job by the pool).
   WAIT       admitted at the first pass after the whole adapter is usable: nothing else waits for it.
 The `auto` policy takes the one that starts the request first among those that keep the requests
-already running within the TPOT objective: a step late by `stall` takes step_s + stall. With no GPU
+already running within their TPOT objective (the tightest of theirs, as the gateway sent them, or the
+worker's default): a step late by `stall` takes step_s + stall. With no GPU
 placement yet (every GPU adapter byte held by running requests) WAIT has no bound, and CPU assistance
 is the only way to start now. The single-way policies are the baselines of benchmarks/cold_start_bench.py.
 """
@@ -41,6 +42,7 @@ class ColdOptions:
     copy_left_s: float | None  # its copy onto the GPU still to run; None: no GPU placement yet
     cpu_extra_s: float | None  # what CPU assistance adds to a step; None: no CPU LoRA worker ready
     others: bool               # whether requests already running share its step
+    tpot_slo_s: float | None = None  # the tightest TPOT objective among them (None: the policy's default)
 
 
 class ColdStartPolicy:
@@ -60,8 +62,9 @@ class ColdStartPolicy:
         ways = self._ways(options)
         if self.policy != "auto":
             return ColdStart(self.policy) if ColdStart(self.policy) in ways else ColdStart.WAIT
+        slo_s = options.tpot_slo_s or self.tpot_slo_s
         allowed = {way: late for way, (late, stall) in ways.items()
-                   if not options.others or stall == 0 or self.step_s + stall <= self.tpot_slo_s}
+                   if not options.others or stall == 0 or self.step_s + stall <= slo_s}
         return min(allowed, key=lambda way: (allowed[way], PREFERENCE.index(way)))
 
     def _ways(self, options: ColdOptions) -> dict[ColdStart, tuple[float, float]]:

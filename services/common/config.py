@@ -123,11 +123,11 @@ class WorkerConfig:
     cpu_lora_cores_each: int = 1
     cpu_lora_shm_dir: str = "/dev/shm"
     # How a request starts whose adapter is in host memory but not usable on the GPU yet
-    # (gpu_worker/lora/cold_start.py): auto (the fastest way that keeps running requests within
-    # cold_start_tpot_slo_ms), or one way alone: pipelined (layer-pipelined loading), cpu (the CPU LoRA
-    # workers), wait (until the whole adapter is on the GPU).
+    # (gpu_worker/lora/cold_start.py): auto (the fastest way that keeps running requests within their
+    # TPOT objective, as the gateway sent it), or one way alone: pipelined (layer-pipelined loading), cpu
+    # (the CPU LoRA workers), wait (until the whole adapter is on the GPU).
     cold_start_policy: str = "auto"
-    cold_start_tpot_slo_ms: float = 200.0
+    cold_start_tpot_slo_ms: float = 200.0  # the objective of requests that came without one
     max_lora_rank: int = 64  # adapters of higher rank are refused by this worker
     # Projections that get adapter slots (memory: every slot holds max_lora_rank for each);
     # adapters targeting others are refused.

@@ -47,6 +47,15 @@ def test_stop_token_ids_reach_the_worker(env: GatewayEnv, stub: inference_pb2_gr
     assert list(env.workers[0].requests[-1].sampling.stop_token_ids) == [9, 4]
 
 
+def test_the_request_s_objectives_reach_the_worker_with_the_gateway_s_defaults_filled_in(
+        env: GatewayEnv, stub: inference_pb2_grpc.InferenceStub) -> None:
+    request = chat_request(BASE, max_tokens=1)
+    request.slo.tpot_ms = 40.0
+    list(stub.Generate(request, timeout=10))
+    sent = env.workers[0].requests[-1]
+    assert (sent.tpot_slo_ms, sent.ttft_slo_ms) == (40.0, env.config.gateway.default_ttft_slo_ms)
+
+
 def test_two_clients_with_the_same_request_id_both_complete_under_ids_the_gateway_assigns(
         env: GatewayEnv, stub: inference_pb2_grpc.InferenceStub) -> None:
     """The client's request_id is a label: the gateway keys (router, worker) by its own ids."""

@@ -65,3 +65,11 @@ def test_the_step_time_is_a_running_estimate():
 def test_a_bad_cold_start_setting_is_refused(field, value, message):
     with pytest.raises(ConfigError, match=message):
         _cold_start_policy(WorkerConfig(**{field: value}))
+
+
+def test_the_tightest_objective_of_the_running_requests_bounds_the_stall():
+    chosen = policy(step_s=0.01)  # the policy's own default: 100 ms
+    copy = 0.05  # a step 40 ms late: 50 ms in all
+    assert chosen.choose(ColdOptions(copy, None, others=True)) is ColdStart.PIPELINED
+    assert chosen.choose(ColdOptions(copy, None, others=True, tpot_slo_s=0.03)) is ColdStart.WAIT
+    assert chosen.choose(ColdOptions(copy, None, others=True, tpot_slo_s=0.06)) is ColdStart.PIPELINED

@@ -309,3 +309,12 @@ def test_only_the_gateways_certificate_reaches_the_workers_methods(engine_factor
     replies = asyncio.run(main())
     # The gateway's request alone ran.
     assert idle_stats(engine).generated_tokens_total == sum(len(r.delta.token_ids) for r in replies) > 0
+
+
+def test_the_gateways_objectives_reach_the_sequence_and_bad_ones_are_invalid(tiny_assets):
+    request = generation_request(_request(tiny_assets, text="hi", tpot_slo_ms=40.0, ttft_slo_ms=900.0), vocab_size=100)
+    assert request.tpot_slo_s == pytest.approx(0.04)
+    assert generation_request(_request(tiny_assets, text="hi"), vocab_size=100).tpot_slo_s is None  # 0: none
+    for bad in (dict(tpot_slo_ms=-1.0), dict(ttft_slo_ms=float("nan")), dict(tpot_slo_ms=float("inf"))):
+        with pytest.raises(InvalidArgument, match="slo_ms"):
+            generation_request(_request(tiny_assets, text="hi", **bad), vocab_size=100)
