@@ -129,9 +129,10 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
         return weights
 
     memory = GpuAdapterMemory(layers, arena, worker.max_lora_rank, merge_switch)
-    shm_files = _shm_files(worker)
+    placement = _cpu_lora_placement(worker, device)
+    shm_files = _shm_files(worker) if placement is not None else None
     adapters = adapter_manager(memory, load_checked, worker, shm_files and shm_files[0])
-    cpu_lora = _cpu_lora_pool(worker, device, adapters, memory, shm_files[1]) if shm_files else None
+    cpu_lora = _cpu_lora_pool(worker, adapters, memory, shm_files[1], *placement) if shm_files else None
     scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
                           BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters,
                           _cold_start_policy(worker), cpu_lora.extra_step_s if cpu_lora else lambda tokens, packed: None)
@@ -162,12 +163,25 @@ def adapter_manager(memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAW
                           synchronous=worker.adapter_synchronous_loads, host_path=host_path)
 
 
-def _shm_files(worker: WorkerConfig) -> tuple[Path, Path] | None:
-    """(host tier, work area) files for the CPU LoRA workers, named for this process alone; None without them."""
+def _cpu_lora_placement(worker: WorkerConfig, device: torch.device) -> tuple[list[tuple[int, ...]], int | None] | None:
+    """(each CPU LoRA worker's cores, their NUMA node) on the GPU's node (any node on a CPU device); None
+    without CPU LoRA workers, or when this machine has too few cores for them beside the worker (logged:
+    the worker serves without CPU assistance, as on a one-core machine with the default settings)."""
     if worker.cpu_lora_workers < 0 or worker.cpu_lora_cores_each < 1:
         raise ConfigError("worker.cpu_lora_workers must be >= 0 and worker.cpu_lora_cores_each >= 1")
     if not worker.cpu_lora_workers:
         return None
+    bus_id = getattr(torch.cuda.get_device_properties(device), "pci_bus_id", None) if device.type == "cuda" else None
+    node = gpu_numa_node(bus_id) if bus_id else None
+    try:
+        return choose_cores(read_topology(), node, worker.cpu_lora_workers, worker.cpu_lora_cores_each), node
+    except ValueError as exc:
+        log.warning("no CPU LoRA workers: %s (worker.cpu_lora_workers, worker.cpu_lora_cores_each)", exc)
+        return None
+
+
+def _shm_files(worker: WorkerConfig) -> tuple[Path, Path]:
+    """(host tier, work area) files for the CPU LoRA workers, named for this process alone."""
     directory = Path(worker.cpu_lora_shm_dir)
     if not directory.is_dir():
         raise ConfigError(f"worker.cpu_lora_shm_dir: {directory} is not a directory")
@@ -175,15 +189,9 @@ def _shm_files(worker: WorkerConfig) -> tuple[Path, Path] | None:
     return directory / f"{tag}-host", directory / f"{tag}-lora"
 
 
-def _cpu_lora_pool(worker: WorkerConfig, device: torch.device, adapters: AdapterManager, memory: GpuAdapterMemory,
-                   area_path: Path) -> CpuLoraPool:
-    """The CPU LoRA workers, started pinned to cores of the GPU's NUMA node (any node on a CPU device)."""
-    bus_id = getattr(torch.cuda.get_device_properties(device), "pci_bus_id", None) if device.type == "cuda" else None
-    node = gpu_numa_node(bus_id) if bus_id else None
-    try:
-        cores = choose_cores(read_topology(), node, worker.cpu_lora_workers, worker.cpu_lora_cores_each)
-    except ValueError as exc:
-        raise ConfigError(f"worker.cpu_lora_workers: {exc}") from None
+def _cpu_lora_pool(worker: WorkerConfig, adapters: AdapterManager, memory: GpuAdapterMemory, area_path: Path,
+                   cores: list[tuple[int, ...]], node: int | None) -> CpuLoraPool:
+    """The CPU LoRA workers, started pinned to `cores` (memory bound to `node` where numactl can)."""
     modules = memory.modules
     pool = CpuLoraPool(area_path, adapters.host_pages, memory.dtype, cores, max_tokens=worker.max_batch_tokens,
                        max_in=max(m.in_features for m in modules), max_out=max(m.out_features for m in modules),

@@ -118,7 +118,8 @@ class WorkerConfig:
     # worker starts, each pinned to cpu_lora_cores_each cores of its GPU's NUMA node, that compute the
     # LoRA part of requests whose adapter is in host memory but not usable on the GPU yet, when the
     # cold-start policy takes that way (below). The host tier and their work area are files in
-    # cpu_lora_shm_dir (memory: /dev/shm). 0: none (the worker needs one core beside them).
+    # cpu_lora_shm_dir (memory: /dev/shm). 0: none. One core stays the worker's: a machine with too
+    # few for them runs without (logged).
     cpu_lora_workers: int = 1
     cpu_lora_cores_each: int = 1
     cpu_lora_shm_dir: str = "/dev/shm"

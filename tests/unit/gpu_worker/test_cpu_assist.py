@@ -161,3 +161,11 @@ def test_a_cpu_lora_worker_killed_mid_request_changes_nothing(engine_factory, ti
 ])
 def test_a_job_gets_a_worker_per_millisecond_of_a_cores_work(tokens, rate, available, expected):
     assert workers_for(tokens, rate, available) == expected
+
+
+def test_a_machine_without_cores_for_them_serves_without_cpu_lora_workers(engine_factory, tmp_path, caplog):
+    """As on a one-core machine with the default settings: a warning, and no CPU assistance."""
+    cores = len(os.sched_getaffinity(0))
+    engine = engine_factory(cpu_lora_workers=cores, cpu_lora_shm_dir=str(tmp_path))  # one core stays the worker's
+    assert engine._runner.cpu_lora is None and engine.stats().cpu_lora.workers == 0
+    assert "no CPU LoRA workers" in caplog.text and not list(tmp_path.iterdir())
