@@ -76,6 +76,7 @@ class CpuLoraPool:
         self._membind = membind_prefix(node) if node is not None else []
         self.restarts = self._jobs = self._local_shares = 0
         self._job_overhead_s = 0.0  # what a job costs the engine beyond the workers' arithmetic, as measured
+        self._job_workers = 0       # how many workers the last job went to
         # Jobs (engine thread) and the watcher's restarts take turns on the workers and the work area.
         self._lock = threading.RLock()
         self._closing = threading.Event()
@@ -123,6 +124,7 @@ class CpuLoraPool:
         tokens = x.shape[0]
         live = self.live()
         live = live[:workers_for(tokens, self._rate(max(s.rank for s in segments)), len(live))]
+        self._job_workers = len(live)
         shares = [(0, 0)] * len(self._procs)
         for index, share in zip(live, even_shares(tokens, len(live)) if live else []):
             shares[index] = share
@@ -155,8 +157,10 @@ class CpuLoraPool:
         return sum(self._job_overhead_s + self._arithmetic_s(tokens, rank, live) for rank in jobs)
 
     def observe_job(self, tokens: int, rank: int, seconds: float) -> None:
-        """A job of `tokens` rows at `rank` held the engine `seconds` (rows out, arithmetic, deltas in)."""
-        overhead = max(0.0, seconds - self._arithmetic_s(tokens, rank, len(self.live()) or 1))
+        """The last job, of `tokens` rows at `rank`, held the engine `seconds` (rows out, arithmetic, deltas in)."""
+        rate = self._rate(rank)
+        arithmetic = tokens / (rate * self._job_workers) if rate and self._job_workers else 0.0
+        overhead = max(0.0, seconds - arithmetic)
         self._job_overhead_s = overhead if not self._job_overhead_s else 0.8 * self._job_overhead_s + 0.2 * overhead
 
     def _arithmetic_s(self, tokens: int, rank: int, live: int) -> float:
@@ -222,6 +226,7 @@ class CpuLoraStep:
         if not segments:
             return None
         rows = torch.cat([x[first:last] for first, last, _ in self.rows])
+        started = time.perf_counter()
         copied = None
         if rows.is_cuda:
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
@@ -239,7 +244,6 @@ class CpuLoraStep:
                 columns = slice(s.out_offset, s.out_offset + s.out_size)
                 out[s.first + shift:s.last + shift, columns] += y[s.first:s.last, columns].to(out.device, out.dtype)
             self.pool.observe_job(rows.shape[0], max(s.rank for s in segments), time.perf_counter() - started)
-        started = time.perf_counter()
         return finish
 
     def _segments(self, module: LoRALinear, index: int) -> tuple[list[Segment], list[int], list[int]]:
