@@ -48,6 +48,14 @@ class Cluster:
         with self.system.internal_channel(worker) as channel:
             return worker_pb2_grpc.WorkerServiceStub(channel).GetStats(worker_pb2.GetStatsRequest(), timeout=10)
 
+    def stats_counting(self, worker: str, generated: int, timeout_s: float = 5.0) -> common_pb2.WorkerStats:
+        """`worker`'s stats once they count `generated` tokens or more: a worker publishes its stats just after
+        the outputs they count, so a reply can reach the client first."""
+        deadline = time.monotonic() + timeout_s
+        while (stats := self.stats(worker)).generated_tokens_total < generated and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return stats
+
     def state(self, worker: str, until: Callable[[worker_pb2.WorkerState], bool] = lambda s: True,
               timeout_s: float = 30.0) -> worker_pb2.WorkerState:
         """The first pushed state of `worker` that satisfies `until`."""
@@ -113,7 +121,8 @@ def test_requests_for_an_adapter_resident_on_one_worker_go_to_it(cluster: Cluste
         assert reply.status_code == 200, reply.text
         generated += reply.json()["usage"]["completion_tokens"]
 
-    a1, b1 = cluster.stats(cluster.worker_a), cluster.stats(cluster.worker_b)
+    a1 = cluster.stats_counting(cluster.worker_a, a0.generated_tokens_total + generated)
+    b1 = cluster.stats(cluster.worker_b)
     assert a1.generated_tokens_total - a0.generated_tokens_total == generated
     assert b1.generated_tokens_total == b0.generated_tokens_total and "demo-r16" not in b1.resident_adapters
 
@@ -154,9 +163,9 @@ def test_a_placement_that_would_break_the_tpot_slo_is_avoided(cluster: Cluster) 
         tight_b0 = cluster.stats(cluster.worker_b)
         reply = cluster.complete("demo-r16", prompt, max_tokens, {"tpot_ms": slo_ms, "ttft_ms": 60_000})
         assert reply.status_code == 200, reply.text
-        tight_b1 = cluster.stats(cluster.worker_b)
-        assert tight_b1.generated_tokens_total - tight_b0.generated_tokens_total == \
-            reply.json()["usage"]["completion_tokens"]
+        completion = reply.json()["usage"]["completion_tokens"]
+        tight_b1 = cluster.stats_counting(cluster.worker_b, tight_b0.generated_tokens_total + completion)
+        assert tight_b1.generated_tokens_total - tight_b0.generated_tokens_total == completion
         assert "demo-r16" in tight_b1.resident_adapters
         assert all(c.running() for c in calls), "A was busy the whole time"
     finally:
