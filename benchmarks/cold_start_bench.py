@@ -143,7 +143,7 @@ def worker_config(plan: Plan, device: torch.device, config: LlamaConfig, gpu_byt
         device=str(device), base_model=BASE_MODEL, max_num_seqs=plan.streams + 8, adapter_slots=slots,
         adapter_host_bytes=(gpu_bytes or slots * largest) + 4 * largest, adapter_eviction="lru",
         adapter_synchronous_loads=synchronous, max_lora_rank=max(RANKS), lora_targets=list(ALL_SEVEN),
-        merge_after_steps=0, max_batch_tokens=max(4096, 2 * plan.max_length),
+        mode_policy="unmerged", max_batch_tokens=max(4096, 2 * plan.max_length),
         kv_cache_tokens=plan.streams * (plan.stream_prompt + plan.stream_tokens) + 4 * plan.max_length)
     return dataclasses.replace(worker, adapter_gpu_bytes=gpu_bytes) if gpu_bytes is not None else worker
 

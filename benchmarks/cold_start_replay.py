@@ -166,7 +166,7 @@ def worker_config(args: argparse.Namespace, setting: Setting, config: LlamaConfi
     one = adapter_bytes(config, AdapterShape(setting.rank, QKV), torch.empty((), dtype=dtype).element_size())
     return WorkerConfig(device=args.device, base_model=BASE_MODEL, max_num_seqs=64, adapter_gpu_bytes=gpu_adapters * one,
                         adapter_host_bytes=host_adapters * one, adapter_eviction="lru", max_lora_rank=setting.rank,
-                        lora_targets=list(QKV), merge_after_steps=0, max_batch_tokens=max(4096, 2 * setting.max_prompt),
+                        lora_targets=list(QKV), mode_policy="unmerged", max_batch_tokens=max(4096, 2 * setting.max_prompt),
                         cpu_lora_workers=args.workers, cpu_lora_cores_each=args.cores_each,
                         cpu_lora_shm_dir=args.shm_dir)
 

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
         worker = WorkerConfig(
             device=str(device), base_model=BASE_MODEL, max_num_seqs=8, adapter_gpu_bytes=adapter_bytes(
                 config, largest, itemsize), adapter_host_bytes=64 * adapter_bytes(config, largest, itemsize),
-            max_lora_rank=max(RANKS), lora_targets=list(ALL_SEVEN), merge_after_steps=0,
+            max_lora_rank=max(RANKS), lora_targets=list(ALL_SEVEN), mode_policy="unmerged",
             max_batch_tokens=max(4096, 2 * plan.max_length), kv_cache_tokens=4 * (HOLD_TOKENS + plan.max_length),
             cpu_lora_workers=args.workers, cpu_lora_cores_each=args.cores_each, cpu_lora_shm_dir=args.shm_dir)
         parts = assemble_parts(model, worker, store.root)

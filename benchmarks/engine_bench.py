@@ -38,7 +38,8 @@ from gpu_worker.engine import StepRecord
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.profile import random_adapter_ref, random_adapters
 from gpu_worker.sampler import sample
-from gpu_worker.scheduler import ScheduledBatch, ScheduledSeq
+from gpu_worker.orchestrator import UNMERGED, InferenceMode, StepPlan
+from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
 from kernels import tiling
 from services.common.config import WorkerConfig
@@ -50,6 +51,7 @@ RANK = 64
 DECODE_BATCHES = (1, 8, 32, 64)
 DECODE_CONTEXT = 128       # prompt tokens cached before the timed decode steps
 PREFILL_LEN = 2048
+WARM_UP_STEPS = 3          # decode steps before the timed ones
 E2E_BATCH, E2E_PROMPT, E2E_NEW = 32, 128, 32
 E2E_CASES = (("distinct", [f"own-{i}" for i in range(E2E_BATCH)]), ("one", ["shared"]))
 
@@ -133,10 +135,20 @@ def run_step(parts: EngineParts, seqs: list[Sequence], num_new: list[int]) -> No
     for seq, n in zip(seqs, num_new):
         parts.scheduler.blocks.grow(seq, n)
         items.append(ScheduledSeq(seq, n, seq.num_cached + n == seq.num_tokens))
-    sampling, logits = parts.runner.run(items, parts.orchestrator.plan(ScheduledBatch(items)))
+    sampling, logits = parts.runner.run(items, step_plan(parts, seqs))
     tokens, _ = sample(logits, sampling).result()
     for seq, token in zip(sampling, tokens):
         seq.output_token_ids.append(token)
+
+
+def step_plan(parts: EngineParts, seqs: list[Sequence]) -> StepPlan:
+    """Merged when merged mode is on and every sequence uses one adapter (what the worker's policy does
+    for such a batch once the switch has paid off), else unmerged."""
+    slots = {(seq.slot, seq.adapter.name if seq.adapter else None) for seq in seqs}
+    if parts.orchestrator.merge_switch is None or len(slots) != 1:
+        return UNMERGED
+    slot, name = slots.pop()
+    return StepPlan(InferenceMode.MERGED, name, slot) if name is not None else UNMERGED
 
 
 def prefill(parts: EngineParts, seqs: list[Sequence], budget: int) -> None:
@@ -156,7 +168,7 @@ def prefill(parts: EngineParts, seqs: list[Sequence], budget: int) -> None:
 
 def decode_step_seconds(parts: EngineParts, seqs: list[Sequence], steps: int) -> float:
     """Median wall-clock decode step, in steady state (after merged mode, if on, has merged)."""
-    for _ in range(WorkerConfig().merge_after_steps + 3):
+    for _ in range(WARM_UP_STEPS):
         run_step(parts, seqs, [1] * len(seqs))
     times = []
     for _ in range(steps):
@@ -218,7 +230,7 @@ def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_fl
             used = len({a for a in adapters if a is not None})
             floor = (base_bytes + used * one_adapter) / bandwidth
             # The issue's floor leaves out the KV cache attention reads; beside it, the floor with it.
-            mean_context = context + WorkerConfig().merge_after_steps + 3 + steps // 2
+            mean_context = context + WARM_UP_STEPS + steps // 2
             kv_floor = batch * mean_context * kv_bytes_per_token(config) / bandwidth
             results["decode"][(batch, case)] = seconds
             report.add(kind="decode", batch=batch, case=case, step_ms=seconds * 1e3, floor_ms=floor * 1e3,

@@ -26,7 +26,10 @@ from gpu_worker.lora.merge_switch import MergeSwitch
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.families import ServedModel, load_served_model
 from gpu_worker.models.llama import LORA_TARGETS, LlamaForCausalLM, resolve_dtype
-from gpu_worker.orchestrator import UNMERGED, Orchestrator
+from gpu_worker.device_kind import device_name, perf_model_kind
+from gpu_worker.mode_costs import load_step_cost
+from gpu_worker.mode_policies import make_policy
+from gpu_worker.orchestrator import UNMERGED, Orchestrator, Slos
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from gpu_worker.sequence import SamplingParams, Sequence
 from gpu_worker.vision.image_cache import CachedImageEncoder, ImageFeatureCache
@@ -103,7 +106,7 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
                           f"{worker.max_lora_rank} on {', '.join(worker.lora_targets)} ({largest} bytes)")
     arena = AdapterArena(budget // dtype.itemsize, dtype, device)
     seats = GpuAdapterMemory.seats(budget, largest, worker.max_lora_rank)
-    merging = worker.merge_after_steps > 0 and worker.adapter_slots > 0
+    merging = worker.mode_policy != "unmerged" and worker.adapter_slots > 0
     model.init_lora_slots(seats + merging, worker.max_lora_rank, worker.lora_targets, arena)  # + the mixture slot
     layers = model.lora_layers(worker.lora_targets)
     merge_switch = None
@@ -145,7 +148,7 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     images = CachedImageEncoder(image_encoder, ImageFeatureCache(worker.image_cache_bytes)) \
         if image_encoder is not None else None
     runner = ModelRunner(model, kv_cache, device, graphs, merge_switch, images, cpu_lora, memory.modules)
-    return EngineParts(model, runner, scheduler, adapters, Orchestrator(merge_switch, worker.merge_after_steps))
+    return EngineParts(model, runner, scheduler, adapters, _orchestrator(worker, merge_switch, device))
 
 
 def adapter_manager(memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAWeights],
@@ -202,12 +205,29 @@ def _cpu_lora_pool(worker: WorkerConfig, adapters: AdapterManager, memory: GpuAd
 
 
 def _cold_start_policy(worker: WorkerConfig) -> ColdStartPolicy:
-    if not worker.cold_start_tpot_slo_ms > 0:
-        raise ConfigError(f"worker.cold_start_tpot_slo_ms must be positive, got {worker.cold_start_tpot_slo_ms}")
     try:
-        return ColdStartPolicy(worker.cold_start_policy, worker.cold_start_tpot_slo_ms / 1e3)
+        return ColdStartPolicy(worker.cold_start_policy, _default_slos(worker).tpot_s)
     except ValueError as exc:
         raise ConfigError(f"worker.cold_start_policy: {exc}") from None
+
+
+def _default_slos(worker: WorkerConfig) -> Slos:
+    if not (worker.default_tpot_slo_ms > 0 and worker.default_ttft_slo_ms > 0):
+        raise ConfigError(f"worker.default_tpot_slo_ms and default_ttft_slo_ms must be positive, got "
+                          f"{worker.default_tpot_slo_ms} and {worker.default_ttft_slo_ms}")
+    return Slos(worker.default_ttft_slo_ms / 1e3, worker.default_tpot_slo_ms / 1e3)
+
+
+def _orchestrator(worker: WorkerConfig, merge_switch: MergeSwitch | None, device: torch.device) -> Orchestrator:
+    """The mode policy `worker.mode_policy` names, priced with this worker kind's profiled step costs."""
+    if not worker.mode_credit_theta > 0:
+        raise ConfigError(f"worker.mode_credit_theta must be positive, got {worker.mode_credit_theta}")
+    try:
+        policy = make_policy(worker.mode_policy, worker.mode_credit_theta,
+                             load_step_cost(perf_model_kind(device_name(device), worker.base_model)))
+    except ValueError as exc:
+        raise ConfigError(f"worker.mode_policy: {exc}") from None
+    return Orchestrator(merge_switch, policy, _default_slos(worker))
 
 
 def _eviction(worker: WorkerConfig) -> Eviction:

@@ -68,6 +68,7 @@ class StepRecord:
     duration_s: float      # launch to tokens on the host (async scheduling launches the next step in between)
     merged_adapter: str | None = None  # the adapter folded into the base weights for this step
     mode: str = "unmerged"             # the step's inference mode (orchestrator.py's InferenceMode values)
+    starving: int = 0                  # requests past their credit threshold when its mode was decided
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class _LaunchedStep:
     started: float
     merged_adapter: str | None  # folded into the base weights for this step
     mode: str
+    starving: int
 
 
 class Engine:
@@ -235,7 +237,7 @@ class Engine:
         on the device at launch (the new step reads its tokens there), and this step stays in flight
         until the next call."""
         previous, self._launched = self._launched, None
-        batch = self._schedule()
+        batch = self._schedule(self._orchestrator.shape(self._scheduler))
         self._stalled = previous is None and not (batch.items or batch.preempted or batch.failed)
         if not batch.items:
             self._skip(previous)
@@ -252,8 +254,8 @@ class Engine:
         else:
             self._postprocess(launched)
 
-    def _schedule(self) -> ScheduledBatch:
-        batch = self._scheduler.schedule()
+    def _schedule(self, may_run: Callable[[Sequence], bool] | None) -> ScheduledBatch:
+        batch = self._scheduler.schedule(may_run)
         for seq, error in batch.failed:
             self._fail(seq, error)
         return batch
@@ -273,7 +275,8 @@ class Engine:
                                             batch.adapter_copies)
         for seq in sampling:
             seq.num_in_flight += 1
-        return _LaunchedStep(batch, sample(logits, sampling), started, self._runner.merged_adapter, plan.mode.value)
+        return _LaunchedStep(batch, sample(logits, sampling), started, self._runner.merged_adapter, plan.mode.value,
+                             self._orchestrator.starving)
 
     def _postprocess(self, launched: _LaunchedStep | None) -> None:
         """Take a launched step's tokens, if there is one: append them, decide which requests finished
@@ -294,12 +297,13 @@ class Engine:
         self._step += 1
         duration_s = time.perf_counter() - launched.started
         self._scheduler.cold_start.observe_step(duration_s)
+        self._orchestrator.observe_step(duration_s)
         if self._on_step is not None:
             batch, seqs = launched.batch, [item.seq for item in launched.batch.items]
             self._on_step(StepRecord(
                 self._step, tuple(s.request_id for s in seqs), tuple(s.adapter.name if s.adapter else None for s in seqs),
                 sum(1 for item in batch.items if item.num_new > 1 or not item.samples), batch.num_tokens,
-                len(batch.preempted), duration_s, launched.merged_adapter, launched.mode))
+                len(batch.preempted), duration_s, launched.merged_adapter, launched.mode, launched.starving))
 
     def _publish(self, batch: ScheduledBatch) -> None:
         """Offer the batch's blocks to the prefix cache (after the step before's tokens: its block

@@ -30,6 +30,7 @@ class GenerationRequest:
     params: SamplingParams
     adapter: AdapterRef | None = None
     tpot_slo_s: float | None = None  # its time-per-output-token objective, if the caller gave one
+    ttft_slo_s: float | None = None  # its time-to-first-token objective, likewise
 
 
 class Intake:
@@ -66,7 +67,7 @@ class Intake:
             self._in_flight.add(request.request_id)
         detok = IncrementalDetokenizer(self._tokenizer, ids, request.params.stop)
         seq = Sequence(request.request_id, ids, request.params, request.adapter, detok, prompt.images)
-        seq.tpot_slo_s = request.tpot_slo_s
+        seq.tpot_slo_s, seq.ttft_slo_s = request.tpot_slo_s, request.ttft_slo_s
         return seq, RequestHandle(request.request_id, loop)
 
     def release(self, request_id: str) -> None:

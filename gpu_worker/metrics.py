@@ -30,6 +30,8 @@ MODE_STEPS = Counter("tessera_worker_mode_steps", "Engine steps by inference mod
 MODE_SECONDS = Counter("tessera_worker_mode_seconds", "Engine steps' time (launch to tokens) by inference mode", ["mode"])
 MODE_SWITCHES = Counter("tessera_worker_mode_switches", "Steps that run on other weights than the step before: "
                         "a merge, a restore, or both")
+STARVING = Gauge("tessera_worker_starving_requests", "Requests past their credit threshold (their wait, the next "
+                 "step and a switch against their TTFT or TPOT objective) when the last step's mode was decided")
 RUNNING = Gauge("tessera_worker_running_requests", "Sequences in the running batch")
 WAITING = Gauge("tessera_worker_waiting_requests", "Sequences waiting for admission")
 
@@ -47,6 +49,7 @@ class StepMetrics:
         STEP_MODELS.observe(len(set(step.adapters)))
         MODE_STEPS.labels(step.mode).inc()
         MODE_SECONDS.labels(step.mode).inc(step.duration_s)
+        STARVING.set(step.starving)
         if step.merged_adapter != self._merged:
             MODE_SWITCHES.inc()
             self._merged = step.merged_adapter

@@ -1,33 +1,32 @@
-"""Which inference mode each step runs in: decided once per step, before the model runner runs it.
+"""Each step's inference mode, and the batch it allows: decided before the scheduler builds the step
+(`shape`) and settled on the batch it built (`plan`).
 
-Two modes: UNMERGED, where the LoRA kernels apply each token's adapter over the base weights, and
-MERGED (VaLoRA's merged inference), where one adapter is folded into the base weights and the step
-runs base-only (lora/merge_switch.py does the folding). A step is merged when every one of its
-tokens uses one adapter and that adapter has already filled `merge_after_steps` steps in a row, so
-that a mix that only briefly looks uniform does not pay for a merge and an unmerge. It stays merged
-while the steps stay on that adapter; the first step that needs anything else (another adapter, the
-base model, a mix) runs unmerged. A switch that found no memory for its backups at start keeps every
-step unmerged.
-
-Running example, merge_after_steps=2, each step's adapter (slot 3, "sql"):
-    sql sql sql sql base sql
-    U   U   M   M   U    U      (the streak restarts at the base step)
+Three modes (VaLoRA): UNMERGED, where the LoRA kernels apply each token's adapter over the base
+weights; MERGED, where one adapter is folded into the base weights and the step runs base-only
+(lora/merge_switch.py does the folding); MIXTURE (deLoRA), the merged weights with other requests
+beside the merged adapter's, each of their tokens adding its own adapter's delta and the merged
+one's negated. Which mode, and which requests a merged step runs, is the policy's choice
+(mode_policies.py; the worker's `mode_policy`). A merged decision lets the scheduler run the merged
+adapter's requests and the few others the policy names; the step is MERGED if only the former ran,
+MIXTURE otherwise. Without a merge switch (merged mode off, or no memory for its backups at start)
+every step runs unmerged and nobody is held back.
 """
 
 from __future__ import annotations
 
-import enum
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpu_worker.lora.merge_switch import MergeSwitch
-from gpu_worker.scheduler import ScheduledBatch
+from gpu_worker.mode_policies import UNMERGED_ALL, Candidate, InferenceMode, ModePolicy, ModeView
+from gpu_worker.scheduler import ScheduledBatch, Scheduler
+from gpu_worker.sequence import Sequence
 from kernels import NO_SLOT
 
+__all__ = ["UNMERGED", "InferenceMode", "Orchestrator", "Slos", "StepPlan"]
 
-class InferenceMode(enum.Enum):
-    UNMERGED = "unmerged"  # LoRA kernels over the base weights; any mix of adapters
-    MERGED = "merged"      # one adapter folded into the base weights; no LoRA kernels
-    MIXTURE = "mixture"    # one adapter folded in; the other tokens add their delta and the merged one's negated
+STEP_TIME_WEIGHT = 0.1  # of the newest step in the step-time average (credits add the next step's time)
 
 
 @dataclass(frozen=True)
@@ -45,39 +44,68 @@ class StepPlan:
 UNMERGED = StepPlan(InferenceMode.UNMERGED)
 
 
-class Orchestrator:
-    def __init__(self, merge_switch: MergeSwitch | None, merge_after_steps: int) -> None:
-        """`merge_switch`: None when merged mode is off (every step runs unmerged)."""
-        assert merge_switch is None or merge_after_steps >= 1, merge_after_steps
-        self.merge_switch = merge_switch
-        self._after_steps = merge_after_steps
-        self._candidate: tuple[int, str] | None = None  # the uniform (slot, adapter) of the last step planned
-        self._streak = 0                                # steps in a row on the candidate, that one included
+@dataclass(frozen=True)
+class Slos:
+    """The objectives of requests that came without their own."""
+    ttft_s: float
+    tpot_s: float
 
-    def plan(self, batch: ScheduledBatch) -> StepPlan:
-        """The mode `batch` (a step about to launch) runs in."""
+
+class Orchestrator:
+    def __init__(self, merge_switch: MergeSwitch | None, policy: ModePolicy, slos: Slos,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """`merge_switch`: None when merged mode is off."""
+        self.merge_switch = merge_switch if merge_switch is not None and merge_switch.available else None
+        self.policy = policy
+        self._slos = slos
+        self._clock = clock
+        self._decision = UNMERGED_ALL
+        self._step_s = 0.0
+        self.starving = 0  # candidates past their credit threshold at the last decision
+
+    def shape(self, scheduler: Scheduler) -> Callable[[Sequence], bool] | None:
+        """Decide the next step's mode; -> which sequences the scheduler may run in it (None: any)."""
         switch = self.merge_switch
         if switch is None:
+            return None
+        view = ModeView(self._candidates(scheduler), switch.merged, switch.mixture_slot >= 0, switch.switch_s,
+                        self._step_s)
+        decision = self._decision = self.policy.decide(view)
+        self.starving = decision.starving
+        if decision.merged is None:
+            return None
+        name, also = decision.merged[1], decision.also
+        return lambda seq: (seq.adapter is not None and seq.adapter.name == name) or seq.seq_id in also
+
+    def plan(self, batch: ScheduledBatch) -> StepPlan:
+        """The mode `batch` (built under the last `shape`) runs in."""
+        decision = self._decision
+        if self.merge_switch is None or decision.merged is None:
             return UNMERGED
-        uniform = _uniform_adapter(batch)
-        if uniform is not None and uniform == switch.merged:
-            return _merged(uniform)
-        self._streak = self._streak + 1 if uniform is not None and uniform == self._candidate else 1
-        self._candidate = uniform
-        if uniform is None or self._streak <= self._after_steps or not switch.available:
-            return UNMERGED
-        return _merged(uniform)
+        slot, name = decision.merged
+        alone = all(item.seq.slot == slot and item.seq.adapter is not None and item.seq.adapter.name == name
+                    for item in batch.items)
+        return StepPlan(InferenceMode.MERGED if alone else InferenceMode.MIXTURE, name, slot)
 
+    def observe_step(self, duration_s: float) -> None:
+        """A step took `duration_s`, launch to tokens."""
+        self._step_s = duration_s if not self._step_s else (
+            (1 - STEP_TIME_WEIGHT) * self._step_s + STEP_TIME_WEIGHT * duration_s)
 
-def _uniform_adapter(batch: ScheduledBatch) -> tuple[int, str] | None:
-    """(slot, name) of the adapter every sequence of `batch` uses; None for the base model or a mix."""
-    names = {item.seq.adapter.name if item.seq.adapter else None for item in batch.items}
-    slots = {item.seq.slot for item in batch.items}
-    if len(names) != 1 or None in names or len(slots) != 1 or NO_SLOT in slots:  # NO_SLOT: on CPU LoRA workers
-        return None
-    return slots.pop(), names.pop()
+    def _candidates(self, scheduler: Scheduler) -> list[Candidate]:
+        """The running sequences with tokens to run, then the waiting ones in queue order, up to the
+        step's sequence limit."""
+        now = self._clock()
+        running = [seq for seq in scheduler.running if not seq.sampled_all]
+        room = max(0, scheduler.limits.max_num_seqs - len(scheduler.running))
+        candidates = [self._candidate(seq, seq.slot, seq.rank, now) for seq in running]
+        for seq in list(scheduler.waiting)[:room]:
+            placed = scheduler.adapters.resident(seq.adapter) if seq.adapter is not None else None
+            candidates.append(self._candidate(seq, *(placed or (NO_SLOT, 0)), now))
+        return candidates
 
-
-def _merged(adapter: tuple[int, str]) -> StepPlan:
-    slot, name = adapter
-    return StepPlan(InferenceMode.MERGED, name, slot)
+    def _candidate(self, seq: Sequence, slot: int, rank: int, now: float) -> Candidate:
+        first = not seq.output_token_ids
+        slo = (seq.ttft_slo_s or self._slos.ttft_s) if first else (seq.tpot_slo_s or self._slos.tpot_s)
+        return Candidate(seq.seq_id, seq.adapter.name if seq.adapter else None, slot, rank, max(1, seq.num_pending),
+                         seq.num_cached, now - seq.last_token_s, slo)

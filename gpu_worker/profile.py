@@ -205,7 +205,7 @@ def profile(model_dir: Path, device: torch.device, base_model: str, grid: Grid,
         model = load_served_model(model_dir, device=device, dtype=dtype).language_model
     worker = WorkerConfig(base_model=base_model, device=str(device), max_num_seqs=grid.max_batch,
                           max_batch_tokens=grid.max_step_tokens, adapter_slots=2 * grid.max_batch,
-                          max_lora_rank=max(grid.ranks), merge_after_steps=0, cpu_lora_workers=0,
+                          max_lora_rank=max(grid.ranks), mode_policy="unmerged", cpu_lora_workers=0,
                           kv_cache_tokens=grid.max_batch * (max(grid.prompt_lens + grid.context_lens) + 4
                                                             + 2 + WorkerConfig().kv_block_size))
     parts = assemble_parts(model, worker, Path("/nonexistent"),

@@ -86,7 +86,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, may_run: Callable[[Sequence], bool] | None = None) -> ScheduledBatch:
+        """The next step. `may_run`: the sequences the step may run (the orchestrator's choice for its
+        mode); the others keep their place, and their blocks, for a later step."""
         batch = ScheduledBatch()
         self.adapters.poll()
         self._fail_unloadable(batch)
@@ -100,7 +102,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            if seq.sampled_all:
+            if seq.sampled_all or (may_run is not None and not may_run(seq)):
                 index += 1
                 continue
             num_new = min(seq.num_pending, budget)
@@ -111,7 +113,7 @@ class Scheduler:
             budget -= num_new
             index += 1
         if not batch.preempted:  # blocks are short: admitting more would only preempt again
-            self._admit_waiting(batch, budget)
+            self._admit_waiting(batch, budget, may_run)
         return batch
 
     def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
@@ -124,11 +126,11 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, may_run: Callable[[Sequence], bool] | None) -> None:
         still_waiting: deque[Sequence] = deque()
         while self.waiting:
             seq = self.waiting.popleft()
-            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or (may_run is not None and not may_run(seq)):
                 still_waiting.append(seq)
                 continue
             prefix = self.blocks.match_prefix(seq)  # prefill starts after the blocks it reuses

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,8 @@ class Sequence:
         self.cpu_adapter: PackedAdapter | None = None
         self.cold = False  # its adapter was not usable when it was first considered, and it is not admitted yet
         self.tpot_slo_s: float | None = None  # its TPOT objective (the gateway's routing), if any
+        self.ttft_slo_s: float | None = None  # its TTFT objective, likewise
+        self.last_token_s = time.perf_counter()  # when its last token was sampled, or it arrived
         self.num_cached = 0                 # leading tokens whose K/V are in the cache
         self.block_table: list[int] = []    # KV-cache blocks holding those tokens, in order
         # Prefix caching (block_manager.py): content hashes of the leading full blocks computed so far
@@ -136,6 +139,7 @@ class Sequence:
         `decode_text` unless stop strings need it now: the engine decodes while the device runs the
         next step."""
         self.output_token_ids.append(token_id)
+        self.last_token_s = time.perf_counter()
         if self.params.stop:
             self.decode_text()
         if token_id == eos_token_id or token_id in self.params.stop_token_ids or self.detokenizer.stopped:

@@ -83,7 +83,8 @@ def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: in
     adapter = None
     if message.HasField("adapter"):
         adapter = adapter_ref(message.adapter)
-    return GenerationRequest(uuid.uuid4().hex, prompt, params, adapter, message.tpot_slo_ms / 1e3 or None)
+    return GenerationRequest(uuid.uuid4().hex, prompt, params, adapter, message.tpot_slo_ms / 1e3 or None,
+                             message.ttft_slo_ms / 1e3 or None)
 
 
 def _token_logprobs(output: RequestOutput,

@@ -18,6 +18,7 @@ is False, and every step runs unmerged.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -26,6 +27,11 @@ from kernels import merge_weights, restore_weights, upload_rows, warm_up_merge
 from kernels.merge import MergeTarget
 
 log = logging.getLogger(__name__)
+
+# A merge reads the weights and writes them and their backup, a restore reads the backup and writes the
+# weights: 3 and 2 weight-sized transfers, against the 2 of the copy timed at start (the first estimate).
+OVER_COPY = {"merge": 3 / 2, "restore": 1.0}
+SWITCH_TIME_WEIGHT = 0.25  # of the newest measured merge (restore) in the running estimate
 
 
 class MergeSwitch:
@@ -45,6 +51,30 @@ class MergeSwitch:
             self._targets.clear()
             log.warning("no memory to save base weights for merged mode; steps on one adapter run unmerged")
         self.available = bool(self._targets) or not self._modules
+        copy_s = self._time_backup_copy()
+        self._seconds = {kind: copy_s * factor for kind, factor in OVER_COPY.items()}
+        self._timings: list[tuple[str, _Mark, _Mark]] = []  # (kind, start, end) of switches not read yet
+
+    @property
+    def switch_s(self) -> float:
+        """About how long a merge and its restore take together, measured."""
+        while self._timings and _done(self._timings[0][2]):
+            kind, start, end = self._timings.pop(0)
+            self._seconds[kind] += SWITCH_TIME_WEIGHT * (_elapsed_s(start, end) - self._seconds[kind])
+        return sum(self._seconds.values())
+
+    def _time_backup_copy(self) -> float:
+        """Seconds to copy every adapted projection's weight into its backup (what the merge copies)."""
+        targets = list(self._targets.values())
+        if not targets:
+            return 0.0
+        device = targets[0].weight.device
+        _sync(device)
+        started = time.perf_counter()
+        for target in targets:
+            target.backup.copy_(target.weight)
+        _sync(device)
+        return time.perf_counter() - started
 
     @property
     def reserved_bytes(self) -> int:
@@ -89,12 +119,40 @@ class MergeSwitch:
         for module in self._modules:  # mixture mode's slot: the merged adapter, negated
             module.lora.mirror(slot, self.mixture_slot, -1.0, upload=False)
         upload_rows([m.lora for m in self._modules], self.mixture_slot)
+        started = self._mark()
         with torch.inference_mode():
             merge_weights(targets, slot)  # one launch on CUDA for every projection of every layer
+        self._timings.append(("merge", started, self._mark()))
         self._merged, self._merged_targets = (slot, name), targets
 
     def _unmerge(self) -> None:
+        started = self._mark()
         with torch.inference_mode():
             restore_weights(self._merged_targets)
+        self._timings.append(("restore", started, self._mark()))
         self._merged, self._merged_targets = None, []
+
+    def _mark(self) -> _Mark:
+        """A point in the device's stream to time from (an event on CUDA: no sync)."""
+        if self._modules[0].weight.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+
+_Mark = float | torch.cuda.Event
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _done(mark: _Mark) -> bool:
+    return isinstance(mark, float) or mark.query()
+
+
+def _elapsed_s(start: _Mark, end: _Mark) -> float:
+    return end - start if isinstance(end, float) else start.elapsed_time(end) / 1e3
 

@@ -128,7 +128,10 @@ class WorkerConfig:
     # TPOT objective, as the gateway sent it), or one way alone: pipelined (layer-pipelined loading), cpu
     # (the CPU LoRA workers), wait (until the whole adapter is on the GPU).
     cold_start_policy: str = "auto"
-    cold_start_tpot_slo_ms: float = 200.0  # the objective of requests that came without one
+    # The objectives of requests that came without their own (the gateway sends each request's): the
+    # cold-start policy keeps shared steps within the TPOT; the mode policy's credits are held to both.
+    default_tpot_slo_ms: float = 200.0
+    default_ttft_slo_ms: float = 5000.0
     max_lora_rank: int = 64  # adapters of higher rank are refused by this worker
     # Projections that get adapter slots (memory: every slot holds max_lora_rank for each);
     # adapters targeting others are refused.
@@ -149,10 +152,15 @@ class WorkerConfig:
     # before serving (seconds at the first start, Triton's disk cache after), so no request waits on
     # a compile.
     warm_up_kernels: bool = True
-    # Merged mode: after this many steps in a row on one adapter, fold it into the base weights
-    # (steps then cost what base steps cost; a saved copy of the weights it touches restores
-    # them exactly). 0: never merge.
-    merge_after_steps: int = 8
+    # Inference modes (gpu_worker/orchestrator.py): each step runs unmerged (LoRA kernels), merged (one
+    # adapter folded into the base weights; a saved copy of the weights it touches restores them
+    # exactly) or mixture (merged, with other requests beside it), as the policy decides
+    # (gpu_worker/mode_policies.py): credit (VaLoRA's credit-based policy priced with this worker
+    # kind's profiled step costs), unmerged (never merge), merged (always one adapter merged) or dlora
+    # (dLoRA's threshold switching). A request starves once its wait, the next step and a switch reach
+    # mode_credit_theta times its objective for its next token.
+    mode_policy: str = "credit"
+    mode_credit_theta: float = 1.0
     # Prefix caching: a new request reuses the KV blocks of the longest prefix (whole blocks: tokens,
     # images, adapter) that an earlier request computed, and prefills only the rest.
     enable_prefix_caching: bool = True

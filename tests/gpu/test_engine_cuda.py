@@ -113,7 +113,7 @@ def test_serving_compiles_no_kernel_after_the_engine_is_built(tiny_assets):
     from kernels.triton.compile_ahead import compiles_recorded
 
     steps = []
-    engine = make_engine(tiny_assets, steps, device="cuda", dtype="auto", max_batch_tokens=192, merge_after_steps=2,
+    engine = make_engine(tiny_assets, steps, device="cuda", dtype="auto", max_batch_tokens=192,
                          kv_cache_tokens=2048)  # a fixed pool: the engine before may not be collected yet
     one = tiny_assets.adapters["demo-r16"]
     long_prompt = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(20))  # 245 of 256 tokens

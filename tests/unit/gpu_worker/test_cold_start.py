@@ -60,7 +60,7 @@ def test_the_step_time_is_a_running_estimate():
 
 @pytest.mark.parametrize("field, value, message", [
     ("cold_start_policy", "fastest", "expected one of auto, pipelined, cpu, wait"),
-    ("cold_start_tpot_slo_ms", 0.0, "must be positive"),
+    ("default_tpot_slo_ms", 0.0, "must be positive"),
 ])
 def test_a_bad_cold_start_setting_is_refused(field, value, message):
     with pytest.raises(ConfigError, match=message):

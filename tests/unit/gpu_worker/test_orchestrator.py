@@ -1,88 +1,98 @@
-"""The orchestrator's per-step decision: merge a run of steps on one adapter, unmerge at anything else."""
+"""The orchestrator between the policy and the scheduler: the candidates it shows the policy, which
+sequences a decision lets run, and the mode of the batch the scheduler built."""
 
 from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 
 from gpu_worker.lora.loader import AdapterRef
-from gpu_worker.orchestrator import UNMERGED, InferenceMode, Orchestrator, StepPlan
+from gpu_worker.mode_policies import UNMERGED_ALL, InferenceMode, ModeDecision, ModePolicy, ModeView
+from gpu_worker.orchestrator import UNMERGED, Orchestrator, Slos, StepPlan
 from gpu_worker.scheduler import ScheduledBatch, ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
 from kernels import NO_SLOT
 
 SLOTS = {"sql": 3, "chat": 5}
+SLOS = Slos(ttft_s=2.0, tpot_s=0.2)
 
 
-class _Switch:
-    """What the orchestrator reads of lora.merge_switch.MergeSwitch; `hold` is what the runner does."""
+class _Policy(ModePolicy):
+    def __init__(self, decision: ModeDecision) -> None:
+        self.decision = decision
+        self.views: list[ModeView] = []
 
-    def __init__(self, memory_for_backup: bool = True) -> None:
-        self.merged: tuple[int, str] | None = None
-        self.available = memory_for_backup  # the backups are reserved when the switch is made
-        self.merges = 0
-
-    def hold(self, plan: StepPlan) -> None:
-        target = (plan.merged_slot, plan.merged_adapter) if plan.mode is InferenceMode.MERGED else None
-        if target != self.merged:
-            assert target is None or self.available, "merged without its backups"
-            self.merged = target
-            self.merges += target is not None
+    def decide(self, view: ModeView) -> ModeDecision:
+        self.views.append(view)
+        return self.decision
 
 
-def _batch(*adapters: str | None) -> ScheduledBatch:
-    batch = ScheduledBatch()
-    for i, name in enumerate(adapters):
-        ref = AdapterRef(name, "base", 8, "", "") if name else None
-        seq = Sequence(f"r{i}", [1, 2], SamplingParams(), ref, None)
-        seq.slot = SLOTS[name] if name else NO_SLOT
-        batch.items.append(ScheduledSeq(seq, 1, True))
-    return batch
+def _switch(merged: str | None = None):
+    """What the orchestrator reads of lora.merge_switch.MergeSwitch."""
+    return SimpleNamespace(available=True, merged=(SLOTS[merged], merged) if merged else None, mixture_slot=9,
+                           switch_s=0.004)
 
 
-def _modes(orchestrator: Orchestrator, switch: _Switch, steps: list[tuple[str | None, ...]]) -> str:
-    """Plan and run each step; -> one letter a step for the mode it ran in: U(nmerged) or M(erged)."""
-    letters = ""
-    for adapters in steps:
-        switch.hold(orchestrator.plan(_batch(*adapters)))
-        letters += "M" if switch.merged else "U"
-    return letters
+def _seq(name: str | None, outputs: int = 0, tpot_slo_s: float | None = None) -> Sequence:
+    ref = AdapterRef(name, "base", 8, "", "") if name else None
+    seq = Sequence(f"r-{name}", [1, 2, 3], SamplingParams(max_tokens=8), ref, None)
+    seq.output_token_ids = [7] * outputs
+    seq.num_cached = seq.num_tokens - 1 if outputs else 0
+    seq.slot = SLOTS[name] if name and outputs else NO_SLOT
+    seq.rank = 8 if name and outputs else 0
+    seq.tpot_slo_s = tpot_slo_s
+    return seq
 
 
-def test_a_run_on_one_adapter_merges_after_merge_after_steps_steps_and_unmerges_at_the_base_model():
-    switch = _Switch()
-    steps = [("sql",), ("sql", "sql"), ("sql",), ("sql",), (None,), ("sql",)]
-    assert _modes(Orchestrator(switch, merge_after_steps=2), switch, steps) == "UUMMUU"
+def _scheduler(running: list[Sequence], waiting: list[Sequence], max_num_seqs: int = 8):
+    adapters = SimpleNamespace(resident=lambda ref: (SLOTS[ref.name], 8))
+    return SimpleNamespace(running=running, waiting=deque(waiting), adapters=adapters,
+                           limits=SimpleNamespace(max_num_seqs=max_num_seqs))
 
 
-def test_the_merged_plan_names_the_adapter_and_its_slot():
-    switch = _Switch()
-    orchestrator = Orchestrator(switch, merge_after_steps=1)
-    _modes(orchestrator, switch, [("chat",)])
-    assert orchestrator.plan(_batch("chat", "chat")) == StepPlan(InferenceMode.MERGED, "chat", SLOTS["chat"])
+def _batch(*seqs: Sequence) -> ScheduledBatch:
+    return ScheduledBatch([ScheduledSeq(seq, 1, True) for seq in seqs])
 
 
-def test_another_adapter_unmerges_and_starts_its_own_streak():
-    switch = _Switch()
-    steps = [("sql",), ("sql",), ("chat",), ("chat",), ("chat",)]
-    assert _modes(Orchestrator(switch, merge_after_steps=1), switch, steps) == "UMUMM"
+def test_the_policy_sees_running_then_waiting_sequences_up_to_the_sequence_limit():
+    policy = _Policy(UNMERGED_ALL)
+    running = [_seq("sql", outputs=2, tpot_slo_s=0.05), _seq(None, outputs=1)]
+    waiting = [_seq("chat"), _seq("sql"), _seq("chat")]
+    Orchestrator(_switch(), policy, SLOS).shape(_scheduler(running, waiting, max_num_seqs=4))
+    (view,) = policy.views
+    assert [(c.adapter, c.slot, c.tokens, c.slo_s) for c in view.candidates] == [
+        ("sql", SLOTS["sql"], 1, 0.05), (None, NO_SLOT, 1, SLOS.tpot_s),  # TPOT: their next token is not the first
+        ("chat", SLOTS["chat"], 3, SLOS.ttft_s), ("sql", SLOTS["sql"], 3, SLOS.ttft_s)]  # the prompt, against TTFT
+    assert view.switch_s == 0.004 and view.mixture
 
 
-def test_a_step_mixing_adapters_or_with_the_base_model_never_merges():
-    switch = _Switch()
-    steps = [("sql", "chat")] * 3 + [("sql", None)] * 3 + [(None,)] * 3
-    assert _modes(Orchestrator(switch, merge_after_steps=1), switch, steps) == "U" * 9
+def test_a_merged_decision_lets_its_adapters_requests_run_and_those_it_names():
+    sql, chat, other_chat = _seq("sql", outputs=1), _seq("chat", outputs=1), _seq("chat", outputs=1)
+    decision = ModeDecision(InferenceMode.MERGED, (SLOTS["sql"], "sql"), frozenset({chat.seq_id}), starving=1)
+    orchestrator = Orchestrator(_switch(), _Policy(decision), SLOS)
+    may_run = orchestrator.shape(_scheduler([sql, chat, other_chat], []))
+    assert [may_run(s) for s in (sql, chat, other_chat)] == [True, True, False]
+    assert orchestrator.starving == 1
+    assert orchestrator.plan(_batch(sql)) == StepPlan(InferenceMode.MERGED, "sql", SLOTS["sql"])
+    assert orchestrator.plan(_batch(sql, chat)) == StepPlan(InferenceMode.MIXTURE, "sql", SLOTS["sql"])
 
 
-def test_a_switch_without_memory_for_its_backups_keeps_every_step_unmerged():
-    switch = _Switch(memory_for_backup=False)
-    steps = [("sql",)] * 5
-    assert _modes(Orchestrator(switch, merge_after_steps=1), switch, steps) == "UUUUU"
-    assert switch.merges == 0
+def test_an_unmerged_decision_lets_everything_run():
+    orchestrator = Orchestrator(_switch("sql"), _Policy(UNMERGED_ALL), SLOS)
+    assert orchestrator.shape(_scheduler([_seq("sql", outputs=1)], [])) is None
+    assert orchestrator.plan(_batch(_seq("sql", outputs=1))) == UNMERGED
 
 
-def test_without_a_merge_switch_every_step_runs_unmerged():
-    orchestrator = Orchestrator(None, merge_after_steps=0)
-    assert all(orchestrator.plan(_batch("sql")) == UNMERGED for _ in range(5))
+def test_without_a_merge_switch_or_its_backups_nothing_is_held_back_and_every_step_runs_unmerged():
+    decision = ModeDecision(InferenceMode.MERGED, (SLOTS["sql"], "sql"))
+    for switch in (None, SimpleNamespace(**{**vars(_switch()), "available": False})):
+        policy = _Policy(decision)
+        orchestrator = Orchestrator(switch, policy, SLOS)
+        sql = _seq("sql", outputs=1)
+        assert orchestrator.shape(_scheduler([sql], [])) is None
+        assert orchestrator.plan(_batch(sql)) == UNMERGED and not policy.views
 
 
 def test_a_plan_is_merged_exactly_when_it_names_an_adapter_and_a_slot():
@@ -90,3 +100,5 @@ def test_a_plan_is_merged_exactly_when_it_names_an_adapter_and_a_slot():
         StepPlan(InferenceMode.MERGED)
     with pytest.raises(AssertionError):
         StepPlan(InferenceMode.UNMERGED, "sql", 3)
+    with pytest.raises(AssertionError):
+        ModeDecision(InferenceMode.MIXTURE, (3, "sql"))

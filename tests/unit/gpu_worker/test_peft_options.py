@@ -93,7 +93,7 @@ def test_rslora_and_patterns_generate_as_peft_does_batched_with_another_adapter(
 
 def test_rslora_and_patterns_merged_generate_as_peft_does(engine_factory, patterns, reference):
     steps = []
-    engine = engine_factory(steps=steps, merge_after_steps=2)
+    engine = engine_factory(steps=steps)
     requests = [GenerationRequest(f"m{i}", PROMPT, SamplingParams(max_tokens=MAX_NEW), patterns) for i in range(2)]
     results = run_all(engine, requests)
     assert any(s.merged_adapter == patterns.name for s in steps)
