@@ -13,12 +13,13 @@ requests at each skew):
 Every request carries the gateway's default objectives (TPOT 200 ms, TTFT 5 s), which the credits and
 starvation thresholds are held to. Per skew and policy: average token latency (each request's
 end-to-end latency over its output tokens, averaged over the requests), throughput (output tokens over
-the time from the first arrival to the last token), steps by mode and switches. Targets: credit's
+the time from the first arrival to the last token), steps by mode and switches; with --repeats, the
+means of that many runs each, the policies' order rotated between them. Targets: credit's
 average token latency <= the best of the other three at every skew; at skew >= 0.7 its throughput
 >= 0.97 x merge-only's. VaLoRA's published margins are printed beside Tessera's.
 
     PYTHONPATH=.:protos python3 -m benchmarks.modes_bench [--skews 0.3 0.5 0.7 0.9] [--rate 8]
-        [--duration-s 10] [--json OUT.json]
+        [--duration-s 10] [--repeats 3] [--json OUT.json]
     PYTHONPATH=.:protos python3 -m benchmarks.modes_bench --device cpu --tiny   # CPU smoke run
 """
 
@@ -119,6 +120,14 @@ def summary(plan: list[Arrival], results: list[dict], steps: list[StepRecord]) -
                 starving_max=max((s.starving for s in steps), default=0))
 
 
+def averaged(rows: list[dict]) -> dict:
+    """The repeats of one policy and skew: their mean (and median) token latency and throughput, and each
+    run. The median shows when one run's outlier moves the mean."""
+    latencies = [r["token_latency_ms"] for r in rows]
+    return dict(token_latency_ms=statistics.fmean(latencies), token_latency_median_ms=statistics.median(latencies),
+                throughput_tok_s=statistics.fmean(r["throughput_tok_s"] for r in rows), runs=rows)
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     setting = SETTINGS["tiny" if args.tiny else "full"]
@@ -151,20 +160,23 @@ def run(args: argparse.Namespace) -> dict:
                     for a in plan]
             return asyncio.run(replay(engine, made))
 
+        # Every adapter on the GPU before the runs (all of them fit), and the graphs and kernels warm.
+        replay_plan([Arrival(0.0, i, 16, 2) for i in range(setting.adapters)])
         warm = skewed_arrivals(args.trace, args.rate, 2.0, 0.5, setting, seed=1)
-        replay_plan([dataclasses.replace(a, at_s=0.0) for a in warm])  # every adapter's load, graphs, kernels
+        replay_plan([dataclasses.replace(a, at_s=0.0) for a in warm])
         for skew in args.skews:
             plan = skewed_arrivals(args.trace, args.rate, args.duration_s, skew, setting, seed=int(skew * 100))
-            for policy in POLICIES:
-                parts.orchestrator.policy = make_policy(policy, args.theta, cost)
-                steps.clear()
-                results = replay_plan(plan)
-                key = f"{policy}/{skew:g}"
-                runs[key] = row = summary(plan, results, list(steps))
-                progress(f"{key}: token latency {row['token_latency_ms']:.2f} ms, throughput "
-                         f"{row['throughput_tok_s']:.0f} tok/s, steps {row['steps']}, switches {row['switches']}")
-                if args.json:  # so far: a run cut short keeps what it measured
-                    args.json.write_text(json.dumps(report | {"runs": runs}, indent=1))
+            for repeat in range(args.repeats):
+                for policy in POLICIES[repeat % len(POLICIES):] + POLICIES[:repeat % len(POLICIES)]:  # rotated
+                    parts.orchestrator.policy = make_policy(policy, args.theta, cost)
+                    steps.clear()
+                    row = summary(plan, replay_plan(plan), list(steps))
+                    key = f"{policy}/{skew:g}"
+                    runs[key] = averaged(runs.get(key, {}).get("runs", []) + [row])
+                    progress(f"{key} #{repeat + 1}: token latency {row['token_latency_ms']:.2f} ms, throughput "
+                             f"{row['throughput_tok_s']:.0f} tok/s, steps {row['steps']}, switches {row['switches']}")
+                    if args.json:  # so far: a run cut short keeps what it measured
+                        args.json.write_text(json.dumps(report | {"runs": runs}, indent=1))
     report["runs"] = runs
     report["comparison"] = comparison(runs, args.skews)
     return report
@@ -193,6 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the top adapter's share of the requests")
     parser.add_argument("--rate", type=float, default=8.0, help="requests per second")
     parser.add_argument("--duration-s", type=float, default=10.0, help="seconds of arrivals per run")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each policy per skew (the order rotated each time); figures are their means")
     parser.add_argument("--theta", type=float, default=WorkerConfig().mode_credit_theta)
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0)
     parser.add_argument("--ttft-slo-ms", type=float, default=5000.0)
@@ -208,6 +222,10 @@ def main(argv: list[str] | None = None) -> dict:
     for skew in args.skews:
         print(f"{skew:<6g}" + "".join(f"{r['token_latency_ms']:>12.2f} {r['throughput_tok_s']:>9.0f}"
                                       for r in (report["runs"][f"{p}/{skew:g}"] for p in POLICIES)))
+    if args.repeats > 1:
+        print("median token latency (ms) of the repeats: " + "; ".join(
+            f"skew {skew:g}: " + ", ".join(f"{p} {report['runs'][f'{p}/{skew:g}']['token_latency_median_ms']:.2f}"
+                                           for p in POLICIES) for skew in args.skews))
     print("credit's token latency against each (VaLoRA's published margin in brackets), throughput over merge-only:")
     for skew, row in report["comparison"].items():
         vs = ", ".join(f"{p} {row['latency_vs'][p]:+.0%} [{VALORA_MARGINS[p]:+.0%}]" for p in VALORA_MARGINS)
