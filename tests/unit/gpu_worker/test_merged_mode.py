@@ -136,3 +136,32 @@ def test_mixture_mode_gives_peft_outputs_for_every_adapter_and_the_base_model(en
     run_all(engine, [GenerationRequest("base", PROMPT, SamplingParams(max_tokens=1))])
     for name, param in engine._runner.model.named_parameters():
         assert torch.equal(param, before[name]), name
+
+
+def test_merge_only_pauses_the_other_adapters_requests_and_they_resume_with_peft_outputs(engine_factory, tiny_assets):
+    """The mode policy shapes the batch: merge-only runs one adapter's requests at a time, merged, while the
+    other adapter's running requests wait with their KV blocks until they starve (a 20 ms objective here),
+    then takes their adapter. Every output still equals PEFT's, and a base request restores the weights."""
+    steps = []
+    engine = engine_factory(steps=steps, mode_policy="merged", default_tpot_slo_ms=20, default_ttft_slo_ms=20)
+    before = _weights(engine)
+    names = ("demo-r64", "demo-r16")
+    prompts = (PROMPT, "def f(x):\n", "for i in range(3):\n", PROMPT * 2)
+    requests = [GenerationRequest(f"p{i}", prompt, SamplingParams(max_tokens=MAX_NEW), tiny_assets.adapters[names[i % 2]])
+                for i, prompt in enumerate(prompts)]
+    outputs = run_all(engine, requests)
+    merged = [s for s in steps if s.mode == "merged"]
+    assert all(set(s.adapters) == {s.merged_adapter} for s in merged)  # nothing else ran beside it
+    turns = [s.merged_adapter for s in merged]
+    assert set(turns) == set(names) and sum(a != b for a, b in zip(turns, turns[1:])) >= 2, turns  # they took turns
+    ran = {rid: [i for i, s in enumerate(steps) if rid in s.request_ids] for rid in ("p0", "p1")}
+    assert any(b - a > 1 for rid in ran for a, b in zip(ran[rid], ran[rid][1:])), ran  # paused mid-generation
+
+    models = ReferenceModels(DEMO_BASE_MODEL, tiny_assets.base_dir,
+                             {name: tiny_assets.adapters[name].storage_path for name in names})
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        name = names[i % 2]
+        assert_same_greedy(f"{name} under merge-only", models.greedy_text(name, prompt, MAX_NEW), tokens_of(output))
+    run_all(engine, [GenerationRequest("base", PROMPT, SamplingParams(max_tokens=1))])
+    for name, param in engine._runner.model.named_parameters():
+        assert torch.equal(param, before[name]), name
