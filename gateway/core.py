@@ -117,12 +117,14 @@ class GatewayCore:
 def routing_request(request: inference_pb2.GenerateRequest, resolved: ResolvedModel,
                      config: GatewayConfig) -> RoutingRequest:
     """What the policy prices: the adapter, an estimate of the prompt's tokens, max_tokens as the
-    expected output (an upper bound: what the request may hold a batch seat for) and the SLO."""
+    expected output (an upper bound: what the request may hold a batch seat for) and the SLO: each
+    objective the request's, else its adapter's default (the registry's), else the gateway's."""
     adapter = resolved.adapter
     chars = len(request.text) if request.WhichOneof("prompt") == "text" else (
         chat_text_chars(request.chat) + sum(len(m.role) for m in request.chat.messages))
-    slo = Slo(tpot_s=(request.slo.tpot_ms or config.default_tpot_slo_ms) / 1e3,
-              ttft_s=(request.slo.ttft_ms or config.default_ttft_slo_ms) / 1e3)
+    adapter_slo = (adapter.tpot_slo_ms, adapter.ttft_slo_ms) if adapter else (0.0, 0.0)
+    slo = Slo(tpot_s=(request.slo.tpot_ms or adapter_slo[0] or config.default_tpot_slo_ms) / 1e3,
+              ttft_s=(request.slo.ttft_ms or adapter_slo[1] or config.default_ttft_slo_ms) / 1e3)
     return RoutingRequest(adapter.name if adapter else "", adapter.rank if adapter else 0,
                           chars // CHARS_PER_TOKEN + 1, request.sampling.max_tokens, slo)
 

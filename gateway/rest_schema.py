@@ -28,6 +28,7 @@ from jsonschema.exceptions import ValidationError
 from services.common import strict_json
 from services.common.config import GatewayConfig
 from services.common.errors import InvalidArgument
+from services.common.slo import MAX_SLO_MS, MIN_SLO_MS
 
 MAX_SHOWN_CHARS = 80  # of a value quoted back in an error message
 MAX_MODEL_CHARS = 256  # registry names are at most 128
@@ -39,8 +40,6 @@ MAX_STOP_CHARS = 1024  # of one stop sequence: the worker matches each against e
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, and the most a worker returns (either door)
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, OpenAI's limit for the legacy API
-MIN_SLO_MS = 1  # a smaller SLO is no objective anyone can meet, and 5e-324 ms is 0 s after the division
-MAX_SLO_MS = 3_600_000
 CHAT_ROLES = ("system", "user", "assistant")
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from services.common.config import GatewayConfig
 from services.common.errors import InvalidArgument
+from services.common.slo import check_slo_ms
 from tessera.v1 import common_pb2, inference_pb2
 
 from gateway.images import check_chat_images, check_image, check_image_count, image_from_url
@@ -30,13 +31,11 @@ from gateway.rest_schema import (
     CHAT_ROLES,
     MAX_INT32,
     MAX_MODEL_CHARS,
-    MAX_SLO_MS,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
-    MIN_SLO_MS,
     check_body,
 )
 
@@ -109,12 +108,6 @@ def check_role(role: str, param: str) -> None:
 def check_prompt_chars(chars: int, config: GatewayConfig, param: str) -> None:
     if chars > config.max_prompt_chars:
         raise InvalidArgument(f"{param} is too long: {chars} characters, the limit is {config.max_prompt_chars}",
-                              param=param)
-
-
-def check_slo_ms(value: float, param: str) -> None:
-    if not MIN_SLO_MS <= value <= MAX_SLO_MS:  # also rejects NaN
-        raise InvalidArgument(f"{param} must be a number between {MIN_SLO_MS} and {MAX_SLO_MS}, got {value}",
                               param=param)
 
 

@@ -57,7 +57,11 @@ def require_api_key() -> None:
         raise PermissionDenied("invalid admin API key")
 
 
-def _json_body(fields: dict[str, type], required: set[str]) -> dict[str, Any]:
+# An adapter's default objectives, in ms (services/common/slo.py checks their range).
+SLO_FIELDS: dict[str, type | tuple[type, ...]] = {"tpot_slo_ms": (int, float), "ttft_slo_ms": (int, float)}
+
+
+def _json_body(fields: dict[str, type | tuple[type, ...]], required: set[str]) -> dict[str, Any]:
     """The request's JSON object, with each field of the expected type; InvalidArgument otherwise."""
     body = strict_json_loads(request.get_data() or b"null", "request body")
     if not isinstance(body, dict):
@@ -71,7 +75,8 @@ def _json_body(fields: dict[str, type], required: set[str]) -> dict[str, Any]:
                 raise InvalidArgument(f"missing required field {key!r}", param=key)
             continue
         if not isinstance(body[key], expected):
-            raise InvalidArgument(f"field {key!r} must be a {expected.__name__}", param=key)
+            kinds = expected if isinstance(expected, tuple) else (expected,)
+            raise InvalidArgument(f"field {key!r} must be a {' or '.join(k.__name__ for k in kinds)}", param=key)
     return body
 
 
@@ -92,9 +97,10 @@ def list_base_models() -> Response:
 
 @admin.post("/adapters")
 def register_adapter() -> tuple[Response, int]:
-    body = _json_body({"name": str, "base_model": str, "path": str, "task_head": dict},
+    body = _json_body({"name": str, "base_model": str, "path": str, "task_head": dict, **SLO_FIELDS},
                       required={"name", "base_model", "path"})
-    record = _store().register_adapter(body["name"], body["base_model"], body["path"], body.get("task_head"))
+    record = _store().register_adapter(body["name"], body["base_model"], body["path"], body.get("task_head"),
+                                       body.get("tpot_slo_ms"), body.get("ttft_slo_ms"))
     ADAPTERS_REGISTERED.inc()
     return jsonify(_record(record)), 201
 
@@ -108,6 +114,13 @@ def list_adapters() -> Response:
 @admin.get("/adapters/<name>")
 def get_adapter(name: str) -> Response:
     return jsonify(_record(_store().get_adapter(name)))
+
+
+@admin.put("/adapters/<name>/slo")
+def set_adapter_slos(name: str) -> Response:
+    """The adapter's default objectives, both replaced (a field left out or null: the gateway's default)."""
+    body = _json_body(SLO_FIELDS, required=set())
+    return jsonify(_record(_store().set_adapter_slos(name, body.get("tpot_slo_ms"), body.get("ttft_slo_ms"))))
 
 
 @admin.delete("/adapters/<name>")

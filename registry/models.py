@@ -57,6 +57,9 @@ class AdapterRow(Base):
     storage_path: Mapped[str] = mapped_column(String(4096))
     created_ms: Mapped[int] = mapped_column(BigInteger)
     task_head: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # The adapter's default objectives (ms) for requests that name none; NULL: the gateway's.
+    tpot_slo_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ttft_slo_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class WorkerRow(Base):

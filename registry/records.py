@@ -56,6 +56,8 @@ class AdapterRecord:
     storage_path: str  # <adapter_store>/<sha256> (rows from before migration 0002: the weights' sha256)
     created_unix_ms: int
     task_head: dict[str, Any] | None
+    tpot_slo_ms: float | None = None  # its default objectives for requests that name none; None: the gateway's
+    ttft_slo_ms: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

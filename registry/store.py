@@ -32,6 +32,7 @@ from registry.records import (AdapterRecord, AdapterVersion, BaseModelRecord, Ca
 from registry.trusted_paths import real_roots, resolve_inside_roots
 from services.common.config import TesseraConfig
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
+from services.common.slo import check_slo_ms
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 TIER_ORDER = list(Tier)  # fastest first
@@ -57,7 +58,13 @@ def _adapter_record(row: AdapterRow) -> AdapterRecord:
     return AdapterRecord(
         name=row.name, base_model=row.base_model, rank=row.rank, alpha=row.alpha,
         target_modules=tuple(row.target_modules), size_bytes=row.size_bytes, sha256=row.sha256,
-        storage_path=row.storage_path, created_unix_ms=row.created_ms, task_head=row.task_head)
+        storage_path=row.storage_path, created_unix_ms=row.created_ms, task_head=row.task_head,
+        tpot_slo_ms=row.tpot_slo_ms, ttft_slo_ms=row.ttft_slo_ms)
+
+
+def _checked_slos(tpot_slo_ms: float | None, ttft_slo_ms: float | None) -> tuple[float | None, float | None]:
+    return tuple(None if value is None else check_slo_ms(value, param)  # type: ignore[return-value]
+                 for value, param in ((tpot_slo_ms, "tpot_slo_ms"), (ttft_slo_ms, "ttft_slo_ms")))
 
 
 def _placement_record(row: PlacementRow) -> PlacementRecord:
@@ -142,8 +149,10 @@ class RegistryStore:
     # Adapters
 
     def register_adapter(self, name: str, base_model: str, source_dir: str,
-                         task_head: dict[str, Any] | None = None) -> AdapterRecord:
+                         task_head: dict[str, Any] | None = None, tpot_slo_ms: float | None = None,
+                         ttft_slo_ms: float | None = None) -> AdapterRecord:
         """Validate the PEFT adapter in `source_dir` against `base_model` and import it by content.
+        `tpot_slo_ms`, `ttft_slo_ms`: its default objectives for requests that name none.
 
         The files are copied into a staging directory first and validated there,
         so the stored bytes are exactly the validated ones.
@@ -151,6 +160,7 @@ class RegistryStore:
         check_name(name, "adapter")
         if task_head is not None and not isinstance(task_head, dict):
             raise InvalidArgument("task_head must be a JSON object")
+        tpot_slo_ms, ttft_slo_ms = _checked_slos(tpot_slo_ms, ttft_slo_ms)
         with self._transaction() as s:
             base = _base_model_record(_get_base_model_row(s, base_model))
             _check_adapter_name_free(s, name)
@@ -165,7 +175,7 @@ class RegistryStore:
                         name=name, base_model=base.name, rank=spec.rank, alpha=spec.alpha,
                         target_modules=list(spec.target_modules), size_bytes=staged.size_bytes,
                         sha256=staged.sha256, storage_path=str(storage), created_ms=self._now_ms(),
-                        task_head=task_head)
+                        task_head=task_head, tpot_slo_ms=tpot_slo_ms, ttft_slo_ms=ttft_slo_ms)
                     _insert(s, row, f"adapter {name!r}")
                     record = _adapter_record(row)
             except BaseException:
@@ -185,6 +195,16 @@ class RegistryStore:
             query = query.where(AdapterRow.base_model == base_model)
         with self._transaction() as s:
             return [_adapter_record(r) for r in s.scalars(query)]
+
+    def set_adapter_slos(self, name: str, tpot_slo_ms: float | None, ttft_slo_ms: float | None) -> AdapterRecord:
+        """Replace the adapter's default objectives (None: the gateway's); the gateways take them at once."""
+        tpot_slo_ms, ttft_slo_ms = _checked_slos(tpot_slo_ms, ttft_slo_ms)
+        with self._transaction() as s:
+            row = _get_adapter_row(s, name)
+            row.tpot_slo_ms, row.ttft_slo_ms = tpot_slo_ms, ttft_slo_ms
+            record = _adapter_record(row)
+        self.changes.publish(CatalogChange())
+        return record
 
     def delete_adapter(self, name: str) -> None:
         """Remove the adapter, its placements and placement orders; its stored files go once no adapter

@@ -1,5 +1,6 @@
 """Admission control and per-request SLOs through the real gateway to fake workers: overload is a
-fast 429 / RESOURCE_EXHAUSTED with a retry-after hint; malformed SLOs are clear 400s."""
+fast 429 / RESOURCE_EXHAUSTED with a retry-after hint; malformed SLOs are clear 400s; a request's
+objectives default to its adapter's (the registry's), then to the gateway's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import grpc
 import pytest
 import requests
 
+from gateway.core import routing_request
+from gateway.registry_cache import ResolvedModel
+from services.common.config import GatewayConfig
 from tests.unit.gateway.gateway_fakes import BASE, GatewayEnv
 from tessera.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -119,3 +123,18 @@ def test_slo_accepted_on_both_doors(env: GatewayEnv) -> None:
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(request))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "slo.ttft_ms must be" in info.value.details()
+
+
+@pytest.mark.parametrize("request_slo, adapter_slo, expected_ms", [
+    ((0, 0), (0, 0), (200, 5000)),        # none given: the gateway's defaults
+    ((0, 0), (40, 900), (40, 900)),       # the adapter's defaults, from the registry
+    ((25, 0), (40, 900), (25, 900)),      # each objective the request names wins over its adapter's
+])
+def test_each_objective_is_the_requests_else_its_adapters_else_the_gateways(request_slo, adapter_slo, expected_ms):
+    adapter = common_pb2.Adapter(name="sql", base_model=BASE, rank=8, tpot_slo_ms=adapter_slo[0],
+                                 ttft_slo_ms=adapter_slo[1])
+    request = inference_pb2.GenerateRequest(model="sql", text="hi", sampling=common_pb2.SamplingParams(max_tokens=4),
+                                            slo=inference_pb2.Slo(tpot_ms=request_slo[0], ttft_ms=request_slo[1]))
+    config = GatewayConfig(default_tpot_slo_ms=200, default_ttft_slo_ms=5000)
+    slo = routing_request(request, ResolvedModel(BASE, adapter), config).slo
+    assert (slo.tpot_s * 1e3, slo.ttft_s * 1e3) == pytest.approx(expected_ms)

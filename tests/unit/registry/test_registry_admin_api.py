@@ -334,3 +334,40 @@ def test_an_adapter_may_not_take_a_base_models_name_nor_the_reverse(client: Flas
 def test_request_bodies_with_nan_or_deep_nesting_are_400(client: FlaskClient, body: str, message: str) -> None:
     response = client.post("/admin/v1/adapters", headers={**AUTH, "Content-Type": "application/json"}, data=body)
     assert response.status_code == 400 and message in error_of(response)["message"]
+
+
+def test_an_adapters_default_objectives_are_set_at_registration_and_replaced(client: FlaskClient, imports: Path,
+                                                                               store: RegistryStore) -> None:
+    created = register(client, "sql", imports / "attn-qv", tpot_slo_ms=40, ttft_slo_ms=900.5)
+    assert created.status_code == 201
+    assert (created.get_json()["tpot_slo_ms"], created.get_json()["ttft_slo_ms"]) == (40, 900.5)
+    assert register(client, "plain", imports / "all-proj").get_json()["tpot_slo_ms"] is None  # the gateway's
+
+    replaced = client.put("/admin/v1/adapters/sql/slo", headers=AUTH, json={"tpot_slo_ms": 25})
+    assert replaced.status_code == 200
+    assert (replaced.get_json()["tpot_slo_ms"], replaced.get_json()["ttft_slo_ms"]) == (25, None)
+    record = store.get_adapter("sql")
+    assert (record.tpot_slo_ms, record.ttft_slo_ms) == (25, None)
+    assert client.put("/admin/v1/adapters/nope/slo", headers=AUTH, json={}).status_code == 404
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("tpot_slo_ms", 0, "tpot_slo_ms must be a number between 1 and 3600000, got 0"),
+    ("ttft_slo_ms", 3_600_001, "ttft_slo_ms must be a number between 1 and 3600000"),
+    ("tpot_slo_ms", "fast", "field 'tpot_slo_ms' must be a int or float"),
+    ("tpot_slo_ms", True, "tpot_slo_ms must be a number between 1 and 3600000, got True"),
+])
+def test_bad_default_objectives_are_400_and_register_nothing(client: FlaskClient, imports: Path, field: str,
+                                                              value: object, message: str) -> None:
+    response = register(client, "sql", imports / "attn-qv", **{field: value})
+    assert response.status_code == 400 and message in error_of(response)["message"]
+    assert client.get("/admin/v1/adapters/sql", headers=AUTH).status_code == 404
+    assert register(client, "sql", imports / "attn-qv").status_code == 201
+    replaced = client.put("/admin/v1/adapters/sql/slo", headers=AUTH, json={field: value})
+    assert replaced.status_code == 400 and message in error_of(replaced)["message"]
+    assert store_slos(client) == (None, None)
+
+
+def store_slos(client: FlaskClient) -> tuple[object, object]:
+    record = client.get("/admin/v1/adapters/sql", headers=AUTH).get_json()
+    return record["tpot_slo_ms"], record["ttft_slo_ms"]
