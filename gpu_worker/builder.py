@@ -262,7 +262,8 @@ def _warm_up_kernels(model: LlamaForCausalLM, worker: WorkerConfig, shape: Cache
         if shape.dtype in (torch.float16, torch.bfloat16):  # what kernels.linear sends to the skinny kernel
             projections = [(m.weight, m.bias) for m in modules] + [(model.lm_head.weight, None)]
             linear = warm_up_linear(projections, SKINNY_MAX_ROWS)
-        lora = warm_up_lora(stacks, worker.max_batch_tokens, min(stacks[0].num_slots, worker.max_num_seqs)) if stacks else 0
+        lora = warm_up_lora(stacks, worker.max_batch_tokens, min(stacks[0].num_slots, worker.max_num_seqs),
+                            mixture=merge_switch is not None) if stacks else 0
         if merge_switch is not None:
             merge_switch.warm_up()
     log.info("kernels warmed up: %d attention, %d matmul and %d LoRA shrink/expand variants%s, compiled or "

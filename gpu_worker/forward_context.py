@@ -39,7 +39,6 @@ class ForwardContext:
     lora: LoRABatch
     cpu_lora: CpuLoraRows | None = None  # rows whose LoRA deltas the CPU LoRA workers compute
     lora_waits: LoraWaits | None = None
-    lora_mixture: LoRABatch | None = None  # mixture mode: the tokens that add the merged adapter negated
 
 
 _CONTEXT: ContextVar[ForwardContext | None] = ContextVar("tessera_forward_context", default=None)

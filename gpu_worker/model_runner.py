@@ -6,7 +6,7 @@ previous step's tokens reached the host (async scheduling) takes those of its in
 device. A step runs in the mode the orchestrator planned (orchestrator.py): merged, its adapter is
 folded into the base weights first and the step runs base-only; mixture, the same weights, and every
 token of another adapter or of none also runs the merged adapter negated (lora/merge_switch.py's
-mixture slot), for now as a second pass of the LoRA kernels, eager."""
+mixture slot) in the same LoRA launches (kernels/batch.py), eager."""
 
 from __future__ import annotations
 
@@ -63,23 +63,22 @@ class ModelRunner:
         projection waits for on the device (eager: a captured graph cannot wait on them)."""
         inputs = build_step_inputs(items, self.kv_cache.block_size)
         merged = self._hold_weights(plan)
-        mixture_slots = None
+        mix_slot = NO_SLOT
         if plan.mode is InferenceMode.MIXTURE:  # the merged adapter's tokens run base-only, every other token
-            slots = inputs.seg_slots            # also runs the merged adapter negated (the mixture slot)
-            mixture_slots = [NO_SLOT if slot == plan.merged_slot else self.merge_switch.mixture_slot for slot in slots]
-            inputs = dataclasses.replace(inputs, seg_slots=[NO_SLOT if slot == plan.merged_slot else slot
-                                                            for slot in slots])
+            mix_slot = self.merge_switch.mixture_slot  # also runs the merged adapter negated (the mixture slot):
+            inputs = dataclasses.replace(inputs, seg_slots=[  # the base model's tokens that alone
+                NO_SLOT if slot == plan.merged_slot else mix_slot if slot == NO_SLOT else slot for slot in inputs.seg_slots])
         elif merged:
             inputs = dataclasses.replace(inputs, seg_slots=[NO_SLOT] * len(inputs.seg_slots))  # base-only
         in_flight = InFlightIds.of(inputs, previous.seqs, previous.tokens) if previous is not None else None
         assert in_flight is not None or not any(item.seq.num_in_flight for item in items)
         cpu_rows = self._cpu_rows(inputs)
         waits = copy_waits(copies) if copies and not merged else None
-        if (cpu_rows is None and waits is None and mixture_slots is None and self.graphs is not None
+        if (cpu_rows is None and waits is None and mix_slot == NO_SLOT and self.graphs is not None
                 and inputs.is_decode_only and self.graphs.fits(len(items))):
             logits = self.graphs.replay(inputs, in_flight)
         else:
-            logits = self._run_eager(inputs, in_flight, cpu_rows, waits, mixture_slots)
+            logits = self._run_eager(inputs, in_flight, cpu_rows, waits, mix_slot)
         for item in items:
             seq = item.seq
             seq.num_cached += item.num_new
@@ -117,7 +116,7 @@ class ModelRunner:
 
     def _run_eager(self, inputs: StepInputs, in_flight: InFlightIds | None = None,
                    cpu_rows: CpuLoraStep | None = None, waits: LoraWaits | None = None,
-                   mixture_slots: list[int] | None = None) -> torch.Tensor:
+                   mix_slot: int = NO_SLOT) -> torch.Tensor:
         width = max(len(table) for table in inputs.block_tables)
         query_start_loc = [0]
         for n in inputs.query_lens:
@@ -128,14 +127,15 @@ class ModelRunner:
             block_tables=self._device_tensor([t + [0] * (width - len(t)) for t in inputs.block_tables], torch.int32),
             slot_mapping=self._device_tensor(inputs.slot_mapping, torch.int64),
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens))
-        lora = LoRABatch.build(inputs.seg_lens, inputs.seg_slots, self.device, max_rank=inputs.max_lora_rank,
-                               mean_rank=inputs.mean_lora_rank)
-        mixture = LoRABatch.build(inputs.seg_lens, mixture_slots, self.device) if mixture_slots else None
+        mixture = mix_slot != NO_SLOT  # the batch's ranks: its adapters' and the merged one's beside them
+        lora = LoRABatch.build(inputs.seg_lens, inputs.seg_slots, self.device,
+                               max_rank=None if mixture else inputs.max_lora_rank,
+                               mean_rank=None if mixture else inputs.mean_lora_rank, mix_slot=mix_slot)
         input_ids = self._device_tensor(inputs.input_ids, torch.long)
         if in_flight is not None:
             in_flight.write_into(input_ids)
         embeds = self._input_embeddings(inputs, input_ids)
-        with forward_context(ForwardContext(attention, self.kv_cache, lora, cpu_rows, waits, mixture)):
+        with forward_context(ForwardContext(attention, self.kv_cache, lora, cpu_rows, waits)):
             hidden = self.model(input_ids, self._device_tensor(inputs.positions, torch.long), embeds)
         return self.model.compute_logits(hidden[self._device_tensor(inputs.logit_rows, torch.long)])
 

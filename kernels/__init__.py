@@ -41,11 +41,13 @@ SKINNY_MAX_ROWS = 32
 
 
 def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch) -> torch.Tensor:
-    """x [num_tokens, in_features] -> y [splits, num_tokens, num_slices, max_rank], float32 or (one plane) x's dtype.
+    """x [num_tokens, in_features] -> y [splits, num_tokens, num_slices, batch.y_ranks(max_rank)], float32 or (one
+    plane) x's dtype.
 
     y holds partial sums over in_features (splits >= 1 planes, which lora_expand adds up):
     y.sum(0)[t, s, :r] = scaling[slot, s] * x[t] @ A_sᵀ of the slot's adapter (rank r on slice s), for
-    tokens of segments with a slot and slices of rank r > 0; other entries are unspecified.
+    tokens of segments with a slot and slices of rank r > 0; in a mixture batch (kernels/batch.py), columns
+    [r, r + r_mix) likewise of the mixture slot for segments of other slots; other entries are unspecified.
     """
     if x.is_cuda:
         from kernels.triton import lora_shrink as triton_shrink  # first GPU use: CPU-only installs have no triton

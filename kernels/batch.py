@@ -15,6 +15,13 @@ When one slot's tokens are not contiguous (segments (2, 3, 2) with slots (0, 1, 
 index a device row order instead: rows = [0, 1, 5, 6, 2, 3, 4], starts = [0, 4], lens = [4, 3]
 (tokens of NO_SLOT segments are left out of it).
 
+A mixture batch (deLoRA: one adapter folded into the base weights, `mix_slot` a slot holding it with
+negated scalings) runs that slot beside every other group's own adapter, as one adapter of both
+ranks: y's columns [0, r) hold a group's own adapter's, [r, r + r_mix) the mixture slot's, and expand
+adds both products. Tokens of the base model run the mixture slot alone (their segments name it),
+the merged adapter's tokens nothing (NO_SLOT). So mixture costs one more rank block of the same
+launches, not another pass.
+
 The host tuples answer "does any token use LoRA" without a device sync (the torch reference walks
 them); the Triton kernels read only the device tensors, so a captured graph replays with new
 contents copied into them. `max_group_len` and `num_tokens` are the only host ints the kernels'
@@ -48,6 +55,7 @@ class LoRABatch:
     #                                 None: any rank a stack holds (its max_rank)
     mean_rank: float | None = None  # the groups' ranks averaged over their tokens, when the caller
     #                                 knows them: tiles are tuned apart for mixed-rank batches
+    mix_slot: int = NO_SLOT         # mixture batches: the slot every group of another slot also runs
 
     def __post_init__(self) -> None:
         num_segments = len(self.seg_lens)
@@ -72,8 +80,19 @@ class LoRABatch:
 
     def rank_bound(self, stack_max_rank: int) -> int:
         """The ranks a kernel must cover for a stack serving ranks up to `stack_max_rank`: the batch's
-        bound when known, so that a batch of rank-8 adapters in a rank-128 stack tiles 8 ranks, not 128."""
-        return stack_max_rank if self.max_rank is None else min(stack_max_rank, self.max_rank)
+        bound when known, so that a batch of rank-8 adapters in a rank-128 stack tiles 8 ranks, not 128.
+        A mixture group runs two adapters' ranks."""
+        ranks = self.y_ranks(stack_max_rank)
+        return ranks if self.max_rank is None else min(ranks, self.max_rank)
+
+    def y_ranks(self, stack_max_rank: int) -> int:
+        """Columns of the y that shrink hands expand, per slice: a group's own ranks, and a mixture
+        batch's mixture slot's after them."""
+        return stack_max_rank * (2 if self.is_mixture else 1)
+
+    @property
+    def is_mixture(self) -> bool:
+        return self.mix_slot != NO_SLOT
 
     @property
     def has_lora(self) -> bool:
@@ -83,14 +102,15 @@ class LoRABatch:
     @staticmethod
     def build(seg_lens: Sequence[int], seg_slots: Sequence[int], device: torch.device | str,
               capacity: int | None = None, max_group_len: int | None = None,
-              max_rank: int | None = None, mean_rank: float | None = None) -> LoRABatch:
+              max_rank: int | None = None, mean_rank: float | None = None, mix_slot: int = NO_SLOT) -> LoRABatch:
         """Segments laid end to end from token 0, grouped by slot; device tensors padded to
         `capacity` groups (default: as many as there are).
 
         `max_group_len` defaults to the largest group; pass a larger bound when this batch is
         captured in a graph that later replays larger groups. `max_rank`, when the caller knows
         it, bounds the rank of every adapter in the batch's slots (see `rank_bound`); `mean_rank`,
-        likewise, is their token-weighted mean (see kernels/tiling.py, `is_mixed`).
+        likewise, is their token-weighted mean (see kernels/tiling.py, `is_mixed`). `mix_slot`: a
+        mixture batch's mixture slot (see the module's docstring; `max_rank` then bounds both ranks).
         """
         seg_lens, seg_slots = tuple(seg_lens), tuple(seg_slots)
         seg_starts = (0, *accumulate(seg_lens))[:len(seg_lens)]
@@ -120,7 +140,7 @@ class LoRABatch:
         return LoRABatch(num_tokens, seg_starts, seg_lens, seg_slots,
                          max(lens, default=0) if max_group_len is None else max_group_len,
                          meta[:capacity], meta[capacity:2 * capacity], meta[2 * capacity:3 * capacity],
-                         None if rows is None else meta[3 * capacity:], max_rank, mean_rank)
+                         None if rows is None else meta[3 * capacity:], max_rank, mean_rank, mix_slot)
 
     def copy_into(self, other: LoRABatch) -> None:
         """Copy this batch's device tensors into `other`'s (a captured graph's static inputs).
@@ -134,6 +154,7 @@ class LoRABatch:
             other.max_rank, self.max_rank)
         assert other.num_tokens >= self.num_tokens, (other.num_tokens, self.num_tokens)
         assert self.rows is None and other.rows is None, "graphs replay batches grouped in token order"
+        assert not (self.is_mixture or other.is_mixture), "mixture steps run eager"
         n = self.capacity
         other.starts[:n].copy_(self.starts, non_blocking=True)
         other.lens[:n].copy_(self.lens, non_blocking=True)

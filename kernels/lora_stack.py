@@ -303,12 +303,12 @@ class LoRAStack:
         assert x.device == self.device == batch.lens.device, (x.device, self.device, batch.lens.device)
 
     def check_expand_args(self, out: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
-        """out: [num_tokens, out_features]; y: [splits, num_tokens, num_slices, max_rank] from
+        """out: [num_tokens, out_features]; y: [splits, num_tokens, num_slices, batch.y_ranks(max_rank)] from
         lora_shrink: float32, or one plane in the dtype of the stack that computed it."""
         assert out.dim() == 2 and out.shape == (batch.num_tokens, self.out_features), (out.shape, batch.num_tokens)
         assert out.is_floating_point(), out.dtype
         assert y.is_floating_point() and (y.dtype == torch.float32 or y.shape[0] == 1) and y.dim() == 4 and (
-            y.shape[1:] == (batch.num_tokens, self.num_slices, self.max_rank)), (y.dtype, y.shape)
+            y.shape[1:] == (batch.num_tokens, self.num_slices, batch.y_ranks(self.max_rank))), (y.dtype, y.shape)
         assert out.device == y.device == self.device == batch.lens.device, (out.device, y.device)
 
     # ---- internals ---------------------------------------------------------------------------

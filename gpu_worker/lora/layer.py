@@ -65,9 +65,6 @@ class LoRALinear(nn.Module):
                 event.wait()  # the device waits for this projection's bytes of an adapter still copying
             y = kernels.lora_shrink(x, self.lora, batch)
             kernels.lora_expand(out, y, self.lora, batch)
-        mixture = context.lora_mixture
-        if self.lora is not None and mixture is not None:
-            kernels.lora_expand(out, kernels.lora_shrink(x, self.lora, mixture), self.lora, mixture)
         if add_cpu_deltas is not None:
             add_cpu_deltas(out)
         return out

@@ -74,12 +74,12 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
     m_tiles = m_tile_bound(batch, tile_rows)
     block_r = rank_tile(stack, batch)
     args = (y, stack.arena.data, out, stack.b_offsets, stack.ranks, batch.starts, batch.lens, batch.slots,
-            rows_arg(out, batch), batch.capacity, stack.num_slices, *ends, *tile_starts, cfg.n_steps, stack.max_rank,
-            *y.stride(), out.stride(0), out.stride(1))
+            rows_arg(out, batch), batch.capacity, stack.num_slices, *ends, *tile_starts, cfg.n_steps, y.shape[-1],
+            batch.mix_slot, *y.stride(), out.stride(0), out.stride(1))
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=y.shape[0],
                   GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=one_tile_per_group(batch, tile_rows),
                   GATHER=batch.rows is not None, DOT_PRECISION=dot_precision(stack.dtype), STAGES=cfg.num_stages,
-                  ARENA_ALIGN=ALIGN, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  MIX=batch.is_mixture, ARENA_ALIGN=ALIGN, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_options(out.device))
     if cfg.stationary:
         launcher(_stationary_kernel, (sum(tiles), m_tiles), compile_only)(
@@ -93,13 +93,13 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, stack: LoRAStack, batch: LoR
 @triton.jit(**PER_STEP)
 def _expand_kernel(
     y_ptr, arena_ptr, out_ptr, b_offsets_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
-    num_groups, num_slices, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank,
+    num_groups, num_slices, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank, mix_slot,
     stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PREFETCH_B: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, RANK_CLASSES: tl.constexpr,
-    ARENA_ALIGN: tl.constexpr, PDL: tl.constexpr,
+    MIX: tl.constexpr, ARENA_ALIGN: tl.constexpr, PDL: tl.constexpr,
 ):
     # Before the wait: what no kernel of the step writes (batch metadata, the slot's tables, small tiles' first
     # B tile),
@@ -109,11 +109,12 @@ def _expand_kernel(
                                    BLOCK_M, GROUP_BLOCK, ONE_TILE, GATHER)
     slice_idx, offs_n, span_end, slice_begin, slice_end = _column_span(tl.program_id(1), end0, end1, end2,
                                                                       tile_start1, tile_start2, n_steps, BLOCK_N)
-    rank, b_ptr, b_stride = _slot_slice(ranks_ptr, b_offsets_ptr, arena_ptr, slot, slice_idx, num_slices, slice_begin,
-                                        slice_end, ARENA_ALIGN)
+    rank, own_rank, b_ptr, b_stride, b_delta = _slot_slice(ranks_ptr, b_offsets_ptr, arena_ptr, slot, slice_idx,
+                                                           num_slices, slice_begin, slice_end, mix_slot, ARENA_ALIGN,
+                                                           MIX)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    b_ptrs = b_ptr + offs_r[:, None] * b_stride + offs_n[None, :]
+    b_ptrs = _b_tile_ptrs(b_ptr, offs_r, b_stride, offs_n, own_rank, b_delta, MIX)
     if PREFETCH_B:  # [BLOCK_R, BLOCK_N] tile of B_sᵀ of the first step
         b = tl.load(b_ptrs, mask=r_mask[:, None] & (offs_n < span_end)[None, :], other=0.0)
     pdl.wait_for_inputs(PDL)
@@ -121,9 +122,9 @@ def _expand_kernel(
         if rank == 0:  # out is never written
             return
         pdl.start_dependents(PDL)
-        _pipelined_steps(y_ptr, b_ptr, b_stride, out_ptr, rows, m_mask, slice_idx, rank, max_rank, offs_n, span_end,
-                         n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
-                         BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES, SPLIT, DOT_PRECISION, STAGES)
+        _pipelined_steps(y_ptr, b_ptr, b_stride, own_rank, b_delta, out_ptr, rows, m_mask, slice_idx, rank, max_rank,
+                         offs_n, span_end, n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om,
+                         stride_on, BLOCK_M, BLOCK_N, BLOCK_R, RANK_CLASSES, SPLIT, DOT_PRECISION, STAGES, MIX)
     else:
         # y and the first out tile do not need the rank: they are requested before branching on it
         # (branching first delays those loads by the rank's, which small expands feel).
@@ -157,13 +158,13 @@ def _expand_kernel(
 @triton.jit(**PER_STEP)
 def _stationary_kernel(
     y_ptr, arena_ptr, out_ptr, b_offsets_ptr, ranks_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
-    num_groups, num_slices, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank,
+    num_groups, num_slices, end0, end1, end2, tile_start1, tile_start2, n_steps, max_rank, mix_slot,
     stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    M_STEPS: tl.constexpr, STAGES: tl.constexpr, RANK_CLASSES: tl.constexpr, ARENA_ALIGN: tl.constexpr,
-    PDL: tl.constexpr,
+    M_STEPS: tl.constexpr, STAGES: tl.constexpr, RANK_CLASSES: tl.constexpr, MIX: tl.constexpr,
+    ARENA_ALIGN: tl.constexpr, PDL: tl.constexpr,
 ):
     # B-stationary expand (`_stationary_steps`). grid: (N-tile, M-tile of M_STEPS tiles of BLOCK_M rows), so that
     # a wave of programs covers a band of rows across all columns (M first was slower).
@@ -171,11 +172,13 @@ def _stationary_kernel(
                                          BLOCK_M * M_STEPS, GROUP_BLOCK, ONE_TILE)
     slice_idx, offs_n, span_end, slice_begin, slice_end = _column_span(tl.program_id(0), end0, end1, end2,
                                                                       tile_start1, tile_start2, n_steps, BLOCK_N)
-    rank, b_ptr, b_stride = _slot_slice(ranks_ptr, b_offsets_ptr, arena_ptr, slot, slice_idx, num_slices, slice_begin,
-                                        slice_end, ARENA_ALIGN)
-    _stationary_steps(y_ptr, b_ptr, b_stride, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank,
-                      offs_n, span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
-                      BLOCK_M, BLOCK_N, BLOCK_R, M_STEPS, RANK_CLASSES, SPLIT, GATHER, DOT_PRECISION, STAGES, PDL)
+    rank, own_rank, b_ptr, b_stride, b_delta = _slot_slice(ranks_ptr, b_offsets_ptr, arena_ptr, slot, slice_idx,
+                                                           num_slices, slice_begin, slice_end, mix_slot, ARENA_ALIGN,
+                                                           MIX)
+    _stationary_steps(y_ptr, b_ptr, b_stride, own_rank, b_delta, out_ptr, rows_ptr, slot, pos_begin, pos_end,
+                      slice_idx, rank, max_rank, offs_n, span_end, stride_y_split, stride_ym, stride_y_slice,
+                      stride_y_rank, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_R, M_STEPS, RANK_CLASSES, SPLIT,
+                      GATHER, DOT_PRECISION, STAGES, MIX, PDL)
 
 
 @triton.jit
@@ -194,49 +197,66 @@ def _column_span(pid_n, end0, end1, end2, tile_start1, tile_start2, n_steps, BLO
 
 
 @triton.jit
-def _slot_slice(ranks_ptr, b_offsets_ptr, arena_ptr, slot, slice_idx, num_slices, slice_begin, slice_end,
-                ARENA_ALIGN: tl.constexpr):
-    """(rank, B pointer, B row stride) of the slot's adapter on this slice. B_sᵀ is [rank, slice width], rows
-    contiguous in the arena; the pointer is shifted so that out's column n of row r is b_ptr + r * b_stride + n.
-    Rank 0 for the grid's slack past the last tile, an empty slot or an untargeted slice. Both table entries are
-    loaded at once: their latency is one load's."""
+def _slot_slice(ranks_ptr, b_offsets_ptr, arena_ptr, slot, slice_idx, num_slices, slice_begin, slice_end, mix_slot,
+                ARENA_ALIGN: tl.constexpr, MIX: tl.constexpr):
+    """(rank, the slot's own rank, B pointer, B row stride, mixture rows' offset) of the slot's adapter on this
+    slice. B_sᵀ is [rank, slice width], rows contiguous in the arena; the pointer is shifted so that out's column n
+    of row r is b_ptr + r * b_stride + n. Rank 0 for the grid's slack past the last tile, an empty slot or an
+    untargeted slice. Both table entries are loaded at once: their latency is one load's. With MIX, rows past the
+    slot's own rank are the mixture slot's (kernels/batch.py), b_delta elements further (`_b_tile_ptrs`)."""
     entry = slot * num_slices + slice_idx
     rank = tl.load(ranks_ptr + entry, mask=slot >= 0, other=0)
     b_offset = tl.multiple_of(tl.load(b_offsets_ptr + entry, mask=slot >= 0, other=0), ARENA_ALIGN)
-    return rank, arena_ptr + b_offset - slice_begin, slice_end - slice_begin
+    b_stride = slice_end - slice_begin
+    total, b_delta = rank, b_offset * 0  # one return: its types may not depend on MIX
+    if MIX:
+        mix_entry = mix_slot * num_slices + slice_idx
+        total += tl.where((slot >= 0) & (slot != mix_slot), tl.load(ranks_ptr + mix_entry), 0)
+        b_delta = tl.load(b_offsets_ptr + mix_entry) - b_offset - rank * b_stride
+    return total, rank, arena_ptr + b_offset - slice_begin, b_stride, b_delta
 
 
 @triton.jit
-def _pipelined_steps(y_ptr, b_ptr, b_stride, out_ptr, rows, m_mask, slice_idx, rank, max_rank, offs_n, span_end,
-                     n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, CLASSES: tl.constexpr,
-                     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
+def _b_tile_ptrs(b_ptr, offs_r, b_stride, offs_n, own_rank, b_delta, MIX: tl.constexpr):
+    """Pointers of B's [ranks, columns] tile: rows offs_r, their rows past own_rank (MIX) the mixture slot's."""
+    if MIX:
+        ptrs = b_ptr + (offs_r * b_stride + tl.where(offs_r < own_rank, 0, b_delta))[:, None] + offs_n[None, :]
+    else:
+        ptrs = b_ptr + offs_r[:, None] * b_stride + offs_n[None, :]
+    return ptrs
+
+
+@triton.jit
+def _pipelined_steps(y_ptr, b_ptr, b_stride, own_rank, b_delta, out_ptr, rows, m_mask, slice_idx, rank, max_rank,
+                     offs_n, span_end, n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om,
+                     stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, CLASSES: tl.constexpr,
+                     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, MIX: tl.constexpr):
     """out[rows, this program's columns] += y[rows, :rank] @ B[:rank, columns], in column steps whose out and
     B tiles the compiler prefetches STAGES - 1 steps ahead through shared memory (a loop's own num_stages
     pipelines every load in it; the kernel's, only tl.dot's operands). The steps multiply the narrowest of
     CLASSES rank tiles (R, R/2, R/4) holding the adapter's rank: in a mixed batch, a low-rank adapter's
     programs multiply (and hold) a fraction of the batch's rank tile."""
     if CLASSES > 1 and rank <= R // 2:
-        _pipelined_steps(y_ptr, b_ptr, b_stride, out_ptr, rows, m_mask, slice_idx, rank, max_rank, offs_n, span_end,
-                         n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
-                         BLOCK_M, BLOCK_N, R // 2, CLASSES - 1, SPLIT, DOT_PRECISION, STAGES)
+        _pipelined_steps(y_ptr, b_ptr, b_stride, own_rank, b_delta, out_ptr, rows, m_mask, slice_idx, rank, max_rank,
+                         offs_n, span_end, n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om,
+                         stride_on, BLOCK_M, BLOCK_N, R // 2, CLASSES - 1, SPLIT, DOT_PRECISION, STAGES, MIX)
     else:
-        _pipelined_columns(y_ptr, b_ptr, b_stride, out_ptr, rows, m_mask, slice_idx, rank, max_rank, offs_n,
-                           span_end, n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om,
-                           stride_on, BLOCK_M, BLOCK_N, R, SPLIT, DOT_PRECISION, STAGES)
+        _pipelined_columns(y_ptr, b_ptr, b_stride, own_rank, b_delta, out_ptr, rows, m_mask, slice_idx, rank,
+                           max_rank, offs_n, span_end, n_steps, stride_y_split, stride_ym, stride_y_slice,
+                           stride_y_rank, stride_om, stride_on, BLOCK_M, BLOCK_N, R, SPLIT, DOT_PRECISION, STAGES, MIX)
 
 
 @triton.jit
-def _pipelined_columns(y_ptr, b_ptr, b_stride, out_ptr, rows, m_mask, slice_idx, rank, max_rank, offs_n, span_end,
-                       n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
+def _pipelined_columns(y_ptr, b_ptr, b_stride, own_rank, b_delta, out_ptr, rows, m_mask, slice_idx, rank, max_rank,
+                       offs_n, span_end, n_steps, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om,
+                       stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, MIX: tl.constexpr):
     """_pipelined_steps with a rank tile of R >= rank."""
     offs_r = tl.arange(0, R)
     r_mask = offs_r < rank
     y = tl.where(r_mask[None, :], _y_tile(y_ptr, rows, m_mask, slice_idx, offs_r, max_rank, stride_y_split, stride_ym,
                                           stride_y_slice, stride_y_rank, SPLIT, BLOCK_M), 0.0)
-    b_ptrs = b_ptr + offs_r[:, None] * b_stride + offs_n[None, :]
+    b_ptrs = _b_tile_ptrs(b_ptr, offs_r, b_stride, offs_n, own_rank, b_delta, MIX)
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     for _ in tl.range(0, n_steps, num_stages=STAGES):
         n_mask = offs_n < span_end
@@ -251,26 +271,27 @@ def _pipelined_columns(y_ptr, b_ptr, b_stride, out_ptr, rows, m_mask, slice_idx,
 
 
 @triton.jit
-def _stationary_steps(y_ptr, b_ptr, b_stride, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank, max_rank,
-                      offs_n, span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank, stride_om, stride_on,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, M_STEPS: tl.constexpr,
-                      CLASSES: tl.constexpr, SPLIT: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      STAGES: tl.constexpr, PDL: tl.constexpr):
+def _stationary_steps(y_ptr, b_ptr, b_stride, own_rank, b_delta, out_ptr, rows_ptr, slot, pos_begin, pos_end,
+                      slice_idx, rank, max_rank, offs_n, span_end, stride_y_split, stride_ym, stride_y_slice,
+                      stride_y_rank, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      R: tl.constexpr, M_STEPS: tl.constexpr, CLASSES: tl.constexpr, SPLIT: tl.constexpr,
+                      GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, MIX: tl.constexpr,
+                      PDL: tl.constexpr):
     """out[positions pos_begin..pos_end of the group, this program's columns] += y @ B[:rank, columns], B's tile
     read once (before the PDL wait), then M-tile after M-tile, each tile's y and out loads prefetched
     STAGES - 1 tiles ahead. The rank tile is the narrowest of CLASSES (R, R/2, R/4) holding the adapter's rank,
     as in `_pipelined_steps`."""
     if CLASSES > 1 and rank <= R // 2:
-        _stationary_steps(y_ptr, b_ptr, b_stride, out_ptr, rows_ptr, slot, pos_begin, pos_end, slice_idx, rank,
-                          max_rank, offs_n, span_end, stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
-                          stride_om, stride_on, BLOCK_M, BLOCK_N, R // 2, M_STEPS, CLASSES - 1, SPLIT, GATHER,
-                          DOT_PRECISION, STAGES, PDL)
+        _stationary_steps(y_ptr, b_ptr, b_stride, own_rank, b_delta, out_ptr, rows_ptr, slot, pos_begin, pos_end,
+                          slice_idx, rank, max_rank, offs_n, span_end, stride_y_split, stride_ym, stride_y_slice,
+                          stride_y_rank, stride_om, stride_on, BLOCK_M, BLOCK_N, R // 2, M_STEPS, CLASSES - 1, SPLIT,
+                          GATHER, DOT_PRECISION, STAGES, MIX, PDL)
     else:
         offs_r = tl.arange(0, R)
         r_mask = offs_r < rank
         n_mask = offs_n < span_end
-        b = tl.load(b_ptr + offs_r[:, None] * b_stride + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
-                    other=0.0)
+        b = tl.load(_b_tile_ptrs(b_ptr, offs_r, b_stride, offs_n, own_rank, b_delta, MIX),
+                    mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         steps = tl.arange(0, M_STEPS)[:, None]
         if GATHER:  # every step's rows at once: loads in the loop whose address came from a load there (the
             #         rows) were not prefetched, which made such expands markedly slower

@@ -50,7 +50,7 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
     assert x.dtype == stack.dtype, (x.dtype, stack.dtype)
     cfg = config or tiling.shrink_config(stack, batch)
     assert cfg.block_m >= 1 and cfg.block_k >= 16 and is_pow2(cfg.split_k), cfg  # expand: tl.arange(split_k)
-    y = torch.empty(cfg.split_k, batch.num_tokens, stack.num_slices, stack.max_rank,
+    y = torch.empty(cfg.split_k, batch.num_tokens, stack.num_slices, batch.y_ranks(stack.max_rank),
                     dtype=y_dtype(cfg.split_k, x.dtype), device=x.device)
     if batch.num_tokens == 0 or batch.capacity == 0:
         return y
@@ -63,13 +63,13 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
     launcher(_shrink_kernel, grid, compile_only)(
         x, stack.arena.data, y, stack.a_offsets, stack.ranks, stack.scalings, batch.starts, batch.lens, batch.slots,
         rows_arg(x, batch), batch.capacity, stack.in_features, stack.num_slices, cfg.split_k, k_per_split,
-        stack.max_rank,
+        y.shape[-1], batch.mix_slot,
         x.stride(0), x.stride(1),
         *y.stride(),
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=rank_block,
         GROUP_BLOCK=group_block(batch.capacity), ONE_TILE=one_tile_per_group(batch, cfg.block_m),
         GATHER=batch.rows is not None, DOT_PRECISION=dot_precision(x.dtype), ONE_STEP=k_per_split == cfg.block_k,
-        ARENA_ALIGN=ALIGN, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
+        MIX=batch.is_mixture, ARENA_ALIGN=ALIGN, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )
     return y
 
@@ -77,12 +77,12 @@ def lora_shrink(x: torch.Tensor, stack: LoRAStack, batch: LoRABatch,
 @triton.jit(**PER_STEP)
 def _shrink_kernel(
     x_ptr, arena_ptr, y_ptr, a_offsets_ptr, ranks_ptr, scalings_ptr, starts_ptr, lens_ptr, slots_ptr, rows_ptr,
-    num_groups, in_features, num_slices, split_k, k_per_split, y_ranks,
+    num_groups, in_features, num_slices, split_k, k_per_split, y_ranks, mix_slot,
     stride_xm, stride_xk,
     stride_y_split, stride_ym, stride_y_slice, stride_y_rank,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_BLOCK: tl.constexpr, ONE_TILE: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_STEP: tl.constexpr, ARENA_ALIGN: tl.constexpr, PDL: tl.constexpr,
+    ONE_STEP: tl.constexpr, MIX: tl.constexpr, ARENA_ALIGN: tl.constexpr, PDL: tl.constexpr,
 ):
     # Before the wait: what no kernel of the step writes (batch metadata, the slot's tables, A), so that
     # it is in flight while the previous kernel drains. x comes after it.
@@ -100,10 +100,19 @@ def _shrink_kernel(
     a_offset = tl.multiple_of(tl.load(a_offsets_ptr + entry, mask=slot >= 0, other=0), ARENA_ALIGN)
     k_begin = split * k_per_split
     offs_r = r_begin + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank  # the slice's true rank: rows past it are another block's or another adapter's
     offs_k = k_begin + tl.arange(0, BLOCK_K)
     # A_s [rank, in_features], rows contiguous: a [BLOCK_K, BLOCK_R] tile of A_sᵀ
-    a_ptrs = arena_ptr + a_offset + offs_r[None, :] * in_features + offs_k[:, None]
+    if MIX:  # ranks past the slot's own are the mixture slot's (kernels/batch.py), for groups of other slots
+        mix_entry = mix_slot * num_slices + slice_idx
+        mix_rank = tl.where((slot >= 0) & (slot != mix_slot), tl.load(ranks_ptr + mix_entry), 0)
+        a_rows = tl.where(offs_r < rank, a_offset + offs_r * in_features,
+                          tl.load(a_offsets_ptr + mix_entry) + (offs_r - rank) * in_features)
+        a_ptrs = arena_ptr + a_rows[None, :] + offs_k[:, None]
+        own_rank = rank
+        rank += mix_rank
+    else:
+        a_ptrs = arena_ptr + a_offset + offs_r[None, :] * in_features + offs_k[:, None]
+    r_mask = offs_r < rank  # the slice's true rank: rows past it are another block's or another adapter's
     # k_per_split is a multiple of BLOCK_K: only in_features masks K.
     if ONE_STEP:  # a split's K range is one step: its whole A tile is read before the wait
         a = tl.load(a_ptrs, mask=r_mask[None, :] & (offs_k < in_features)[:, None], other=0.0)
@@ -119,6 +128,8 @@ def _shrink_kernel(
         tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=y_ptr.dtype.element_ty), mask=y_mask)
         return
     scaling = tl.load(scalings_ptr + entry)
+    if MIX:  # a scaling per column: the slot's, then the mixture slot's
+        scaling = tl.where(offs_r < own_rank, scaling, tl.load(scalings_ptr + mix_entry))[None, :]
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if ONE_STEP:

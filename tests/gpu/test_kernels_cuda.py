@@ -16,6 +16,7 @@ from kernels.attention import AttentionMetadata, paged_attention_reference
 from tests.unit.kernels.test_attention import CASES as ATTENTION_CASES
 from tests.unit.kernels.test_attention import HEADS, _make_batch
 from tests.unit.kernels.test_lora_reference import CASES as LORA_CASES
+from tests.unit.kernels.test_lora_mixture import MERGED, MIX_SLOT, SEG_LENS, SEG_SLOTS
 from tests.unit.kernels.test_lora_reference import LAYOUTS, make_batch, make_inputs, make_stack
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -46,6 +47,24 @@ def test_lora_bf16_matches_float32_reference(case, layout):
     expected = _lora_reference(stack, batch, x.to(torch.bfloat16).float(), out.to(torch.bfloat16).float())
     cuda_stack = _on_cuda(stack, torch.bfloat16)
     cuda_batch = LoRABatch.build(batch.seg_lens, batch.seg_slots, "cuda", capacity=batch.capacity)
+    actual = out.to("cuda", torch.bfloat16)
+    y = kernels.lora_shrink(x.to("cuda", torch.bfloat16), cuda_stack, cuda_batch)
+    kernels.lora_expand(actual, y, cuda_stack, cuda_batch)
+    assert _rel_err(actual.cpu(), expected) < BF16_REL
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_lora_mixture_bf16_matches_float32_reference(layout):
+    """A mixture batch (tests/unit/kernels/test_lora_mixture.py's) in bf16 on the device, every kernel the
+    tables pick for it, against the float32 reference."""
+    stack, _ = make_stack(layout, torch.float32)
+    stack.mirror(MERGED, MIX_SLOT, -1.0)
+    batch = LoRABatch.build(SEG_LENS, SEG_SLOTS, "cpu", mix_slot=MIX_SLOT)
+    x, out = make_inputs(batch, stack.out_features, torch.float32)
+    expected = _lora_reference(stack, batch, x.to(torch.bfloat16).float(), out.to(torch.bfloat16).float())
+    cuda_stack = _on_cuda(stack, torch.bfloat16)
+
+    cuda_batch = LoRABatch.build(SEG_LENS, SEG_SLOTS, "cuda", mix_slot=MIX_SLOT)
     actual = out.to("cuda", torch.bfloat16)
     y = kernels.lora_shrink(x.to("cuda", torch.bfloat16), cuda_stack, cuda_batch)
     kernels.lora_expand(actual, y, cuda_stack, cuda_batch)

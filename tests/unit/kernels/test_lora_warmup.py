@@ -26,16 +26,16 @@ def variant(op: str, stack: LoRAStack, batch: LoRABatch) -> tuple:
     bucket = tiling.bucket_of(op, stack, batch)
     config = tiling.lookup(bucket, TABLE)
     return (bucket.key, config, rank_tile(stack, batch), one_tile_per_group(batch, config.block_m),
-            batch.rows is not None, group_block(batch.capacity))
+            batch.rows is not None, group_block(batch.capacity), batch.is_mixture)
 
 
-def warmed_variants(stack: LoRAStack, max_tokens: int, capacity: int) -> set[tuple]:
+def warmed_variants(stack: LoRAStack, max_tokens: int, capacity: int, mixture: bool = False) -> set[tuple]:
     capacities = {min(group_block(c), capacity) for c in range(1, capacity + 1)}
-    return {variant(op, stack, _batch(shape, groups, "cpu"))
-            for shape in batch_shapes(max_tokens, stack.max_rank) for groups in capacities for op in ("shrink", "expand")}
+    return {variant(op, stack, _batch(shape, groups, "cpu")) for shape in batch_shapes(max_tokens, stack.max_rank, mixture)
+            for groups in capacities for op in ("shrink", "expand")}
 
 
-def random_batch(rng: random.Random, max_tokens: int, slots: int, max_rank: int) -> LoRABatch:
+def random_batch(rng: random.Random, max_tokens: int, slots: int, max_rank: int, mixture: bool = False) -> LoRABatch:
     lens, owners = [], []
     budget = rng.choice([1, rng.randint(1, 64), rng.randint(1, max_tokens)])
     while sum(lens) < budget:
@@ -43,6 +43,8 @@ def random_batch(rng: random.Random, max_tokens: int, slots: int, max_rank: int)
         owners.append(rng.choice([NO_SLOT, *range(slots)]))
     if all(o == NO_SLOT for o in owners):
         owners[0] = 0
+    if mixture:  # as the model runner builds them: the stack's rank bound, twice (kernels/batch.py)
+        return LoRABatch.build(lens, owners, "cpu", mix_slot=slots - 1)
     bound = rng.choice([8, 16, 24, 32, 48, 64, max_rank])
     return LoRABatch.build(lens, owners, "cpu", max_rank=bound, mean_rank=rng.choice([None, rng.uniform(1, bound)]))
 
@@ -58,6 +60,19 @@ def test_random_engine_batches_select_only_warmed_variants(max_tokens: int, slot
             for op in ("shrink", "expand"):
                 assert variant(op, stack, batch) in warmed, (name, op, batch.num_tokens, batch.max_group_len,
                                                              batch.seg_lens, batch.seg_slots)
+
+
+@pytest.mark.parametrize(("max_tokens", "slots", "max_rank"), [(4096, 8, 64), (512, 4, 16)])
+def test_random_mixture_batches_select_only_warmed_variants(max_tokens: int, slots: int, max_rank: int) -> None:
+    """With merged mode on, the warm-up also covers mixture steps' variants (two adapters' ranks a group)."""
+    rng = random.Random(f"mixture-{max_tokens}-{slots}-{max_rank}")
+    for name, (in_features, out_sizes) in PROJECTIONS.items():
+        stack = LoRAStack.standalone(1, in_features, out_sizes, max_rank, torch.bfloat16, "meta")
+        warmed = warmed_variants(stack, max_tokens, slots, mixture=True)
+        for _ in range(100):
+            batch = random_batch(rng, max_tokens, slots, max_rank, mixture=True)
+            for op in ("shrink", "expand"):
+                assert variant(op, stack, batch) in warmed, (name, op, batch.num_tokens, batch.seg_lens)
 
 
 def test_gathered_shape_interleaves_its_group_with_base_tokens() -> None:
