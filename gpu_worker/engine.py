@@ -297,7 +297,6 @@ class Engine:
         self._step += 1
         duration_s = time.perf_counter() - launched.started
         self._scheduler.cold_start.observe_step(duration_s)
-        self._orchestrator.observe_step(duration_s)
         if self._on_step is not None:
             batch, seqs = launched.batch, [item.seq for item in launched.batch.items]
             self._on_step(StepRecord(

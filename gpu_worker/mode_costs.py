@@ -20,6 +20,7 @@ from services.common.scheduling.perf_model import PERF_MODELS_DIR, PerfModel, pe
 
 log = logging.getLogger(__name__)
 
+
 def perf_model_cost(model: PerfModel) -> StepCost:
     def cost(candidates: Sequence[Candidate], merged: str | None, mixture: bool) -> float:
         merged_rank = max((c.rank for c in candidates if c.adapter == merged), default=0) if merged else 0

@@ -64,10 +64,13 @@ class ModelRunner:
         inputs = build_step_inputs(items, self.kv_cache.block_size)
         merged = self._hold_weights(plan)
         mix_slot = NO_SLOT
-        if plan.mode is InferenceMode.MIXTURE:  # the merged adapter's tokens run base-only, every other token
-            mix_slot = self.merge_switch.mixture_slot  # also runs the merged adapter negated (the mixture slot):
-            inputs = dataclasses.replace(inputs, seg_slots=[  # the base model's tokens that alone
-                NO_SLOT if slot == plan.merged_slot else mix_slot if slot == NO_SLOT else slot for slot in inputs.seg_slots])
+        if plan.mode is InferenceMode.MIXTURE:
+            # The merged adapter's tokens run base-only; every other token also runs the merged adapter
+            # negated (the mixture slot), and the base model's tokens run that alone.
+            mix_slot = self.merge_switch.mixture_slot
+            inputs = dataclasses.replace(inputs, seg_slots=[
+                NO_SLOT if slot == plan.merged_slot else mix_slot if slot == NO_SLOT else slot
+                for slot in inputs.seg_slots])
         elif merged:
             inputs = dataclasses.replace(inputs, seg_slots=[NO_SLOT] * len(inputs.seg_slots))  # base-only
         in_flight = InFlightIds.of(inputs, previous.seqs, previous.tokens) if previous is not None else None

@@ -14,6 +14,7 @@ every step runs unmerged and nobody is held back.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,8 +26,6 @@ from gpu_worker.sequence import Sequence
 from kernels import NO_SLOT
 
 __all__ = ["UNMERGED", "InferenceMode", "Orchestrator", "Slos", "StepPlan"]
-
-STEP_TIME_WEIGHT = 0.1  # of the newest step in the step-time average (credits add the next step's time)
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,6 @@ class Orchestrator:
         self._slos = slos
         self._clock = clock
         self._decision = UNMERGED_ALL
-        self._step_s = 0.0
         self.starving = 0  # candidates past their credit threshold at the last decision
 
     def shape(self, scheduler: Scheduler) -> Callable[[Sequence], bool] | None:
@@ -68,8 +66,9 @@ class Orchestrator:
         switch = self.merge_switch
         if switch is None:
             return None
+        # The step time the cold-start policy smooths from the engine's steps serves the credits too.
         view = ModeView(self._candidates(scheduler), switch.merged, switch.mixture_slot >= 0, switch.switch_s,
-                        self._step_s)
+                        scheduler.cold_start.step_s)
         decision = self._decision = self.policy.decide(view)
         self.starving = decision.starving
         if decision.merged is None:
@@ -87,11 +86,6 @@ class Orchestrator:
                     for item in batch.items)
         return StepPlan(InferenceMode.MERGED if alone else InferenceMode.MIXTURE, name, slot)
 
-    def observe_step(self, duration_s: float) -> None:
-        """A step took `duration_s`, launch to tokens."""
-        self._step_s = duration_s if not self._step_s else (
-            (1 - STEP_TIME_WEIGHT) * self._step_s + STEP_TIME_WEIGHT * duration_s)
-
     def _candidates(self, scheduler: Scheduler) -> list[Candidate]:
         """The running sequences with tokens to run, then the waiting ones in queue order, up to the
         step's sequence limit."""
@@ -99,7 +93,7 @@ class Orchestrator:
         running = [seq for seq in scheduler.running if not seq.sampled_all]
         room = max(0, scheduler.limits.max_num_seqs - len(scheduler.running))
         candidates = [self._candidate(seq, seq.slot, seq.rank, now) for seq in running]
-        for seq in list(scheduler.waiting)[:room]:
+        for seq in itertools.islice(scheduler.waiting, room):
             placed = scheduler.adapters.resident(seq.adapter) if seq.adapter is not None else None
             candidates.append(self._candidate(seq, *(placed or (NO_SLOT, 0)), now))
         return candidates

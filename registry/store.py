@@ -63,8 +63,8 @@ def _adapter_record(row: AdapterRow) -> AdapterRecord:
 
 
 def _checked_slos(tpot_slo_ms: float | None, ttft_slo_ms: float | None) -> tuple[float | None, float | None]:
-    return tuple(None if value is None else check_slo_ms(value, param)  # type: ignore[return-value]
-                 for value, param in ((tpot_slo_ms, "tpot_slo_ms"), (ttft_slo_ms, "ttft_slo_ms")))
+    return (None if tpot_slo_ms is None else check_slo_ms(tpot_slo_ms, "tpot_slo_ms"),
+            None if ttft_slo_ms is None else check_slo_ms(ttft_slo_ms, "ttft_slo_ms"))
 
 
 def _placement_record(row: PlacementRow) -> PlacementRecord:

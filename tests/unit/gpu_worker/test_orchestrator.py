@@ -49,7 +49,7 @@ def _seq(name: str | None, outputs: int = 0, tpot_slo_s: float | None = None) ->
 def _scheduler(running: list[Sequence], waiting: list[Sequence], max_num_seqs: int = 8):
     adapters = SimpleNamespace(resident=lambda ref: (SLOTS[ref.name], 8))
     return SimpleNamespace(running=running, waiting=deque(waiting), adapters=adapters,
-                           limits=SimpleNamespace(max_num_seqs=max_num_seqs))
+                           limits=SimpleNamespace(max_num_seqs=max_num_seqs), cold_start=SimpleNamespace(step_s=0.01))
 
 
 def _batch(*seqs: Sequence) -> ScheduledBatch:
