@@ -65,9 +65,13 @@ class Router:
         """Choose among the registry's healthy `workers` serving `base_model`; Unavailable if none fits."""
         now = self._clock()
         up = {w.address: w for w in workers if self._down_until.get(w.address, 0.0) <= now}
+        if not workers:
+            raise Unavailable(f"no live worker serves base model '{base_model}': start one (`tessera up` starts one "
+                              f"for each registered base model; or `tessera serve worker` with "
+                              f"TESSERA_WORKER__BASE_MODEL={base_model})")
         if not up:
-            down = f" ({len(workers)} recently failed)" if workers else ""
-            raise Unavailable(f"no healthy worker serves base model '{base_model}'{down}; retry shortly")
+            raise Unavailable(f"no healthy worker serves base model '{base_model}' ({len(workers)} recently "
+                              f"failed); retry shortly")
         candidates = [s for s in self.table.candidates(base_model) if s.address in up]
         if not candidates:
             raise Unavailable(f"no healthy worker serves base model '{base_model}' ({len(up)} registered, none "

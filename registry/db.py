@@ -7,17 +7,21 @@ the one writer) and a busy timeout; any other URL (e.g.
 
 from __future__ import annotations
 
+import fcntl
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import URL, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 SQLITE_BUSY_TIMEOUT_S = 30.0
+MIGRATION_LOCK_KEY = 0x7E55E8A  # the PostgreSQL advisory lock the registry's migrations hold (any constant)
 
 
 def _enable_sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
@@ -57,11 +61,29 @@ def alembic_config() -> Config:
     return config
 
 
+@contextmanager
+def _sqlite_file_lock(url: URL) -> Iterator[None]:
+    """Held around a SQLite file's migrations: SQLite takes its write lock only at the first write, after
+    each process has read the schema's version, so two would both migrate."""
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        yield
+        return
+    lock_path = Path(url.database).expanduser().with_name(Path(url.database).name + ".migrate-lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def upgrade_schema(database_url: str) -> None:
-    """Run every Alembic migration up to head on `database_url` (idempotent)."""
+    """Run every Alembic migration up to head on `database_url` (idempotent). Registry replicas starting
+    together on one database take turns: the first migrates, the others find the schema at head."""
+    url = make_url(database_url)
     engine = make_engine(database_url)
     try:
-        with engine.begin() as connection:
+        with _sqlite_file_lock(url), engine.begin() as connection:
+            if url.get_backend_name() == "postgresql":  # held until this transaction commits
+                connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
             config = alembic_config()
             config.attributes["connection"] = connection
             command.upgrade(config, "head")

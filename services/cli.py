@@ -93,6 +93,8 @@ def _up(config: TesseraConfig, args: argparse.Namespace) -> int:
     from services.common.logs import setup_logging
 
     setup_logging("launcher", config.log_level)
+    if args.workers is not None:
+        config.launcher.workers = args.workers
     return launch(config, serve_command(args.config))
 
 
@@ -144,8 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
     commands.add_parser("demo-assets", parents=[config_option],
                         help="build the demo models and adapters and register them").set_defaults(run=_demo_assets)
-    commands.add_parser("up", parents=[config_option],
-                        help="run every role as supervised local processes").set_defaults(run=_up)
+    up = commands.add_parser("up", parents=[config_option], help="run every role as supervised local processes")
+    up.add_argument("--workers", type=int, metavar="N",
+                    help="N workers of worker.base_model (default: launcher.workers; 0: one worker for each "
+                         "registered base model)")
+    up.set_defaults(run=_up)
     commands.add_parser("config", parents=[config_option],
                         help="print the effective configuration as YAML").set_defaults(run=_config)
     certs = commands.add_parser("certs", parents=[config_option],

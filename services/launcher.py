@@ -1,9 +1,10 @@
 """`tessera up`: run every role as a supervised child process on this machine.
 
 Order: the cluster's TLS certificates first (created under tls.dir where missing, valid ones kept),
-then the registry (the others register with / read from it), then the worker, then the
-gateway. Each child runs `python -m services.cli serve <role>` in its own process group, so a
-Ctrl-C in the terminal reaches only the launcher, which then stops the children in order.
+then the registry (the others register with / read from it), then the workers (together; one per
+base model, or as launcher.workers says), then the gateway. Each child runs
+`python -m services.cli serve <role>` in its own process group, so a Ctrl-C in the terminal reaches
+only the launcher, which then stops the children in order.
 A child that dies after startup is restarted with exponential backoff; the state of every
 child (pid, restarts) is kept in `<run_path>/launcher.json`, rewritten atomically on change.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import json
 import logging
 import os
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,8 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# role -> argv of the child process that serves it.
-CommandBuilder = Callable[[str], list[str]]
+# child -> argv of the process that serves it (the spec's env is added to the launcher's).
+CommandBuilder = Callable[["RoleSpec"], list[str]]
 
 POLL_INTERVAL_S = 0.2
 STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL whatever is still running after this
@@ -48,6 +51,11 @@ class RolePort:
     name: str  # the config key, e.g. "http_port"
     host: str
     port: int
+    offset: int = 0  # the k-th worker binds its config key's port + k
+
+    @property
+    def key(self) -> str:
+        return f"{self.name} + {self.offset}" if self.offset else self.name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,6 +63,13 @@ class RoleSpec:
     role: str  # "registry" | "worker" | "gateway": the `tessera serve` argument
     health_address: str  # gRPC address answering the standard health service
     ports: tuple[RolePort, ...]  # every port the role binds (0 = disabled, not checked)
+    name: str = ""  # what logs and launcher.json call this child; "" -> the role
+    base_model: str = ""  # a worker's
+    env: tuple[tuple[str, str], ...] = ()  # config overrides for this child alone (TESSERA_<SECTION>__<KEY>)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.role
 
 
 def _connect_host(host: str) -> str:
@@ -62,15 +77,60 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
 
 
-def role_specs(config: TesseraConfig) -> list[RoleSpec]:
-    """The roles in start order, with the ports each binds."""
-    r, g, w = config.registry, config.gateway, config.worker
+def worker_models(config: TesseraConfig) -> list[str]:
+    """The base model of each worker to start, as launcher.workers and launcher.worker_models say."""
+    launcher = config.launcher
+    if launcher.workers < 0:
+        raise LaunchError(f"launcher.workers must be >= 0, got {launcher.workers}")
+    if launcher.workers:
+        return [config.worker.base_model] * launcher.workers
+    return list(launcher.worker_models) or registered_base_models(config) or [config.worker.base_model]
+
+
+def registered_base_models(config: TesseraConfig) -> list[str]:
+    """The base models in the registry's database (read directly: the registry is not running yet)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from registry.store import RegistryStore
+
+    try:
+        store = RegistryStore.from_config(config)
+    except SQLAlchemyError as exc:  # the URL may hold a password: name the key, not the value
+        raise LaunchError(f"cannot read the registered base models from registry.database_url: "
+                          f"{type(exc).__name__}") from exc
+    try:
+        return [model.name for model in store.list_base_models()]
+    finally:
+        store.close()
+
+
+def _worker_specs(config: TesseraConfig, models: Sequence[str]) -> list[RoleSpec]:
+    """One worker per entry of `models`, the k-th on worker.grpc_port + k (metrics_port + k)."""
+    w = config.worker
+    several = len(models) > 1
+    if several and w.advertise_address:
+        raise LaunchError("worker.advertise_address names one worker: leave it empty to start several")
+    specs = []
+    for k, model in enumerate(models):
+        grpc_port, metrics_port = w.grpc_port + k, w.metrics_port + k if w.metrics_port else 0
+        specs.append(RoleSpec(
+            "worker", f"{_connect_host(w.host)}:{grpc_port}",
+            (RolePort("grpc_port", w.host, grpc_port, k), RolePort("metrics_port", w.host, metrics_port, k)),
+            name=f"worker {k} ({model})" if several else "", base_model=model,
+            env=(("TESSERA_WORKER__BASE_MODEL", model), ("TESSERA_WORKER__GRPC_PORT", str(grpc_port)),
+                 ("TESSERA_WORKER__METRICS_PORT", str(metrics_port)))))
+    return specs
+
+
+def role_specs(config: TesseraConfig, models: Sequence[str]) -> list[RoleSpec]:
+    """The children in start order (the workers of `models` between registry and gateway), with the ports
+    each binds."""
+    r, g = config.registry, config.gateway
     specs = [
         RoleSpec("registry", f"{_connect_host(r.host)}:{r.grpc_port}", (
             RolePort("grpc_port", r.host, r.grpc_port), RolePort("admin_port", r.host, r.admin_port),
             RolePort("metrics_port", r.host, r.metrics_port))),
-        RoleSpec("worker", f"{_connect_host(w.host)}:{w.grpc_port}", (
-            RolePort("grpc_port", w.host, w.grpc_port), RolePort("metrics_port", w.host, w.metrics_port))),
+        *_worker_specs(config, models),
         RoleSpec("gateway", f"{_connect_host(g.host)}:{g.grpc_port}", (
             RolePort("http_port", g.host, g.http_port), RolePort("grpc_port", g.host, g.grpc_port),
             RolePort("metrics_port", g.host, g.metrics_port))),
@@ -81,20 +141,25 @@ def role_specs(config: TesseraConfig) -> list[RoleSpec]:
     return specs
 
 
-def endpoint_urls(config: TesseraConfig) -> dict[str, str]:
+def _metrics_url(spec: RoleSpec) -> str | None:
+    port = next(p for p in spec.ports if p.name == "metrics_port")
+    return f"http://{_connect_host(port.host)}:{port.port}/metrics" if port.port else None
+
+
+def endpoint_urls(config: TesseraConfig, specs: Sequence[RoleSpec]) -> dict[str, object]:
     """What `tessera up` prints and records: where clients and operators connect."""
-    r, g, w = config.registry, config.gateway, config.worker
-    urls = {
+    r, g = config.registry, config.gateway
+    urls: dict[str, object] = {
         "openai_rest": f"http://{_connect_host(g.host)}:{g.http_port}/v1",
         "gateway_grpc": f"{_connect_host(g.host)}:{g.grpc_port}",
         "admin_api": f"http://{_connect_host(r.host)}:{r.admin_port}",
         "registry_grpc": f"{_connect_host(r.host)}:{r.grpc_port}",
-        "worker_grpc": f"{_connect_host(w.host)}:{w.grpc_port}",
     }
-    for role, host, port in (("registry", r.host, r.metrics_port), ("gateway", g.host, g.metrics_port),
-                             ("worker", w.host, w.metrics_port)):
-        if port:
-            urls[f"{role}_metrics"] = f"http://{_connect_host(host)}:{port}/metrics"
+    for spec in specs:
+        if spec.role != "worker" and (metrics := _metrics_url(spec)):
+            urls[f"{spec.role}_metrics"] = metrics
+    urls["workers"] = [{"base_model": s.base_model, "grpc": s.health_address, "metrics": _metrics_url(s)}
+                       for s in specs if s.role == "worker"]
     return urls
 
 
@@ -117,15 +182,15 @@ def check_ports_free(specs: Sequence[RoleSpec]) -> None:
                     sock.bind((p.host.strip("[]"), p.port))
                 except OSError as exc:
                     reason = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc})"
-                    raise LaunchError(f"port {p.port} ({spec.role}.{p.name} on {p.host}) {reason}; "
+                    raise LaunchError(f"port {p.port} ({spec.role}.{p.key} on {p.host}) {reason}; "
                                       f"stop whatever holds it or change {spec.role}.{p.name}") from exc
 
 
 def serve_command(config_file: str | None) -> CommandBuilder:
     """The real children: this interpreter running `services.cli serve <role>`."""
-    def build(role: str) -> list[str]:
+    def build(spec: RoleSpec) -> list[str]:
         config_args = ["--config", config_file] if config_file else []
-        return [sys.executable, "-m", "services.cli", *config_args, "serve", role]
+        return [sys.executable, "-m", "services.cli", *config_args, "serve", spec.role]
     return build
 
 
@@ -153,7 +218,7 @@ class Supervisor:
     """Starts, watches and stops the role children. `command` is injected so tests use fakes."""
 
     def __init__(self, config: TesseraConfig, specs: Sequence[RoleSpec], command: CommandBuilder,
-                 state_path: Path, urls: dict[str, str]) -> None:
+                 state_path: Path, urls: dict[str, object]) -> None:
         from services.common.tls import health_probe_credentials
 
         self.launcher = config.launcher
@@ -168,10 +233,11 @@ class Supervisor:
     def _spawn(self, child: Child) -> None:
         # start_new_session: own process group, so the terminal's Ctrl-C reaches only the launcher
         # and killpg also reaches anything the child spawns. stdout/stderr are inherited.
-        child.process = subprocess.Popen(self.command(child.spec.role), start_new_session=True)
+        child.process = subprocess.Popen(self.command(child.spec), env={**os.environ, **dict(child.spec.env)},
+                                         start_new_session=True)
         child.started_at = time.monotonic()
         child.restart_at = None
-        log.info("started %s (pid %d)", child.spec.role, child.process.pid)
+        log.info("started %s (pid %d)", child.spec.label, child.process.pid)
 
     def _wait_healthy(self, child: Child, stop: threading.Event) -> bool:
         """True once healthy; False if `stop` was set first. Raises if the child dies or times out."""
@@ -182,23 +248,26 @@ class Supervisor:
         while not check_health(child.spec.health_address, credentials=self.probes[child.spec.role]):
             code = child.process.poll()
             if code is not None:
-                raise LaunchError(f"{child.spec.role} exited with code {code} during startup "
+                raise LaunchError(f"{child.spec.label} exited with code {code} during startup "
                                   f"(its log is above)")
             if stop.is_set():
                 return False
             if time.monotonic() > deadline:
-                raise LaunchError(f"{child.spec.role} was not healthy at {child.spec.health_address} "
+                raise LaunchError(f"{child.spec.label} was not healthy at {child.spec.health_address} "
                                   f"within {self.launcher.health_timeout_s:.0f} s")
             stop.wait(POLL_INTERVAL_S)
-        log.info("%s is healthy at %s", child.spec.role, child.spec.health_address)
+        log.info("%s is healthy at %s", child.spec.label, child.spec.health_address)
         return True
 
     def start_all(self, stop: threading.Event) -> bool:
-        """Start each role in order, each healthy before the next; False if stopped meanwhile."""
-        for child in self.children:
-            self._spawn(child)
+        """Start each role in order, all of a role's children together and healthy before the next
+        role's; False if stopped meanwhile."""
+        for _, group in itertools.groupby(self.children, key=lambda c: c.spec.role):
+            children = list(group)
+            for child in children:
+                self._spawn(child)
             self.write_state()
-            if not self._wait_healthy(child, stop):
+            if not all(self._wait_healthy(child, stop) for child in children):
                 return False
         return True
 
@@ -222,7 +291,7 @@ class Supervisor:
             delay = restart_delay_s(child.failures_in_a_row, self.launcher)
             child.restart_at = now + delay
             log.warning("%s (pid %d) exited with code %d; restarting in %.1f s (restart #%d)",
-                        child.spec.role, child.process.pid, code, delay, child.restarts + 1)
+                        child.spec.label, child.process.pid, code, delay, child.restarts + 1)
         if changed:
             self.write_state()
 
@@ -249,7 +318,8 @@ class Supervisor:
         return {
             "launcher_pid": os.getpid(),
             "children": [
-                {"role": c.spec.role, "pid": c.process.pid if c.process else None, "restarts": c.restarts,
+                {"role": c.spec.role, "name": c.spec.label, "base_model": c.spec.base_model,
+                 "pid": c.process.pid if c.process else None, "restarts": c.restarts,
                  "health_address": c.spec.health_address}
                 for c in self.children
             ],
@@ -284,7 +354,8 @@ def stop_process_group(process: subprocess.Popen, first: signal.Signals = signal
         process.wait()
 
 
-def print_banner(config: TesseraConfig, urls: dict[str, str], state_path: Path) -> None:
+def print_banner(config: TesseraConfig, urls: dict[str, object], state_path: Path) -> None:
+    workers = typing.cast(list[dict[str, str]], urls["workers"])
     lines = [
         "Tessera is up.",
         f"  OpenAI-compatible REST  {urls['openai_rest']}",
@@ -292,6 +363,8 @@ def print_banner(config: TesseraConfig, urls: dict[str, str], state_path: Path) 
         f"  admin API               {urls['admin_api']}",
         f"  admin API key           {admin_key_location(config)}",
         *[f"  {name.replace('_', ' '):<23} {url}" for name, url in urls.items() if name.endswith("_metrics")],
+        *[f"  worker {w['base_model']:<16} {w['grpc']}" + (f"  metrics {w['metrics']}" if w["metrics"] else "")
+          for w in workers],
         f"  launcher state          {state_path}",
         "Press Ctrl-C to stop.",
     ]
@@ -317,13 +390,13 @@ def launch(config: TesseraConfig, command: CommandBuilder) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        specs = role_specs(config)
+        specs = role_specs(config, worker_models(config))
         check_ports_free(specs)
         ensure_certs(config)
     except LaunchError as exc:
         log.error("%s", exc)
         return 1
-    urls = endpoint_urls(config)
+    urls = endpoint_urls(config, specs)
     state_path = config.run_path / "launcher.json"
     supervisor = Supervisor(config, specs, command, state_path, urls)
     try:

@@ -5,6 +5,7 @@ kernels at collection, so they are made here, first."""
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -39,3 +40,13 @@ def _index_scalars_for_numpy_2_4() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _index_scalars_for_numpy_2_4()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A PostgreSQL server of this session's own (tests/postgres.py), started at the first test that asks."""
+    from tests.postgres import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.stop()

@@ -1,7 +1,8 @@
 """Fixtures that run the real system: `tessera demo-assets` then `tessera up` on loopback.
 
 Everything runs as real processes on free ports under a temporary TESSERA_HOME,
-exactly as a user would start it, so these tests exercise every role boundary, with mutual TLS
+exactly as a user would start it (a worker for each demo base model: the Llama, the LLaVA and the
+Qwen2-VL), so these tests exercise every role boundary, with mutual TLS
 between the roles on (the default): a test that calls a worker or the registry directly dials it
 as the gateway does, with the gateway's cluster certificate (`RunningSystem.internal_channel`).
 """
@@ -27,6 +28,7 @@ import requests
 from services.common.config import TesseraConfig, load_config
 from services.common.grpc_server import check_health
 from services.common.tls import TlsError, health_probe_credentials, load_role_credentials
+from services.demo_assets import DEMO_BASE_MODEL, DEMO_QWEN2VL_BASE_MODEL, DEMO_VISION_BASE_MODEL
 from services.launcher import stop_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +40,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port_run(n: int) -> int:
+    """The first of `n` consecutive free ports (`tessera up`'s k-th worker binds worker.grpc_port + k)."""
+    for _ in range(100):
+        first = free_port()
+        if first + n <= 65535 and all(_port_free(first + k) for k in range(1, n)):
+            return first
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 @dataclass
 class RunningSystem:
     home: Path
@@ -47,16 +67,20 @@ class RunningSystem:
     gateway_grpc: str
     registry_grpc: str
     admin_base: str         # …/admin/v1
-    worker_grpc: str
+    worker_grpc: str        # the text model's worker (tessera-demo-llama)
     worker_metrics: str     # …/metrics
     admin_key: str
+    workers: dict[str, str]  # base model -> its worker's gRPC address
+
 
     def launcher_state(self) -> dict:
         return json.loads((self.home / "run" / "launcher.json").read_text())
 
-    def child_pid(self, role: str) -> int:
+    def child_pid(self, role: str, base_model: str = DEMO_BASE_MODEL) -> int:
+        """The pid of `role`'s child (of the worker serving `base_model`)."""
         children = self.launcher_state()["children"]
-        return int(next(c["pid"] for c in children if c["role"] == role))
+        return int(next(c["pid"] for c in children
+                        if c["role"] == role and (role != "worker" or c["base_model"] == base_model)))
 
     @property
     def config(self) -> TesseraConfig:
@@ -113,8 +137,10 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
     home = tmp_path_factory.mktemp("tessera-home")
     ports = {name: free_port() for name in (
         "REGISTRY__GRPC_PORT", "REGISTRY__ADMIN_PORT", "REGISTRY__METRICS_PORT",
-        "GATEWAY__HTTP_PORT", "GATEWAY__GRPC_PORT", "GATEWAY__METRICS_PORT",
-        "WORKER__GRPC_PORT", "WORKER__METRICS_PORT")}
+        "GATEWAY__HTTP_PORT", "GATEWAY__GRPC_PORT", "GATEWAY__METRICS_PORT")}
+    # Ordered by name, as `tessera up` starts them: the k-th on the worker ports + k.
+    models = sorted((DEMO_BASE_MODEL, DEMO_VISION_BASE_MODEL, DEMO_QWEN2VL_BASE_MODEL))
+    ports |= {name: free_port_run(len(models)) for name in ("WORKER__GRPC_PORT", "WORKER__METRICS_PORT")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
     env.update({f"TESSERA_{k}": str(v) for k, v in ports.items()})
     env.update({
@@ -138,12 +164,13 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
         gateway_grpc=f"127.0.0.1:{ports['GATEWAY__GRPC_PORT']}",
         registry_grpc=f"127.0.0.1:{ports['REGISTRY__GRPC_PORT']}",
         admin_base=f"http://127.0.0.1:{ports['REGISTRY__ADMIN_PORT']}/admin/v1",
-        worker_grpc=f"127.0.0.1:{ports['WORKER__GRPC_PORT']}",
-        worker_metrics=f"http://127.0.0.1:{ports['WORKER__METRICS_PORT']}/metrics",
+        worker_grpc=f"127.0.0.1:{ports['WORKER__GRPC_PORT'] + models.index(DEMO_BASE_MODEL)}",
+        worker_metrics=f"http://127.0.0.1:{ports['WORKER__METRICS_PORT'] + models.index(DEMO_BASE_MODEL)}/metrics",
         admin_key=(home / "admin_api_key").read_text().strip() if (home / "admin_api_key").exists() else "",
+        workers={model: f"127.0.0.1:{ports['WORKER__GRPC_PORT'] + k}" for k, model in enumerate(models)},
     )
     try:
-        for address, role in ((running.registry_grpc, "registry"), (running.worker_grpc, "worker"),
+        for address, role in ((running.registry_grpc, "registry"), *((w, "worker") for w in running.workers.values()),
                               (running.gateway_grpc, "gateway")):
             running.wait_healthy(address, role, timeout_s=180)
         running.admin_key = (home / "admin_api_key").read_text().strip()

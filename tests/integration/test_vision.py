@@ -1,5 +1,6 @@
-"""Images through the real gateway: a second worker serves a vision demo model (tessera-demo-llava, then
-tessera-demo-qwen2vl) beside the system's text worker; an image+text chat under one of its adapters, over
+"""Images through the real gateway: the system's workers for the vision demo models (tessera-demo-llava and
+tessera-demo-qwen2vl, which `tessera up` starts beside the text model's); an image+text chat under one of
+their adapters, over
 REST (the openai client) and over gRPC, gives exactly the greedy text of transformers'
 LlavaForConditionalGeneration / Qwen2VLForConditionalGeneration + PEFT on the same image, prompt and
 adapter. A bad image, or an image for the text model, is a 400."""
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
 from services.demo_assets import DEMO_QWEN2VL_BASE_MODEL, DEMO_VISION_BASE_MODEL
 from tessera.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.images import data_url, gradient_image
-from tests.integration.conftest import RunningSystem, free_port, spawn_role, stop_role
+from tests.integration.conftest import RunningSystem
 from tests.reference import VisionReferenceModels, assert_same_greedy
 
 pytestmark = pytest.mark.integration
@@ -45,21 +45,11 @@ MODELS = (VisionModel(DEMO_VISION_BASE_MODEL, "demo-llava-r8"), VisionModel(DEMO
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=lambda model: model.base_model)
-def vision_worker(system: RunningSystem, request: pytest.FixtureRequest) -> Iterator[VisionModel]:
-    """A worker serving a vision demo model, registered and routable through the system's gateway."""
+def vision_worker(system: RunningSystem, request: pytest.FixtureRequest) -> VisionModel:
+    """The system's worker for a vision demo model, routable through its gateway."""
     model: VisionModel = request.param
-    ports = {name: free_port() for name in ("WORKER__GRPC_PORT", "WORKER__METRICS_PORT")}
-    env = {**system.env, **{f"TESSERA_{k}": str(v) for k, v in ports.items()},
-           "TESSERA_WORKER__BASE_MODEL": model.base_model}
-    with open(system.home / f"vision-worker-{model.base_model}.log", "w") as log:
-        process = spawn_role("worker", env, log)
-        try:
-            address = f"127.0.0.1:{ports['WORKER__GRPC_PORT']}"
-            system.wait_healthy(address, "worker", timeout_s=180)
-            _wait_routable(system, model.base_model)
-            yield model
-        finally:
-            stop_role(process)
+    _wait_routable(system, model.base_model)
+    return model
 
 
 def _wait_routable(system: RunningSystem, base_model: str, timeout_s: float = 60.0) -> None:

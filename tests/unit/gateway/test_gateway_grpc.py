@@ -86,7 +86,7 @@ def test_list_models(stub: inference_pb2_grpc.InferenceStub) -> None:
     (inference_pb2.GenerateRequest(model=BASE), grpc.StatusCode.INVALID_ARGUMENT, "a prompt is required"),
     (chat_request(""), grpc.StatusCode.INVALID_ARGUMENT, "model is required"),
     (chat_request("nope"), grpc.StatusCode.NOT_FOUND, "model 'nope' does not exist"),
-    (chat_request(OTHER_BASE), grpc.StatusCode.UNAVAILABLE, "no healthy worker serves base model 'tiny-qwen'"),
+    (chat_request(OTHER_BASE), grpc.StatusCode.UNAVAILABLE, "no live worker serves base model 'tiny-qwen'"),
 ])
 def test_generate_status_codes(env: GatewayEnv, stub: inference_pb2_grpc.InferenceStub,
                                request_: inference_pb2.GenerateRequest, code: grpc.StatusCode, phrase: str) -> None:

@@ -159,10 +159,12 @@ def test_worker_overload_is_429_with_retry_after(env: GatewayEnv) -> None:
     assert response.json()["error"]["type"] == "overloaded_error"
 
 
-def test_no_healthy_worker_is_503(env: GatewayEnv) -> None:
+def test_a_model_without_a_live_worker_is_503_saying_how_to_start_one(env: GatewayEnv) -> None:
     response = requests.post(f"{env.http_base}/v1/chat/completions", json={**CHAT, "model": OTHER_BASE})
     assert response.status_code == 503 and "Retry-After" in response.headers
-    assert "no healthy worker serves base model 'tiny-qwen'" in response.json()["error"]["message"]
+    message = response.json()["error"]["message"]
+    assert "no live worker serves base model 'tiny-qwen': start one" in message
+    assert "tessera serve worker" in message and "TESSERA_WORKER__BASE_MODEL=tiny-qwen" in message
 
 
 def test_mid_stream_worker_failure_ends_the_stream_with_an_error_event(env: GatewayEnv) -> None:

@@ -85,7 +85,8 @@ def test_a_worker_without_fresh_state_is_out_of_rotation() -> None:
 
 def test_no_worker_is_unavailable() -> None:
     r, _ = router()
-    with pytest.raises(Unavailable, match="no healthy worker serves base model 'b'"):
+    with pytest.raises(Unavailable, match=r"no live worker serves base model 'b': start one \(`tessera up`.*"
+                                          r"TESSERA_WORKER__BASE_MODEL=b\)"):
         r.pick(REQUEST, "b", [])
     r.mark_down("w:1")
     with pytest.raises(Unavailable, match="1 recently failed"):

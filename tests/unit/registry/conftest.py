@@ -64,9 +64,34 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture
-def store(tmp_path: Path, imports: Path, clock: FakeClock) -> Iterator[RegistryStore]:
+BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+
+
+def _new_database(request: pytest.FixtureRequest, tmp_path: Path, migrated: bool) -> str:
+    """A new database: a SQLite file (the embedded default), or one on the session's PostgreSQL server."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("postgres_server").new_database(migrated)
     url = f"sqlite:///{tmp_path / 'db' / 'registry.db'}"
+    if migrated:
+        upgrade_schema(url)
+    return url
+
+
+@pytest.fixture(params=BACKENDS)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A new database at schema head, on each backend."""
+    return _new_database(request, tmp_path, migrated=True)
+
+
+@pytest.fixture(params=BACKENDS)
+def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A new database without any table, on each backend."""
+    return _new_database(request, tmp_path, migrated=False)
+
+
+@pytest.fixture
+def store(database_url: str, tmp_path: Path, imports: Path, clock: FakeClock) -> Iterator[RegistryStore]:
+    url = database_url
     upgrade_schema(url)
     registry = RegistryStore(url, tmp_path / "store", [imports], worker_timeout_s=10.0, clock=clock)
     registry.register_base_model(BASE_MODEL, str(imports / "base"))

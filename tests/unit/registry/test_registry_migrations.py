@@ -1,5 +1,6 @@
 import hashlib
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from alembic import command
@@ -12,15 +13,27 @@ from registry.models import Base
 from registry.store import RegistryStore
 
 
-def test_migrated_schema_matches_models(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+def test_migrated_schema_matches_models(empty_database_url: str) -> None:
+    url = empty_database_url
     upgrade_schema(url)
     upgrade_schema(url)  # idempotent: a second run at head changes nothing
     engine = make_engine(url)
     with engine.connect() as connection:
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
-        assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
-        assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        if engine.dialect.name == "sqlite":
+            assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    engine.dispose()
+
+
+def test_replicas_starting_together_migrate_once(empty_database_url: str) -> None:
+    """Registry replicas on one database run their migrations at the same moment: one runs them, the
+    others find the schema at head (PostgreSQL: an advisory lock; SQLite: its write lock)."""
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: upgrade_schema(empty_database_url), range(4)))
+    engine = make_engine(empty_database_url)
+    with engine.connect() as connection:
+        assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     engine.dispose()
 
 
@@ -34,9 +47,9 @@ def _migrate(url: str, revision: str, down: bool = False) -> None:
 
 
 def test_0002_gives_old_rows_the_digest_of_both_stored_files_and_keeps_their_directories(
-        tmp_path: Path, imports: Path) -> None:
+        tmp_path: Path, imports: Path, empty_database_url: str) -> None:
     """Before 0002 an adapter's sha256 was its weights' alone, and its directory was named by it."""
-    url = f"sqlite:///{tmp_path / 'old.db'}"
+    url = empty_database_url
     _migrate(url, "0001")
     store_root = tmp_path / "store"
     weights_sha = hashlib.sha256((imports / "attn-qv" / "adapter_model.safetensors").read_bytes()).hexdigest()

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from services.common.config import load_config
-from services.launcher import launch, role_specs
+from services.launcher import RoleSpec, launch
 from services.common.logs import setup_logging
 
 FAKE_ROLE = str(Path(__file__).with_name("fake_role.py"))
@@ -20,11 +20,11 @@ FAKE_ROLE = str(Path(__file__).with_name("fake_role.py"))
 def main() -> int:
     config = load_config()
     setup_logging("launcher", "INFO")
-    ports = {spec.role: spec.health_address.rsplit(":", 1)[1] for spec in role_specs(config)}
     fail_role = os.environ.get("FAKE_FAIL_ROLE")
 
-    def command(role: str) -> list[str]:
-        return [sys.executable, FAKE_ROLE, *(["--exit", "3"] if role == fail_role else [ports[role], role])]
+    def command(spec: RoleSpec) -> list[str]:
+        port = spec.health_address.rsplit(":", 1)[1]
+        return [sys.executable, FAKE_ROLE, *(["--exit", "3"] if spec.role == fail_role else [port, spec.role])]
 
     return launch(config, command)
 

@@ -146,3 +146,24 @@ def test_a_different_adapter_under_a_demo_name_is_an_error(tmp_path: Path) -> No
     (assets.adapter_dirs["demo-r16"] / "adapter_model.safetensors").write_bytes(b"retrained")
     with pytest.raises(DemoRegistrationError, match="adapter demo-r16 is already registered with sha256"):
         register_demo_assets(store, assets, progress=lambda _: None)
+
+
+def test_up_workers_n_plans_n_workers_of_the_base_model(tmp_path: Path, monkeypatch, capfd) -> None:
+    """`tessera up --workers 2` binds worker.grpc_port and the port after it: with that one taken it stops
+    before starting anything, naming the second worker's port."""
+    with socket.socket() as holder:
+        while True:  # a free port whose next one this test can hold
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            try:
+                holder.bind(("127.0.0.1", port + 1))
+                break
+            except OSError:
+                continue
+        holder.listen()
+        monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+        monkeypatch.setenv("TESSERA_WORKER__GRPC_PORT", str(port))
+        assert main(["up", "--workers", "2"]) == 1
+    assert f"port {port + 1} (worker.grpc_port + 1 on 127.0.0.1) is already in use" in capfd.readouterr().err
+    assert not (tmp_path / "run" / "launcher.json").exists()

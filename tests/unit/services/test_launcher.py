@@ -18,7 +18,7 @@ import pytest
 from services.common.config import LauncherConfig, load_config
 from services.common.grpc_server import check_health
 from services.common.tls import health_probe_credentials, tls_paths
-from services.launcher import LaunchError, check_ports_free, restart_delay_s, role_specs
+from services.launcher import LaunchError, check_ports_free, restart_delay_s, role_specs, worker_models
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 FAKE_LAUNCHER = Path(__file__).with_name("fake_launcher.py")
@@ -47,6 +47,7 @@ def fake_env(home: Path) -> dict[str, str]:
         "TESSERA_REGISTRY__METRICS_PORT": "0",
         "TESSERA_GATEWAY__METRICS_PORT": "0",
         "TESSERA_WORKER__METRICS_PORT": "0",
+        "TESSERA_LAUNCHER__WORKER_MODELS": "[fake-model]",
         "TESSERA_LAUNCHER__HEALTH_TIMEOUT_S": "20",
         "TESSERA_LAUNCHER__RESTART_BACKOFF_S": "0.1",
         "TESSERA_LAUNCHER__MAX_RESTART_BACKOFF_S": "1",
@@ -157,8 +158,8 @@ def test_a_port_in_use_is_named_with_its_role(tmp_path: Path) -> None:
         holder.listen()
         with pytest.raises(LaunchError, match=rf"port {config.gateway.http_port} \(gateway.http_port on 127.0.0.1\) "
                                                r"is already in use"):
-            check_ports_free(role_specs(config))
-    check_ports_free(role_specs(config))  # free again once released
+            check_ports_free(role_specs(config, ["fake-model"]))
+    check_ports_free(role_specs(config, ["fake-model"]))  # free again once released
 
 
 def test_a_port_in_use_stops_the_launcher_before_it_starts_anything(tmp_path: Path, launcher) -> None:
@@ -181,7 +182,7 @@ def test_restart_delay_doubles_up_to_the_cap() -> None:
 def test_a_grpc_port_of_zero_is_refused() -> None:
     config = load_config(environ={"TESSERA_WORKER__GRPC_PORT": "0"})
     with pytest.raises(LaunchError, match="worker.grpc_port is 0"):
-        role_specs(config)
+        role_specs(config, ["fake-model"])
 
 
 def test_up_creates_the_cluster_certificates_and_probes_internal_roles_over_mutual_tls(tmp_path: Path,
@@ -207,3 +208,84 @@ def test_up_creates_the_cluster_certificates_and_probes_internal_roles_over_mutu
     assert {f: (paths.dir / f).read_bytes() for f in files} == before
     again.send_signal(signal.SIGINT)
     assert again.wait(timeout=15) == 0
+
+
+def free_port_run(n: int) -> int:
+    """The first of `n` consecutive free ports (the launcher's k-th worker binds worker.grpc_port + k)."""
+    for _ in range(50):
+        (first,) = free_ports(1)
+        if first + n <= 65535 and all(_port_free(first + k) for k in range(1, n)):
+            return first
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_workers_n_starts_n_workers_of_the_base_model_on_consecutive_ports_each_restarted_alone(
+        tmp_path: Path, launcher) -> None:
+    first = free_port_run(3)
+    env = fake_env(tmp_path) | {"TESSERA_LAUNCHER__WORKERS": "3", "TESSERA_WORKER__GRPC_PORT": str(first),
+                                "TESSERA_WORKER__BASE_MODEL": "the-model"}
+    process = launcher(env)
+    state_path = tmp_path / "run" / "launcher.json"
+    wait_for(lambda: check_health(f"127.0.0.1:{env['TESSERA_GATEWAY__GRPC_PORT']}"), 20, "gateway healthy")
+    state = read_state(state_path)
+    workers = [c for c in state["children"] if c["role"] == "worker"]
+    assert [(w["base_model"], w["health_address"]) for w in workers] == [
+        ("the-model", f"127.0.0.1:{first + k}") for k in range(3)]
+    assert [w["grpc"] for w in state["urls"]["workers"]] == [w["health_address"] for w in workers]
+    for k in range(3):
+        assert healthy(env | {"TESSERA_WORKER__GRPC_PORT": str(first + k)}, "worker", "TESSERA_WORKER__GRPC_PORT")
+
+    os.kill(workers[1]["pid"], signal.SIGKILL)
+    restarted = wait_for(lambda: (s := read_state(state_path)) and s["children"][2]["restarts"] == 1 and s,
+                         10, "the killed worker restarted")
+    assert [c["restarts"] for c in restarted["children"]] == [0, 0, 1, 0, 0]
+    wait_for(lambda: healthy(env | {"TESSERA_WORKER__GRPC_PORT": str(first + 1)}, "worker",
+                             "TESSERA_WORKER__GRPC_PORT"), 10, "restarted worker healthy")
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=15) == 0
+    out, _ = process.communicate()
+    assert all("worker the-model" in line for line in out.splitlines() if line.strip().startswith("worker "))
+    assert sum(line.strip().startswith("worker ") for line in out.splitlines()) == 3
+
+
+def test_a_taken_port_of_a_later_worker_is_named_with_its_offset(tmp_path: Path) -> None:
+    first = free_port_run(2)
+    config = load_config(environ=fake_env(tmp_path) | {"TESSERA_WORKER__GRPC_PORT": str(first)})
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", first + 1))
+        holder.listen()
+        with pytest.raises(LaunchError, match=rf"port {first + 1} \(worker.grpc_port \+ 1 on 127.0.0.1\) "
+                                               r"is already in use; .* change worker.grpc_port"):
+            check_ports_free(role_specs(config, ["a", "b"]))
+
+
+def test_one_worker_per_registered_base_model_unless_configured(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from registry.store import RegistryStore
+
+    base = {"TESSERA_HOME": str(tmp_path), "TESSERA_WORKER__BASE_MODEL": "fallback"}
+    assert worker_models(load_config(environ=base)) == ["fallback"], "nothing registered: worker.base_model"
+    config = load_config(environ=base)
+    store = RegistryStore.from_config(config)
+    for name in ("model-b", "model-a"):
+        LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, vocab_size=64)).save_pretrained(tmp_path / name)
+        store.register_base_model(name, str(tmp_path / name))
+    store.close()
+    assert worker_models(config) == ["model-a", "model-b"]
+    assert worker_models(load_config(environ=base | {"TESSERA_LAUNCHER__WORKER_MODELS": "[model-b]"})) == ["model-b"]
+    assert worker_models(load_config(environ=base | {"TESSERA_LAUNCHER__WORKERS": "2"})) == ["fallback"] * 2
+    with pytest.raises(LaunchError, match="launcher.workers must be >= 0"):
+        worker_models(load_config(environ=base | {"TESSERA_LAUNCHER__WORKERS": "-1"}))
+    with pytest.raises(LaunchError, match="advertise_address names one worker"):
+        role_specs(load_config(environ=base | {"TESSERA_WORKER__ADVERTISE_ADDRESS": "w:1"}), ["model-a", "model-b"])
