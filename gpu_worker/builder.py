@@ -19,7 +19,7 @@ from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.kv_cache import CacheShape, PagedKVCache, cuda_blocks_that_fit
 from gpu_worker.lora.adapter_manager import AdapterManager
 from gpu_worker.lora.cold_start import ColdStartPolicy
-from gpu_worker.lora.cpu_assist import CpuLoraPool
+from gpu_worker.lora.cpu_assist import CpuLoraPool, LocalWorkers, SidecarWorkers
 from gpu_worker.lora.gpu_memory import GpuAdapterMemory
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
 from gpu_worker.lora.merge_switch import MergeSwitch
@@ -38,6 +38,7 @@ from kernels import NO_SLOT, AdapterArena
 from services.common.adapter_layout import TEXT_LAYOUT, AdapterLayout
 from services.common.config import ConfigError, WorkerConfig
 from services.common.errors import FailedPrecondition
+from services.common.lora_shm import SidecarManifest
 from services.common.numa import choose_cores, gpu_numa_node, read_topology
 from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
 
@@ -132,10 +133,11 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
         return weights
 
     memory = GpuAdapterMemory(layers, arena, worker.max_lora_rank, merge_switch)
-    placement = _cpu_lora_placement(worker, device)
-    shm_files = _shm_files(worker) if placement is not None else None
+    cpu_lora_workers = _cpu_lora_workers(worker, device)
+    shm_files = _shm_files(worker) if cpu_lora_workers is not None else None
     adapters = adapter_manager(memory, load_checked, worker, shm_files and shm_files[0])
-    cpu_lora = _cpu_lora_pool(worker, adapters, memory, shm_files[1], *placement) if shm_files else None
+    cpu_lora = _cpu_lora_pool(worker, adapters, memory, shm_files[1], cpu_lora_workers) \
+        if shm_files and cpu_lora_workers else None
     scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
                           BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters,
                           _cold_start_policy(worker), cpu_lora.extra_step_s if cpu_lora else lambda tokens, packed: None)
@@ -166,41 +168,51 @@ def adapter_manager(memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAW
                           synchronous=worker.adapter_synchronous_loads, host_path=host_path)
 
 
-def _cpu_lora_placement(worker: WorkerConfig, device: torch.device) -> tuple[list[tuple[int, ...]], int | None] | None:
-    """(each CPU LoRA worker's cores, their NUMA node) on the GPU's node (any node on a CPU device); None
-    without CPU LoRA workers, or when this machine has too few cores for them beside the worker (logged:
-    the worker serves without CPU assistance, as on a one-core machine with the default settings)."""
+def _cpu_lora_workers(worker: WorkerConfig, device: torch.device) -> LocalWorkers | SidecarWorkers | None:
+    """The CPU LoRA workers as worker.cpu_lora_launch says: processes this worker starts on cores of the GPU's
+    NUMA node (any node on a CPU device), or a sidecar's. None without them, or when this machine has too
+    few cores for local ones beside the worker (logged: the worker serves without CPU assistance, as on a
+    one-core machine with the default settings)."""
     if worker.cpu_lora_workers < 0 or worker.cpu_lora_cores_each < 1:
         raise ConfigError("worker.cpu_lora_workers must be >= 0 and worker.cpu_lora_cores_each >= 1")
+    if worker.cpu_lora_launch not in ("process", "sidecar"):
+        raise ConfigError(f"worker.cpu_lora_launch: expected process or sidecar, got {worker.cpu_lora_launch!r}")
     if not worker.cpu_lora_workers:
         return None
+    if worker.cpu_lora_launch == "sidecar":
+        return SidecarWorkers(worker.cpu_lora_workers)
     bus_id = getattr(torch.cuda.get_device_properties(device), "pci_bus_id", None) if device.type == "cuda" else None
     node = gpu_numa_node(bus_id) if bus_id else None
     try:
-        return choose_cores(read_topology(), node, worker.cpu_lora_workers, worker.cpu_lora_cores_each), node
+        cores = choose_cores(read_topology(), node, worker.cpu_lora_workers, worker.cpu_lora_cores_each)
     except ValueError as exc:
         log.warning("no CPU LoRA workers: %s (worker.cpu_lora_workers, worker.cpu_lora_cores_each)", exc)
         return None
+    log.info("CPU LoRA workers on cores %s (NUMA node %s)", cores, node)
+    return LocalWorkers(cores, node)
 
 
 def _shm_files(worker: WorkerConfig) -> tuple[Path, Path]:
-    """(host tier, work area) files for the CPU LoRA workers, named for this process alone."""
+    """(host tier, work area) files for the CPU LoRA workers, named for this process alone. With a sidecar,
+    the files a previous run of this worker left in the directory (a pod's memory volume outlives a
+    container's restart) are removed first."""
     directory = Path(worker.cpu_lora_shm_dir)
     if not directory.is_dir():
         raise ConfigError(f"worker.cpu_lora_shm_dir: {directory} is not a directory")
+    if worker.cpu_lora_launch == "sidecar" and (previous := SidecarManifest.read(directory)):
+        for name in (previous.work_area, previous.weights):
+            (directory / name).unlink(missing_ok=True)
     tag = f"tessera-{os.getpid()}-{secrets.token_hex(4)}"
     return directory / f"{tag}-host", directory / f"{tag}-lora"
 
 
 def _cpu_lora_pool(worker: WorkerConfig, adapters: AdapterManager, memory: GpuAdapterMemory, area_path: Path,
-                   cores: list[tuple[int, ...]], node: int | None) -> CpuLoraPool:
-    """The CPU LoRA workers, started pinned to `cores` (memory bound to `node` where numactl can)."""
+                   workers: LocalWorkers | SidecarWorkers) -> CpuLoraPool:
     modules = memory.modules
-    pool = CpuLoraPool(area_path, adapters.host_pages, memory.dtype, cores, max_tokens=worker.max_batch_tokens,
+    pool = CpuLoraPool(area_path, adapters.host_pages, memory.dtype, workers, max_tokens=worker.max_batch_tokens,
                        max_in=max(m.in_features for m in modules), max_out=max(m.out_features for m in modules),
-                       max_segments=worker.max_num_seqs * max(len(m.out_sizes) for m in modules), node=node)
+                       max_segments=worker.max_num_seqs * max(len(m.out_sizes) for m in modules))
     pool.start()
-    log.info("CPU LoRA workers on cores %s (NUMA node %s)", cores, node)
     return pool
 
 

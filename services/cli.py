@@ -25,7 +25,9 @@ ROLE_MODULES = {
     "registry": "registry.server",
     "gateway": "gateway.server",
     "worker": "gpu_worker.server",
+    "cpu-lora": "cpu_lora_worker.sidecar",  # a worker's CPU LoRA workers from a sidecar container
 }
+GRPC_ROLES = ("gateway", "registry", "worker")  # those serving the gRPC health service
 
 READ_ONLY_COMMANDS = frozenset({"config", "health"})  # the others write under TESSERA_HOME
 
@@ -161,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     health = commands.add_parser("health", parents=[config_option],
                                  help="exit 0 if the ROLE's gRPC server at ADDRESS is SERVING")
     health.add_argument("address", help="host:port")
-    health.add_argument("--role", required=True, choices=sorted(ROLE_MODULES),
+    health.add_argument("--role", required=True, choices=GRPC_ROLES,
                         help="the role serving ADDRESS: registry and worker are probed with that role's "
                              "cluster certificate (mutual TLS), gateway as a client would")
     health.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS")

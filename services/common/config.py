@@ -123,6 +123,9 @@ class WorkerConfig:
     cpu_lora_workers: int = 1
     cpu_lora_cores_each: int = 1
     cpu_lora_shm_dir: str = "/dev/shm"
+    # process: the worker starts them; sidecar: a container beside it runs them (`tessera serve cpu-lora`,
+    # cpu_lora_worker/sidecar.py) on the cores it was given, both mounting cpu_lora_shm_dir (Kubernetes).
+    cpu_lora_launch: str = "process"
     # How a request starts whose adapter is in host memory but not usable on the GPU yet
     # (gpu_worker/lora/cold_start.py): auto (the fastest way that keeps running requests within their
     # TPOT objective, as the gateway sent it), or one way alone: pipelined (layer-pipelined loading), cpu

@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -20,9 +23,10 @@ from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.cpu_assist import workers_for
 from gpu_worker.metrics import CpuLoraMetrics
 from gpu_worker.sequence import SamplingParams
-from services.common.lora_shm import REQUEST
+from services.common.lora_shm import PID, REQUEST, SIDECAR_MANIFEST, SidecarManifest
 from services.common.numa import allowed_cpus
 from services.demo_assets import DEMO_BASE_MODEL
+from services.launcher import stop_process_group
 from tests.reference import ReferenceModels, assert_same_greedy
 
 from .conftest import idle_stats
@@ -33,6 +37,7 @@ WARM_PROMPT = "import os\nimport sys\n"
 COLD_PROMPT = "for i in range(10):\n    print(i)\n" * 8  # prefilled in several chunks of max_batch_tokens
 MAX_NEW = 12
 WARM_NEW = 200  # it outlives the cold request unless aborted
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 class StepHook(list):
@@ -91,7 +96,7 @@ def test_a_cold_request_runs_on_cpu_lora_workers_then_switches_mid_prefill(engin
                 engine.abort("warm")  # WARM leaves the GPU tier: COLD's adapter can be placed now
     engine = _engine(engine_factory, tiny_assets, tmp_path, StepHook(on_step))
     pool = engine._runner.cpu_lora
-    assert allowed_cpus(pool._procs[0].pid) == list(pool._cores[0])  # pinned where the pool put it
+    assert allowed_cpus(pool._workers._procs[0].pid) == list(pool._workers._cores[0])  # pinned where the pool put it
 
     _, cold_tokens = _serve_cold_beside_warm(engine, tiny_assets)
     assert_same_greedy("cold, CPU-assisted then on the GPU", reference.greedy_text(COLD, COLD_PROMPT, MAX_NEW),
@@ -140,7 +145,7 @@ def test_a_cpu_lora_worker_killed_mid_request_changes_nothing(engine_factory, ti
             killed.append(record.step)
     engine = _engine(engine_factory, tiny_assets, tmp_path, StepHook(on_step))
     pool = engine._runner.cpu_lora
-    victim = pool._procs[0].pid
+    victim = pool._workers._procs[0].pid
 
     warm_tokens, cold_tokens = _serve_cold_beside_warm(engine, tiny_assets)
     assert_same_greedy("cold, its CPU LoRA worker killed", reference.greedy_text(COLD, COLD_PROMPT, MAX_NEW),
@@ -149,8 +154,70 @@ def test_a_cpu_lora_worker_killed_mid_request_changes_nothing(engine_factory, ti
     deadline = time.monotonic() + 60
     while not pool.live() and time.monotonic() < deadline:  # started again
         time.sleep(0.1)
-    assert pool.restarts == 1 and pool._procs[0].pid != victim and pool.live() == [0]
+    assert pool.restarts == 1 and pool._workers._procs[0].pid != victim and pool.live() == [0]
     assert engine.stats().cpu_lora.local_shares > 0  # the shares of the dead worker, computed by the engine
+
+
+def _sidecar(shm_dir, tmp_path) -> subprocess.Popen:
+    """`tessera serve cpu-lora` in its own process (Kubernetes: its own container), following `shm_dir`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    env |= {"TESSERA_HOME": str(tmp_path / "home"), "TESSERA_WORKER__CPU_LORA_SHM_DIR": str(shm_dir),
+            "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "cpu-lora"], env=env, cwd=REPO_ROOT,
+                            start_new_session=True)
+
+
+def _wait_live(pool, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while pool.live() != [0]:
+        assert time.monotonic() < deadline, "the sidecar's CPU LoRA worker never answered"
+        time.sleep(0.1)
+
+
+def test_cpu_lora_workers_run_by_a_sidecar_serve_cold_requests_and_follow_a_restarted_worker(
+        engine_factory, tiny_assets, tmp_path, reference):
+    """worker.cpu_lora_launch: sidecar. The GPU worker serves without CPU LoRA workers until the sidecar's
+    answers; then a cold request's prefill runs on it with PEFT's outputs; the sidecar starts a killed one
+    again, and moves to the files of a GPU worker started again (the old files removed)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    sizes = _packed_bytes(engine_factory, tiny_assets)
+    settings = dict(adapter_gpu_bytes=max(sizes[WARM], sizes[COLD]), adapter_host_bytes=8 * sum(sizes.values()),
+                    cpu_lora_workers=1, cpu_lora_launch="sidecar", cpu_lora_shm_dir=str(shm), max_batch_tokens=24)
+    cold_jobs: list[int] = []
+
+    def on_step(record: StepRecord) -> None:
+        if "cold" in record.request_ids and not cold_jobs:
+            cold_jobs.append(int(engine._runner.cpu_lora.area.control[0, REQUEST]))
+            engine.abort("warm")
+    engine = engine_factory(StepHook(on_step), **settings)
+    pool = engine._runner.cpu_lora
+    assert pool.live() == [] and idle_stats(engine).cpu_lora.ready == 0  # no sidecar yet: serving without
+    sidecar = _sidecar(shm, tmp_path)
+    try:
+        _wait_live(pool)
+        _, cold_tokens = _serve_cold_beside_warm(engine, tiny_assets)
+        assert_same_greedy("cold, on the sidecar's CPU LoRA worker", reference.greedy_text(COLD, COLD_PROMPT, MAX_NEW),
+                           cold_tokens)
+        assert cold_jobs[0] > 0 and idle_stats(engine).cold_starts_total["cpu"] == 1
+
+        first_pid = int(pool.area.control[0, PID])
+        assert allowed_cpus(first_pid) == allowed_cpus(sidecar.pid)[:1]  # pinned to its share of the sidecar's
+        os.kill(first_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while int(pool.area.control[0, PID]) in (0, first_pid) or pool.live() != [0]:
+            assert time.monotonic() < deadline, "the sidecar did not start its worker again"
+            time.sleep(0.1)
+
+        old_files = sorted(p.name for p in shm.iterdir() if p.name.startswith("tessera-") and p.name != SIDECAR_MANIFEST)
+        engine.stop()
+        restarted = engine_factory(None, **settings)  # the GPU worker started again, same volume
+        assert not any((shm / name).exists() for name in old_files)
+        _wait_live(restarted._runner.cpu_lora)
+        assert SidecarManifest.read(shm).work_area == restarted._runner.cpu_lora.area.path.name
+    finally:
+        stop_process_group(sidecar, signal.SIGTERM, grace_s=20)
+    assert sidecar.returncode == 0
 
 
 @pytest.mark.parametrize("tokens, rate, available, expected", [
