@@ -8,7 +8,10 @@ import logging
 import os
 import secrets
 
+from sqlalchemy.engine import make_url
+
 from registry.app import create_admin_app, error_body
+from registry.catalog_relay import CatalogRelay
 from registry.grpc_service import SERVICE_NAME, add_registry_service
 from registry.store import RegistryStore
 from services.common.config import TesseraConfig
@@ -80,7 +83,13 @@ def serve(config: TesseraConfig) -> None:
         await grpc_server.stop()
         await admin.close()
 
+    relay = CatalogRelay(config.database_url, store.changes, store.replica) \
+        if make_url(config.database_url).get_backend_name() == "postgresql" else None
+    if relay:
+        relay.start()
     try:
         run_until_signalled(main)
     finally:
+        if relay:
+            relay.close()
         store.close()

@@ -8,7 +8,6 @@ from asyncio through `asyncio.to_thread`.
 from __future__ import annotations
 
 import re
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -24,11 +23,13 @@ from registry.adapter_blobs import AdapterBlobStore
 from registry.adapter_files import locate_adapter_files, validate_adapter_dir
 from registry.base_model_files import read_base_model_spec
 from registry.catalog_feed import CatalogFeed
+from registry.catalog_relay import announce
 from registry.db import make_engine, make_session_factory, upgrade_schema
 from registry.models import AdapterRow, BaseModelRow, PlacementOrderRow, PlacementRow, WorkerRow
 from registry.records import (AdapterRecord, AdapterVersion, BaseModelRecord, CatalogChange, ModuleShape,
                               PlacementOrderRecord, PlacementRecord, ReportedPlacement, Tier, WorkerOrders,
                               WorkerRecord)
+from registry.store_lock import StoreLock
 from registry.trusted_paths import real_roots, resolve_inside_roots
 from services.common.config import TesseraConfig
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
@@ -92,9 +93,10 @@ class RegistryStore:
         self._deleted_files_grace_s = deleted_files_grace_s
         # Serialises each write with the check before it that another row allows it: blob commits and
         # removals with the rows that reference them (dedup vs delete), and a new name against both the
-        # adapters and the base models (requests name either in one `model` field).
-        self._blob_lock = threading.Lock()
+        # adapters and the base models (requests name either in one `model` field); across replicas too.
+        self._blob_lock = StoreLock(adapter_store)
         self.changes = CatalogFeed()  # published after each commit that changes the catalog
+        self.replica = uuid.uuid4().hex  # this store among the registry replicas on one database
 
     @classmethod
     def from_config(cls, config: TesseraConfig) -> "RegistryStore":
@@ -105,6 +107,14 @@ class RegistryStore:
 
     def close(self) -> None:
         self._engine.dispose()
+        self._blob_lock.close()
+
+    def _announce(self, change: CatalogChange) -> None:
+        """Tell this registry's catalog watchers, and on PostgreSQL the other replicas' (catalog_relay.py)."""
+        self.changes.publish(change)
+        if self._engine.dialect.name == "postgresql":
+            with self._engine.begin() as connection:
+                announce(connection, change, self.replica)
 
     @contextmanager
     def _transaction(self) -> Iterator[Session]:
@@ -135,7 +145,7 @@ class RegistryStore:
                                     "(requests name a base model or an adapter in the same `model` field)")
             _insert(s, row, f"base model {name!r}")
             record = _base_model_record(row)
-        self.changes.publish(CatalogChange())
+        self._announce(CatalogChange())
         return record
 
     def get_base_model(self, name: str) -> BaseModelRecord:
@@ -182,7 +192,7 @@ class RegistryStore:
                 self._blobs.discard(staged)
                 self._retire_blob_if_unreferenced(str(self._blobs.path_for(staged.sha256)))
                 raise
-        self.changes.publish(CatalogChange())
+        self._announce(CatalogChange())
         return record
 
     def get_adapter(self, name: str) -> AdapterRecord:
@@ -203,7 +213,7 @@ class RegistryStore:
             row = _get_adapter_row(s, name)
             row.tpot_slo_ms, row.ttft_slo_ms = tpot_slo_ms, ttft_slo_ms
             record = _adapter_record(row)
-        self.changes.publish(CatalogChange())
+        self._announce(CatalogChange())
         return record
 
     def delete_adapter(self, name: str) -> None:
@@ -219,7 +229,7 @@ class RegistryStore:
                 s.execute(delete(PlacementOrderRow).where(PlacementOrderRow.adapter == name))
                 s.delete(row)
             self._retire_blob_if_unreferenced(storage_path)
-        self.changes.publish(CatalogChange(removed_adapters=(name,)))
+        self._announce(CatalogChange(removed_adapters=(name,)))
 
     def sweep_deleted_files(self) -> list[Path]:
         """Remove the stored files of deleted adapters whose grace has passed (unless registered again)."""

@@ -92,6 +92,11 @@ class PostgresServer:
         self._admin(f"CREATE DATABASE {name} TEMPLATE {MIGRATED_TEMPLATE if migrated else 'template0'}")
         return self.url(name)
 
+    def terminate_connections(self) -> None:
+        """Drop every client's connection, as a database restart does."""
+        self._admin("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'")
+
     def stop(self) -> None:
         try:
             self._run("pg_ctl", "-D", str(self._data), "-m", "immediate", "-w", "stop")

@@ -295,12 +295,21 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             continue
         path = env_key[len(ENV_PREFIX):].lower().split("__")
         if len(path) == 1 and path[0] in scalars:
-            out[path[0]] = yaml.safe_load(raw) if raw else ""
+            out[path[0]] = _env_value(raw, hints[path[0]])
         elif len(path) == 2 and path[0] in sections:
-            out.setdefault(path[0], {})[path[1]] = yaml.safe_load(raw) if raw else ""
+            key_type = typing.get_type_hints(hints[path[0]]).get(path[1])
+            out.setdefault(path[0], {})[path[1]] = _env_value(raw, key_type)
         else:
             raise ConfigError(f"unknown config environment variable {env_key}")
     return out
+
+
+def _env_value(raw: str, annotation: Any) -> Any:
+    """A string key takes the variable as written (a key or password "0123" stays "0123", not YAML's 83);
+    the others parse it as a YAML scalar or list."""
+    if annotation is str:
+        return raw
+    return yaml.safe_load(raw) if raw else ""
 
 
 def load_config(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> TesseraConfig:

@@ -33,6 +33,14 @@ def test_env_values_are_yaml_so_lists_parse() -> None:
     assert config.import_root_paths == [Path("/a"), Path("/b")]
 
 
+def test_string_keys_take_the_variable_as_written() -> None:
+    """A secret like "0123" or "true" is a string, not YAML's 83 or True; lists still parse."""
+    config = load_config(environ={"TESSERA_REGISTRY__ADMIN_API_KEY": "0123", "TESSERA_LOG_LEVEL": "true",
+                                  "TESSERA_GATEWAY__API_KEYS": "['0123', k2]"})
+    assert (config.registry.admin_api_key, config.log_level) == ("0123", "true")
+    assert config.gateway.api_keys == ["0123", "k2"]
+
+
 @pytest.mark.parametrize("environ, message", [
     ({"TESSERA_GATEWAY__HTTP_PROT": "1"}, "unknown config key 'gateway.http_prot'"),
     ({"TESSERA_NOSUCH__KEY": "1"}, "TESSERA_NOSUCH__KEY"),
