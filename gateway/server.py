@@ -82,8 +82,9 @@ async def start_gateway(config: TesseraConfig) -> Gateway:
     router = Router(policy, WorkerStateTable(time.monotonic, gw.state_stale_s))
     priced = gw.routing_policy in NEEDS_PERF_MODELS
     feed = StateFeed(workers, router.table, gw.state_interval_ms, router.tightest_tpot_slo_s,
-                     set(models) if priced else None, min(models) if priced else "")
-    log.info("routing with policy %s over perf models %s", policy.name, ", ".join(sorted(models)) or "none")
+                     models if priced else None)
+    log.info("routing with policy %s; perf models so far: %s (workers report theirs)", policy.name,
+             ", ".join(sorted(models)) or "none")
     core = GatewayCore(gw, cache, Admission(gw.max_queued_per_model), router, feed, workers)
     grpc_server = await start_grpc_server(
         f"{gw.host}:{gw.grpc_port}",

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, MutableMapping
 
 from services.common.errors import TesseraError
 from tessera.v1 import worker_pb2
 
 from services.common.scheduling.batch_summary import BatchEntry
+from services.common.scheduling.perf_model import PerfModel
 from gateway.scheduling.worker_state import WorkerState, WorkerStateTable
 from gateway.worker_client import WorkerClient
 
@@ -53,20 +55,20 @@ class StateFeed:
     """Runs on the event loop only.
 
     `tightest_tpot_slo_s(address)`: the tightest TPOT SLO among this gateway's requests on a
-    worker (workers do not know SLOs). `known_kinds`: perf models the policy prices with (None:
-    it needs none); a worker reporting another kind is priced with `fallback_kind`'s model, and the
-    log says so once per stream.
+    worker (workers do not know SLOs). `models`: the perf models the policy prices with, by worker kind
+    (None: it prices nothing). Each worker reports its own in the first state of a stream, which goes
+    into `models` under its kind; a worker whose kind has no model is not routed to (logged once per
+    stream): no worker is priced with another kind's model.
     """
 
     def __init__(self, client: WorkerClient, table: WorkerStateTable, interval_ms: int,
-                 tightest_tpot_slo_s: Callable[[str], float | None], known_kinds: Collection[str] | None,
-                 fallback_kind: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+                 tightest_tpot_slo_s: Callable[[str], float | None], models: MutableMapping[str, PerfModel] | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
         self._table = table
         self._interval_ms = interval_ms
         self._tightest = tightest_tpot_slo_s
-        self._known_kinds = known_kinds
-        self._fallback_kind = fallback_kind
+        self._models = models
         self._clock = clock
         self._streams: dict[str, asyncio.Task[None]] = {}
         self._settled: dict[str, asyncio.Event] = {}  # per stream: set by its first state or its end
@@ -119,16 +121,19 @@ class StateFeed:
 
     async def _follow(self, address: str) -> None:
         settled = self._settled[address]
-        warned_kind = ""
+        warned = False
         try:
             async for message in self._client.watch_state(address, self._interval_ms):
-                if (self._known_kinds is not None and message.perf_model not in self._known_kinds
-                        and warned_kind != message.perf_model):
-                    warned_kind = message.perf_model
-                    log.warning("worker %s reports perf model '%s', which the gateway has no model for "
-                                "(known: %s); it is priced with '%s' until one is profiled "
-                                "(python -m gpu_worker.profile)", address, message.perf_model,
-                                ", ".join(sorted(self._known_kinds)), self._fallback_kind)
+                if self._models is not None:
+                    if message.perf_model_spec:
+                        self._learn(address, message)
+                    if message.perf_model not in self._models:
+                        if not warned:
+                            warned = True
+                            log.warning("worker %s reported no usable performance model for its kind '%s': not "
+                                        "routed to until it does", address, message.perf_model)
+                        settled.set()  # a first state came: requests waiting for it go on without this worker
+                        continue
                 # Stamped one interval back: a dispatch in the last interval may not be in this state
                 # yet, so the table keeps counting it (twice at worst, never not at all).
                 at = self._clock() - self._interval_ms / 1e3
@@ -144,6 +149,22 @@ class StateFeed:
             self._reported_at.pop(address, None)
             self._announce(address)
             self._retry_at[address] = self._clock() + RESUBSCRIBE_AFTER_S
+
+    def _learn(self, address: str, message: worker_pb2.WorkerState) -> None:
+        """The worker's own model, under its kind (it prices every worker of that kind)."""
+        assert self._models is not None
+        try:
+            model = PerfModel.from_json(json.loads(message.perf_model_spec))
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("worker %s sent a malformed performance model (%s)", address, exc)
+            return
+        if model.kind != message.perf_model:
+            log.warning("worker %s sent the model of kind '%s' for its kind '%s'", address, model.kind,
+                        message.perf_model)
+            return
+        if self._models.get(model.kind) != model:
+            log.info("worker %s prices itself with its model of %s (%s)", address, model.kind, model.source)
+        self._models[model.kind] = model
 
     def _announce(self, address: str) -> None:
         """Wake the requests waiting for this stream's next state (or its end)."""

@@ -27,7 +27,7 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.families import ServedModel, load_served_model
 from gpu_worker.models.llama import LORA_TARGETS, LlamaForCausalLM, resolve_dtype
 from gpu_worker.device_kind import device_name, perf_model_kind
-from gpu_worker.mode_costs import load_step_cost
+from gpu_worker.mode_costs import load_step_cost, perf_model_cost
 from gpu_worker.mode_policies import make_policy
 from gpu_worker.orchestrator import UNMERGED, Orchestrator, Slos
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
@@ -39,6 +39,7 @@ from services.common.adapter_layout import TEXT_LAYOUT, AdapterLayout
 from services.common.config import ConfigError, WorkerConfig
 from services.common.errors import FailedPrecondition
 from services.common.lora_shm import SidecarManifest
+from services.common.scheduling.perf_model import PerfModel
 from services.common.numa import choose_cores, gpu_numa_node, read_topology
 from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
 
@@ -49,13 +50,18 @@ ASYNC_SCHEDULING = ("cuda", "always", "never")
 
 
 def build_engine(checkpoint_dir: Path, worker: WorkerConfig, adapter_store: Path,
-                 on_step: Callable[[StepRecord], None] | None = None) -> Engine:
+                 on_step: Callable[[StepRecord], None] | None = None,
+                 price: Callable[[LlamaForCausalLM], PerfModel] | None = None) -> Engine:
+    """`price`: the performance model of the loaded (language) model, which the mode policy prices steps
+    with (gpu_worker/pricing.py); without it, the one committed for this worker's kind, if any."""
     device = torch.device(worker.device)
     async_scheduling = async_scheduling_on(worker.async_scheduling, device)  # a bad setting fails before the load
     dtype = resolve_dtype(worker.dtype, device)
     served = load_served_model(checkpoint_dir, device=device, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
-    return assemble_engine(served, tokenizer, worker, adapter_store, on_step, async_scheduling=async_scheduling)
+    perf_model = price(served.language_model) if price else None
+    return assemble_engine(served, tokenizer, worker, adapter_store, on_step, async_scheduling=async_scheduling,
+                           perf_model=perf_model)
 
 
 @dataclass(frozen=True)
@@ -70,10 +76,10 @@ class EngineParts:
 
 def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, worker: WorkerConfig,
                     adapter_store: Path, on_step: Callable[[StepRecord], None] | None, *,
-                    async_scheduling: bool) -> Engine:
+                    async_scheduling: bool, perf_model: PerfModel | None = None) -> Engine:
     """An engine around an already loaded model (a vision-language model's processor included)."""
     parts = assemble_parts(served.language_model, worker, adapter_store, image_encoder=served.image_encoder,
-                           adapter_layout=served.adapter_layout)
+                           adapter_layout=served.adapter_layout, perf_model=perf_model)
     return Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
                   orchestrator=parts.orchestrator, adapters=parts.adapters, tokenizer=tokenizer,
                   max_context=parts.model.max_context, max_lora_rank=worker.max_lora_rank, on_step=on_step,
@@ -91,11 +97,13 @@ def async_scheduling_on(setting: str, device: torch.device) -> bool:
 
 def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store: Path,
                    load: Callable[[AdapterRef], LoRAWeights] | None = None, *,
-                   image_encoder: ImageEncoder | None = None, adapter_layout: AdapterLayout = TEXT_LAYOUT) -> EngineParts:
+                   image_encoder: ImageEncoder | None = None, adapter_layout: AdapterLayout = TEXT_LAYOUT,
+                   perf_model: PerfModel | None = None) -> EngineParts:
     """Adapter tiers, KV cache, scheduler, orchestrator and runner (with CUDA graphs on CUDA) for `model`.
     `load` replaces reading adapters from the store (benchmarks use random weights; it runs on the
     adapter loader threads);
-    `image_encoder` serves a vision-language model's images; `adapter_layout` names its LoRA tensors."""
+    `image_encoder` serves a vision-language model's images; `adapter_layout` names its LoRA tensors;
+    `perf_model` prices the mode policy's steps (None: the model committed for this worker's kind)."""
     config = model.config
     device = model.lm_head.weight.device
     # One arena for every adapter weight, allocated before the KV cache is sized.
@@ -150,7 +158,7 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     images = CachedImageEncoder(image_encoder, ImageFeatureCache(worker.image_cache_bytes)) \
         if image_encoder is not None else None
     runner = ModelRunner(model, kv_cache, device, graphs, merge_switch, images, cpu_lora, memory.modules)
-    return EngineParts(model, runner, scheduler, adapters, _orchestrator(worker, merge_switch, device))
+    return EngineParts(model, runner, scheduler, adapters, _orchestrator(worker, merge_switch, device, perf_model))
 
 
 def adapter_manager(memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAWeights],
@@ -230,13 +238,15 @@ def _default_slos(worker: WorkerConfig) -> Slos:
     return Slos(worker.default_ttft_slo_ms / 1e3, worker.default_tpot_slo_ms / 1e3)
 
 
-def _orchestrator(worker: WorkerConfig, merge_switch: MergeSwitch | None, device: torch.device) -> Orchestrator:
+def _orchestrator(worker: WorkerConfig, merge_switch: MergeSwitch | None, device: torch.device,
+                  perf_model: PerfModel | None) -> Orchestrator:
     """The mode policy `worker.mode_policy` names, priced with this worker kind's profiled step costs."""
     if not worker.mode_credit_theta > 0:
         raise ConfigError(f"worker.mode_credit_theta must be positive, got {worker.mode_credit_theta}")
+    cost = perf_model_cost(perf_model) if perf_model else \
+        load_step_cost(perf_model_kind(device_name(device), worker.base_model))
     try:
-        policy = make_policy(worker.mode_policy, worker.mode_credit_theta,
-                             load_step_cost(perf_model_kind(device_name(device), worker.base_model)))
+        policy = make_policy(worker.mode_policy, worker.mode_credit_theta, cost)
     except ValueError as exc:
         raise ConfigError(f"worker.mode_policy: {exc}") from None
     return Orchestrator(merge_switch, policy, _default_slos(worker))

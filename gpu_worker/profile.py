@@ -35,7 +35,7 @@ from gpu_worker.builder import EngineParts, assemble_parts
 from gpu_worker.device_kind import device_name, perf_model_kind
 from gpu_worker.lora.loader import AdapterRef, LoRAModule, LoRAWeights
 from gpu_worker.models.families import load_served_model
-from gpu_worker.models.llama import resolve_dtype
+from gpu_worker.models.llama import LlamaForCausalLM, resolve_dtype
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.orchestrator import UNMERGED
 from gpu_worker.sampler import sample
@@ -203,19 +203,32 @@ def profile(model_dir: Path, device: torch.device, base_model: str, grid: Grid,
         model = random_llama(AutoConfig.from_pretrained(model_dir), device=device, dtype=dtype)
     else:
         model = load_served_model(model_dir, device=device, dtype=dtype).language_model
+    weights = ", random weights" if random_weights else ""
+    return profile_model(model, base_model, grid, progress, "python -m gpu_worker.profile", weights)
+
+
+def profile_model(model: LlamaForCausalLM, base_model: str, grid: Grid, progress: Callable[[str], None],
+                  by: str, note: str = "", lora_targets: list[str] | None = None) -> PerfModel:
+    """Profile a loaded (language) model on its device over `grid` (its own KV cache and adapter slots,
+    freed after) and fit its kind's model; `by` and `note` say how, in the model's source."""
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     worker = WorkerConfig(base_model=base_model, device=str(device), max_num_seqs=grid.max_batch,
                           max_batch_tokens=grid.max_step_tokens, adapter_slots=2 * grid.max_batch,
                           max_lora_rank=max(grid.ranks), mode_policy="unmerged", cpu_lora_workers=0,
                           kv_cache_tokens=grid.max_batch * (max(grid.prompt_lens + grid.context_lens) + 4
                                                             + 2 + WorkerConfig().kv_block_size))
+    if lora_targets is not None:
+        worker.lora_targets = list(lora_targets)
     parts = assemble_parts(model, worker, Path("/nonexistent"),
                            load=random_adapters(model.config, worker.lora_targets, device, dtype))
     name = device_name(device)
     started = time.perf_counter()
     samples = run_grid(Profiler(parts, device), grid, progress)
-    weights = ", random weights" if random_weights else ""
-    source = (f"python -m gpu_worker.profile on {name}: {len(samples)} steps of {base_model}{weights} (ranks "
+    source = (f"{by} on {name}: {len(samples)} steps of {base_model}{note} (ranks "
               f"{', '.join(map(str, grid.ranks))}, merged mode off), {time.perf_counter() - started:.0f} s")
+    del parts
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the profile's cache and slots go before the served engine sizes its own
     fitted = PerfModel.fit(perf_model_kind(name, base_model), name, samples)
     return PerfModel(fitted.kind, fitted.device, fitted.prefill, fitted.decode, source)
 

@@ -8,13 +8,13 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from grpc_health.v1 import health
 from grpc_health.v1.health_pb2 import HealthCheckResponse
 
 from gpu_worker import metrics
 from gpu_worker.builder import build_engine
-from gpu_worker.device_kind import device_name, perf_model_kind
+from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.pricing import resolve_perf_model
 from gpu_worker.registry_client import RegistryClient, WorkerIdentity, fetch_base_model
 from gpu_worker.servicer import WorkerServicer, worker_stats
 from gpu_worker.state_push import StateSource
@@ -23,6 +23,7 @@ from services.common.config import TesseraConfig
 from services.common.grpc_server import start_grpc_server
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
+from services.common.scheduling.perf_model import PerfModel
 from services.common.runtime import freeze_startup_heap, run_until_signalled
 from services.common.tls import RoleCredentials, aio_channel, cluster_credentials
 from tessera.v1 import worker_pb2_grpc
@@ -39,15 +40,20 @@ async def _main(config: TesseraConfig, tls: RoleCredentials | None, stop: asynci
         if base is None:
             return
         log.info("loading %s from %s on %s", base.name, base.path, w.device)
+        priced: list[PerfModel] = []
+
+        def price(model: LlamaForCausalLM) -> PerfModel:
+            priced.append(resolve_perf_model(model, w.base_model, w.max_lora_rank, w.lora_targets,
+                                             config.perf_model_cache_path))
+            return priced[0]
         engine = await asyncio.to_thread(build_engine, Path(base.path), w, config.worker_adapter_store_path,
-                                         metrics.StepMetrics())
+                                         metrics.StepMetrics(), price)
         freeze_startup_heap()
         engine.start()
         metrics.bind_engine_stats(engine)
         start_metrics_server(w.host, w.metrics_port)
-        kind = perf_model_kind(device_name(torch.device(w.device)), w.base_model)
-        log.info("reporting perf model kind %s", kind)
-        state = StateSource(engine, kind, w.max_num_seqs)
+        log.info("reporting perf model kind %s", priced[0].kind)
+        state = StateSource(engine, priced[0], w.max_num_seqs)
         server = await start_grpc_server(
             f"{w.host}:{w.grpc_port}",
             lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(engine, state), s),

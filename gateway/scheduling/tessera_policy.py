@@ -64,24 +64,22 @@ class TesseraPolicy:
     name = "tessera"
 
     def __init__(self, models: Mapping[str, PerfModel], load_costs: LoadCosts, headroom: float = 0.85,
-                 sole_holder_headroom: float = 0.95, fallback_kind: str | None = None) -> None:
-        """`sole_holder_headroom`: the share of the SLO the prediction may use on the only worker that
-        holds the request's adapter on its GPU (see the module docstring). `fallback_kind`: the
-        model that prices workers of kinds not profiled yet (default: the first kind by name), so
-        that a new GPU or base model is served before it is profiled."""
+                 sole_holder_headroom: float = 0.95) -> None:
+        """`models`: each worker kind's performance model, read when a worker is priced, so models added
+        later (those workers report: gateway/state_feed.py) price theirs; a worker is priced with its own
+        kind's model only (the state feed routes no worker whose kind has none).
+        `sole_holder_headroom`: the share of the SLO the prediction may use on the only worker that
+        holds the request's adapter on its GPU (see the module docstring)."""
         assert 0 < headroom <= 1, "headroom is the fraction of the SLO the prediction may use"
         assert headroom <= sole_holder_headroom <= 1, "a sole holder's margin lies between headroom's and none"
-        assert models, "the policy prices workers with performance models: none given"
-        self._models = dict(models)
-        self.fallback_kind = fallback_kind or min(self._models)
-        assert self.fallback_kind in self._models, (self.fallback_kind, sorted(self._models))
+        self._models = models
         self._load_costs = load_costs
         self.headroom = headroom
         self.sole_holder_headroom = sole_holder_headroom
         self._rotation = Rotation()
 
     def model_for(self, kind: str) -> PerfModel:
-        return self._models.get(kind, self._models[self.fallback_kind])
+        return self._models[kind]
 
     def choose(self, request: RoutingRequest, candidates: Sequence[WorkerState]) -> WorkerState:
         own_prefill = {kind: self.own_prefill_s(request, kind) for kind in {w.kind for w in candidates}}

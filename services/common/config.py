@@ -171,6 +171,9 @@ class WorkerConfig:
     # model's device; 0 disables it.
     image_cache_bytes: int = 256 * 1024 * 1024
     adapter_store: str = ""  # "" -> {home}/adapters; adapters outside it are refused
+    # Where a worker keeps the performance model it fitted by its own profile at start, when none is
+    # committed for its kind (gpu_worker/pricing.py): "" -> {home}/perf_models.
+    perf_model_cache: str = ""
 
 
 @dataclasses.dataclass(slots=True)
@@ -230,6 +233,10 @@ class TesseraConfig:
     @property
     def worker_adapter_store_path(self) -> Path:
         return Path(self.worker.adapter_store or self.adapter_store_path).expanduser().resolve()
+
+    @property
+    def perf_model_cache_path(self) -> Path:
+        return Path(self.worker.perf_model_cache or self.home_path / "perf_models").expanduser().resolve()
 
     @property
     def import_root_paths(self) -> list[Path]:

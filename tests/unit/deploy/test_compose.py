@@ -101,7 +101,7 @@ def test_the_certs_service_issues_certificates_naming_every_host_the_roles_reach
     # Not vacuous: the roles do reach each other by service names, beyond loopback.
     workers = [s for role, s in long_running(compose).values() if role == "worker"]
     assert {s["environment"]["TESSERA_WORKER__ADVERTISE_ADDRESS"].split(":")[0] for s in workers} == {
-        "worker", "worker-gpu"}
+        "worker", "worker-llava", "worker-qwen2vl", "worker-gpu"}
     assert {s["environment"].get("TESSERA_GATEWAY__REGISTRY_ADDRESS", s["environment"].get(
         "TESSERA_WORKER__REGISTRY_ADDRESS")) for role, s in long_running(compose).values() if role != "registry"} == {
         "registry:50051"}
@@ -124,3 +124,12 @@ def test_only_the_gateway_is_published_beyond_the_hosts_loopback(compose: dict) 
             if name != "gateway":
                 assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on every host interface"
             assert port.split(":")[-1] not in ("50051", "50061"), f"{name} publishes internal gRPC ({port})"
+
+
+def test_the_cpu_profile_runs_a_worker_for_each_demo_base_model(compose: dict) -> None:
+    from services.demo_assets import DEMO_BASE_MODEL, DEMO_QWEN2VL_BASE_MODEL, DEMO_VISION_BASE_MODEL
+
+    workers = [s for s in compose["services"].values()
+               if "cpu" in s.get("profiles", []) and s.get("command") == ["serve", "worker"]]
+    assert sorted(s["environment"]["TESSERA_WORKER__BASE_MODEL"] for s in workers) == sorted(
+        (DEMO_BASE_MODEL, DEMO_VISION_BASE_MODEL, DEMO_QWEN2VL_BASE_MODEL))

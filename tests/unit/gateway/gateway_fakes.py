@@ -96,14 +96,19 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     base_model: str = BASE
     running: dict[str, worker_pb2.LoadEntry] = dataclasses.field(default_factory=dict)  # request id -> entry
     silent_until: float = 0.0
+    kind: str = PERF_MODEL  # a kind the gateway knows by default
+    perf_model_spec: str = ""  # its model's JSON, sent in a stream's first state as a real worker does
 
     async def WatchState(self, request, context) -> AsyncIterator[worker_pb2.WorkerState]:
-        """Its running requests, as a real worker reports them (PERF_MODEL: a kind the gateway knows)."""
+        """Its running requests, as a real worker reports them."""
+        spec = self.perf_model_spec
         while True:
             if (silence_s := self.silent_until - time.monotonic()) > 0:
                 await asyncio.sleep(silence_s)
-            yield worker_pb2.WorkerState(base_model=self.base_model, perf_model=PERF_MODEL, running=list(self.running.values()),
-                                         max_batch=8, gpu_adapter_slots=4, free_kv_tokens=100_000)
+            yield worker_pb2.WorkerState(base_model=self.base_model, perf_model=self.kind, perf_model_spec=spec,
+                                         running=list(self.running.values()), max_batch=8, gpu_adapter_slots=4,
+                                         free_kv_tokens=100_000)
+            spec = ""
             await asyncio.sleep(request.interval_ms / 1e3)
 
     async def Generate(self, request, context) -> AsyncIterator[common_pb2.GenerateResponse]:

@@ -119,5 +119,4 @@ def test_every_policy_builds_and_unknown_ones_are_config_errors() -> None:
         assert build_policy(name, models).name == name
     with pytest.raises(ConfigError, match="unknown policy 'fastest'; known: tessera, most-idle"):
         build_policy("fastest", models)
-    with pytest.raises(ConfigError, match="needs perf models"):
-        build_policy("tessera", {})
+    assert build_policy("tessera", {}).name == "tessera"  # workers bring their models (gateway/state_feed.py)

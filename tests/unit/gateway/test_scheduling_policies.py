@@ -171,11 +171,10 @@ def test_tessera_skips_a_worker_without_kv_room() -> None:
     assert picks(tessera(), [full, worker("w2", host=("x",))], 1) == ["w2"]
 
 
-def test_tessera_prices_an_unprofiled_kind_with_the_fallback_model() -> None:
-    # A new GPU or base model reports a kind with no profile yet: it is served, priced as the fallback.
-    policy = TesseraPolicy({MODEL.kind: MODEL, PADDED.kind: PADDED}, LoadCosts(), headroom=1.0,
-                           sole_holder_headroom=1.0, fallback_kind=MODEL.kind)
-    new = worker("w2", gpu=("x",), kind="new-gpu")
-    assert picks(policy, [worker("w1", load=3), new], 2) == ["w2"] * 2
-    assert policy.model_for("new-gpu") is MODEL and policy.model_for(PADDED.kind) is PADDED
-    assert TesseraPolicy({PADDED.kind: PADDED, MODEL.kind: MODEL}, LoadCosts()).fallback_kind == "padded-gpu"
+def test_tessera_prices_each_kind_with_its_own_model_including_models_added_later() -> None:
+    models = {MODEL.kind: MODEL}
+    policy = TesseraPolicy(models, LoadCosts(), headroom=1.0, sole_holder_headroom=1.0)
+    with pytest.raises(KeyError):
+        policy.model_for(PADDED.kind)  # never another kind's model
+    models[PADDED.kind] = PADDED  # a worker of that kind reported its own (gateway/state_feed.py)
+    assert policy.model_for(PADDED.kind) is PADDED and policy.model_for(MODEL.kind) is MODEL

@@ -23,6 +23,7 @@ from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import SamplingParams
 from gpu_worker.state_push import StateSource
 from services.common.adapter_layout import WEIGHTS_FILE, directory_digest
+from services.common.scheduling.perf_model import PerfModel, perf_model_path
 from services.demo_assets import DEMO_BASE_MODEL, DemoAdapterSpec, build_lora_adapter
 from tests.reference import ReferenceModels, assert_same_greedy
 
@@ -99,7 +100,7 @@ def test_outputs_equal_peft_from_disk_resident_from_host_and_after_eviction(engi
     assert (stats.gpu_evictions, stats.host_evictions, stats.load_failures) == (3, 0, 0)
     assert stats.gpu_bytes == sizes["demo-r8"] + sizes["demo-r16"]
 
-    pushed = StateSource(engine, "cpu-test", max_batch=32).snapshot()
+    pushed = StateSource(engine, PerfModel.load(perf_model_path("cpu-tessera-demo-llama")), max_batch=32).snapshot()
     assert (list(pushed.gpu_adapters), list(pushed.host_adapters)) == (
         ["demo-r16", "demo-r8"], ["demo-r16", "demo-r64", "demo-r8"])
     metrics = CollectorRegistry()

@@ -39,6 +39,7 @@ from gpu_worker.servicer import WorkerServicer
 from gpu_worker.sequence import SamplingParams
 from gpu_worker.state_push import StateSource
 from services.common.grpc_server import start_grpc_server
+from services.common.scheduling.perf_model import PerfModel, perf_model_path
 from services.demo_assets import LlamaShape, build_llama
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -69,7 +70,7 @@ def _serve(engine: Engine, body: Callable[[str], Awaitable]):
     """Run `body(address)` beside a WorkerService over `engine`; -> what it returns."""
     async def main():
         server = await start_grpc_server("127.0.0.1:0", lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(engine, StateSource(engine, "cpu-tessera-demo-llama", max_batch=32)), s),
+            WorkerServicer(engine, StateSource(engine, PerfModel.load(perf_model_path("cpu-tessera-demo-llama")), max_batch=32)), s),
             ["tessera.v1.WorkerService"])
         try:
             return await body(f"127.0.0.1:{server.port}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -18,12 +19,13 @@ from services.demo_assets import DEMO_BASE_MODEL
 from services.common.config import load_config
 from services.common.errors import InvalidArgument
 from services.common.grpc_server import start_grpc_server
+from services.common.scheduling.perf_model import PerfModel, perf_model_path
 from services.common.tls import ensure_cluster_certs, load_role_credentials
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .conftest import idle_stats
 
-PERF_MODEL = "cpu-tessera-demo-llama"
+PERF_MODEL = PerfModel.load(perf_model_path("cpu-tessera-demo-llama"))
 
 
 async def _with_server(engine, body):
@@ -208,7 +210,9 @@ def test_watch_state_pushes_the_running_batch_and_resident_adapters(engine_facto
         call = stub.Generate(_request(tiny_assets, text="hello", sampling=common_pb2.SamplingParams(max_tokens=200)))
         await call.read()  # running now, with demo-r16 in a slot
         states = stub.WatchState(worker_pb2.WatchStateRequest(interval_ms=10))
-        busy = [await states.read() for _ in range(2)][-1]
+        first, busy = [await states.read() for _ in range(2)]
+        assert PerfModel.from_json(json.loads(first.perf_model_spec)) == PERF_MODEL  # the stream's first state
+        assert busy.perf_model_spec == ""  # ... alone carries the model
         call.cancel()
         state = busy
         while state.running:  # pushed again and again: the abort shows within a few intervals
@@ -220,7 +224,7 @@ def test_watch_state_pushes_the_running_batch_and_resident_adapters(engine_facto
         return busy, state, err.value
 
     busy, idle, err = asyncio.run(_with_server(engine, body))
-    assert busy.base_model == DEMO_BASE_MODEL and busy.perf_model == PERF_MODEL and busy.max_batch == 32
+    assert busy.base_model == DEMO_BASE_MODEL and busy.perf_model == PERF_MODEL.kind and busy.max_batch == 32
     (entry,) = busy.running
     assert entry.adapter == "demo-r16" and entry.rank == 16 and entry.tokens > 1
     assert list(busy.gpu_adapters) == ["demo-r16"] and not busy.queued
