@@ -22,11 +22,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks.cluster_sim import report
-from benchmarks.cluster_sim.cluster import EVICTIONS, ClusterConfig, RunResult, simulate, stderr_progress
+from benchmarks.cluster_sim.cluster import (EVICTIONS, ClusterConfig, PlacementConfig, RunResult, simulate,
+                                            stderr_progress)
 from benchmarks.cluster_sim.worker import WorkerConfig
 from benchmarks.cluster_sim.workload import Popularity, adapter_ranks, build_requests, load_trace, parse_rank_mix
 from services.common.scheduling.adapter_tiers import LoadCosts
 from services.common.scheduling.perf_model import PerfModel
+from services.common.scheduling.placement import PlanLimits
 from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, Policy,
                                          RandomChoice, RoundRobin)
 from gateway.scheduling.tessera_policy import TesseraPolicy
@@ -89,6 +91,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tessera: the same share on the only worker holding the adapter on its GPU")
     p.add_argument("--first-fit-batch", type=int, default=32, help="first-fit: batch size a worker may take")
     p.add_argument("--affinity-slack", type=int, default=2, help="least-loaded-lru: load slack for affinity")
+    p.add_argument("--placement", default="tessera",
+                   help="comma list of the policies whose runs also place adapters by popularity (ROCK's "
+                        "placement, services/common/scheduling/placement.py); '' for none")
+    p.add_argument("--replan-s", type=float, default=30.0, help="placement: seconds between plans")
+    p.add_argument("--popularity-half-life-s", type=float, default=60.0, help="placement: request rates' half-life")
+    p.add_argument("--plan-gpu-share", type=float, default=PlanLimits.gpu_share,
+                   help="placement: share of each GPU adapter tier the plan fills")
+    p.add_argument("--plan-host-share", type=float, default=PlanLimits.host_share,
+                   help="placement: share of each host adapter tier the plan fills")
+    p.add_argument("--replica-factor", type=float, default=PlanLimits.replica_factor,
+                   help="placement: GPU replicas per worker's worth of an adapter's traffic share")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", choices=SWEEPS, help="run a grid over one parameter, every policy per point")
     p.add_argument("--sweep-values", help="comma list for --sweep (default per sweep)")
@@ -124,10 +137,15 @@ def run_all(args: argparse.Namespace, model: PerfModel) -> list[RunResult]:
                           host_adapter_bytes=round(args.host_adapter_gib * GIB), loader_threads=args.loader_threads)
     cluster = ClusterConfig(workers=args.workers, worker=worker, eviction=args.eviction,
                             lfu_half_life_s=args.lfu_half_life_s, host_copies=args.host_copies)
+    placement = PlacementConfig(args.replan_s, args.popularity_half_life_s,
+                                PlanLimits(args.plan_gpu_share, args.plan_host_share,
+                                           replica_factor=args.replica_factor))
+    placed = set(args.placement.split(",")) if args.placement else set()
     results = []
     for name in args.policies.split(","):
         result = simulate(requests, adapter_ranks(popularity, args.seed), POLICIES[name](args, model, load_costs),
-                          model, load_costs, cluster, progress=None if args.quiet else stderr_progress)
+                          model, load_costs, cluster, progress=None if args.quiet else stderr_progress,
+                          placement=placement if name in placed else None)
         if not args.quiet:
             print(f"\r{name}: done in {result.wall_s:.1f} s".ljust(60), file=sys.stderr)
         results.append(result)

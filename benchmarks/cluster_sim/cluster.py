@@ -23,6 +23,7 @@ from benchmarks.cluster_sim.workload import SimRequest
 from services.common.scheduling.adapter_tiers import LoadCosts, Tier
 from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
 from services.common.scheduling.perf_model import PerfModel
+from services.common.scheduling.placement import PlacementPlan, PlanLimits, Popularity, WorkerRoom, plan_placement
 from gateway.scheduling.policies import Policy, RoutingRequest
 from gateway.scheduling.worker_state import WorkerStateTable
 
@@ -57,6 +58,15 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class PlacementConfig:
+    """ROCK's placement (services/common/scheduling/placement.py), re-planned every `every_s` from the
+    request rates seen (decayed with `half_life_s`), enacted on the workers as the registry's orders are."""
+    every_s: float = 30.0
+    half_life_s: float = 60.0
+    limits: PlanLimits = field(default_factory=PlanLimits)
+
+
+@dataclass(frozen=True)
 class RunResult:
     policy: str
     requests: int
@@ -68,6 +78,8 @@ class RunResult:
     tpot_mean_s: float
     tpot_p99_s: float
     hit_rate: float         # requests whose adapter was ready on the chosen worker's GPU on arrival
+    hit_ceiling: float      # requests that are not their adapter's first ever: the most any policy hits
+    placement_moves: int    # replicas the placement plans added (0 without placement)
     gpu_adapter_gb: float   # adapters' GPU memory per worker, time-averaged
     gpu_evictions: int      # over all workers
     host_evictions: int
@@ -102,11 +114,12 @@ class _Metrics:
 
 
 def simulate(requests: Sequence[SimRequest], adapters: Mapping[str, int], policy: Policy, model: PerfModel,
-             load_costs: LoadCosts, config: ClusterConfig, progress: Callable[[str], None] | None = None) -> RunResult:
+             load_costs: LoadCosts, config: ClusterConfig, progress: Callable[[str], None] | None = None,
+             placement: PlacementConfig | None = None) -> RunResult:
     """Replay `requests` (arrival order, indices 0..n-1) through `policy`; metrics over all of them.
     `adapters` maps each adapter to its LoRA rank. The run starts with empty GPU tiers and `adapters`
     staged round-robin in the host tiers (the registry's placement of a service that has been up
-    before; `host_copies=0` starts cold)."""
+    before; `host_copies=0` starts cold); with `placement`, adapters are also placed by popularity."""
     assert all(r.index == i for i, r in enumerate(requests)), "request indices must be 0..n-1 in order"
     too_long = [r.index for r in requests if r.prompt + r.output > config.worker.kv_tokens]
     if too_long:
@@ -147,12 +160,38 @@ def simulate(requests: Sequence[SimRequest], adapters: Mapping[str, int], policy
     for i, worker in enumerate(workers.values()):
         schedule(config.report_interval_s * (i + 1) / config.workers, push_report(worker))
 
+    popularity = Popularity(placement.half_life_s) if placement else None
+    moves = 0
+    if placement is not None:
+        sizes = {adapter: load_costs.adapter_bytes(rank) for adapter, rank in adapters.items()}
+        rooms = [WorkerRoom(address, config.worker.gpu_adapter_bytes, config.worker.host_adapter_bytes)
+                 for address in workers]
+        last = PlacementPlan()
+
+        def replan(t: float) -> None:
+            nonlocal last, moves
+            held: dict[str, list[str]] = {}
+            for worker in workers.values():
+                for adapter in worker.held_adapters():
+                    held.setdefault(adapter, []).append(worker.address)
+            plan = plan_placement(popularity.rates(t), sizes, rooms, held, placement.limits)
+            for worker in workers.values():
+                gpu, host = plan.on_worker(worker.address)
+                worker.place([(a, adapters[a]) for a in gpu], [(a, adapters[a]) for a in host], t)
+            moves += plan.moves(last)
+            last = plan
+            if metrics.done < len(requests):
+                schedule(t + placement.every_s, replan)
+        schedule(placement.every_s, replan)
+
     next_progress = started + 2.0
     for req in requests:
         while events and events[0][0] <= req.arrival_s:
             now, _, callback = heapq.heappop(events)
             callback(now)
         now = req.arrival_s
+        if popularity is not None:
+            popularity.record(req.adapter, now)
         routed = RoutingRequest(req.adapter, req.rank, req.prompt, metrics.expected_output(), req.slo)
         chosen = policy.choose(routed, table.candidates(config.base_model))
         table.dispatched(chosen.address, routed.entry, req.slo.tpot_s)
@@ -174,6 +213,7 @@ def simulate(requests: Sequence[SimRequest], adapters: Mapping[str, int], policy
         ttft_mean_s=float(np.mean(metrics.ttft)), ttft_p99_s=float(np.percentile(metrics.ttft, 99)),
         tpot_mean_s=float(np.mean(metrics.tpot)), tpot_p99_s=float(np.percentile(metrics.tpot, 99)),
         hit_rate=metrics.hits / len(requests),
+        hit_ceiling=1.0 - len({r.adapter for r in requests}) / len(requests), placement_moves=moves,
         gpu_adapter_gb=metrics.gpu_bytes / max(1, metrics.gpu_samples) / 1e9,
         gpu_evictions=sum(w.evictions(Tier.GPU) for w in workers.values()),
         host_evictions=sum(w.evictions(Tier.HOST) for w in workers.values()),

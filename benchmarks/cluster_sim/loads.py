@@ -38,6 +38,8 @@ class SimLoads:
         self._reading = 0                      # loader threads busy
         self._to_copy: deque[str] = deque()    # in host memory, waiting for GPU room and the copy stream
         self._copying = False
+        self._placement_reads: set[str] = set()  # reads a placement started (pinned by it until read)
+        self._host_only: set[str] = set()        # of those, the ones going no further than host memory
 
     def acquire(self, adapter: str, rank: int, now: float) -> bool:
         """A request for `adapter` arrived: count the access, pin it, start its load if it is neither
@@ -46,7 +48,9 @@ class SimLoads:
         self._tiers.pin(adapter)
         if self.ready(adapter):
             return True
-        if adapter not in self._loading:
+        if adapter in self._host_only:  # a placement's read under way: the request takes it on to the GPU
+            self._host_only.discard(adapter)
+        elif adapter not in self._loading:
             self._ranks[adapter] = rank
             self._loading.add(adapter)
             (self._to_copy if self._tiers.tier(adapter) is Tier.HOST else self._host_wait).append(adapter)
@@ -61,6 +65,19 @@ class SimLoads:
 
     def ready(self, adapter: str) -> bool:
         return adapter not in self._loading and self._tiers.tier(adapter) is Tier.GPU
+
+    def preload_host(self, adapter: str, rank: int, now: float) -> None:
+        """A placement's warm adapter: read from disk into host memory (evicting there as a request's load
+        would) on a loader thread, no further; a no-op where it is in host memory or on its way."""
+        if adapter in self._loading or self._tiers.tier(adapter) is not Tier.DISK:
+            return
+        self._ranks[adapter] = rank
+        self._loading.add(adapter)
+        self._tiers.pin(adapter)  # no other load evicts it halfway
+        self._placement_reads.add(adapter)
+        self._host_only.add(adapter)
+        self._host_wait.append(adapter)
+        self._advance(now)
 
     def stage(self, adapter: str, rank: int) -> bool:
         """Initial placement, no request: `adapter` into free host memory; returns whether it is there."""
@@ -84,7 +101,14 @@ class SimLoads:
 
     def _read_done(self, adapter: str, now: float) -> None:
         self._reading -= 1
-        self._to_copy.append(adapter)
+        if adapter in self._placement_reads:
+            self._placement_reads.discard(adapter)
+            self._tiers.unpin(adapter)
+        if adapter in self._host_only:
+            self._host_only.discard(adapter)
+            self._loading.discard(adapter)
+        else:
+            self._to_copy.append(adapter)
         self._advance(now)
         self._changed(now)
 

@@ -14,13 +14,15 @@ SweepGrid = dict[float, list[RunResult]]  # swept value -> one result per policy
 
 def results_table(results: Sequence[RunResult]) -> str:
     header = ("| policy | SLO attainment | TTFT ok | TPOT ok | mean TPOT ms | p99 TPOT ms | mean TTFT ms "
-              "| p99 TTFT ms | GPU hit rate | GPU adapter GB | evictions GPU / host | utilisation |")
+              "| p99 TTFT ms | GPU hit rate | of its ceiling | GPU adapter GB | evictions GPU / host | placement moves "
+              "| utilisation |")
     rows = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for r in results:
         rows.append(f"| {r.policy} | **{r.slo_attainment:.2%}** | {r.ttft_attainment:.2%} | {r.tpot_attainment:.2%} "
                     f"| {r.tpot_mean_s * 1e3:.2f} | {r.tpot_p99_s * 1e3:.2f} | {r.ttft_mean_s * 1e3:.0f} "
-                    f"| {r.ttft_p99_s * 1e3:.0f} | {r.hit_rate:.1%} | {r.gpu_adapter_gb:.2f} "
-                    f"| {r.gpu_evictions} / {r.host_evictions} | {r.utilisation:.0%} |")
+                    f"| {r.ttft_p99_s * 1e3:.0f} | {r.hit_rate:.1%} | {r.hit_rate / r.hit_ceiling:.3f} "
+                    f"(ceiling {r.hit_ceiling:.1%}) | {r.gpu_adapter_gb:.2f} | {r.gpu_evictions} / {r.host_evictions} "
+                    f"| {r.placement_moves} | {r.utilisation:.0%} |")
     return "\n".join(rows)
 
 

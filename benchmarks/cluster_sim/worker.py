@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from benchmarks.cluster_sim.loads import Schedule, SimLoads
@@ -80,11 +80,29 @@ class SimWorker:
         self._kv_free = config.kv_tokens
         self._events = 0                      # arrivals, step ends and load ends so far: every change is one
         self._last_report: tuple[int, WorkerState] | None = None
+        self._preloading: set[str] = set()    # a placement's GPU loads under way
         self.busy_s = 0.0
 
     def stage(self, adapter: str, rank: int) -> bool:
         """Initial placement: `adapter` into host memory, if it fits in what is free."""
         return self._loads.stage(adapter, rank)
+
+    def place(self, gpu: Iterable[tuple[str, int]], host: Iterable[tuple[str, int]], now: float) -> None:
+        """A placement plan's share of this worker (services/common/scheduling/placement.py), as the real
+        worker takes the registry's preload orders: `gpu` loaded onto the GPU (held like a request's until
+        there: the load counts as one access), `host` read into host memory only."""
+        for adapter, rank in gpu:
+            if adapter not in self._preloading and not self._loads.ready(adapter):
+                self._preloading.add(adapter)
+                self._loads.acquire(adapter, rank, now)
+        for adapter, rank in host:
+            self._loads.preload_host(adapter, rank, now)
+        self._release_preloaded(now)
+
+    def _release_preloaded(self, now: float) -> None:
+        for adapter in [a for a in self._preloading if self._loads.ready(a)]:
+            self._preloading.discard(adapter)
+            self._loads.release(adapter, now)
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -99,6 +117,8 @@ class SimWorker:
     def _load_advanced(self, now: float) -> None:
         """SimLoads' callback: an adapter finished a stage (a copy's end makes its requests admissible)."""
         self._events += 1
+        if self._preloading:
+            self._release_preloaded(now)
         self._kick(now)
 
     # ---- steps ------------------------------------------------------------------------------
@@ -185,6 +205,10 @@ class SimWorker:
             free_kv_tokens=self._kv_free, tightest_tpot_slo_s=min(slos, default=None), timestamp=now)
         self._last_report = (self._events, state)
         return state
+
+    def held_adapters(self) -> frozenset[str]:
+        """Adapters in its host or GPU memory."""
+        return self._tiers.host_adapters | self._tiers.gpu_adapters
 
     def gpu_adapter_bytes(self) -> int:
         return self._tiers.gpu_used

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import simulate_cluster
-from benchmarks.cluster_sim.cluster import ClusterConfig, simulate
+from benchmarks.cluster_sim.cluster import ClusterConfig, PlacementConfig, simulate
 from benchmarks.cluster_sim.worker import WorkerConfig
 from benchmarks.cluster_sim.workload import Popularity, SimRequest, adapter_ranks, build_requests, load_trace
 from services.common.scheduling.adapter_tiers import LoadCosts, Tier
@@ -169,3 +169,23 @@ def test_cli_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_cli_rejects_a_missing_trace(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="not found"):
         simulate_cluster.main(["--trace", str(tmp_path / "none.csv"), "--quiet"])
+
+
+def test_placement_runs_deterministically_within_the_tiers_and_the_hit_ceiling(tmp_path: Path) -> None:
+    """ROCK's placement in the simulator: plans every few seconds, enacted as preloads within each tier's
+    budget; the same inputs give the same run, and no run hits more than the ceiling."""
+    requests, adapters, config = small_cluster(tmp_path)
+    costs = LoadCosts()
+    placement = PlacementConfig(every_s=5.0, half_life_s=20.0)
+
+    def run(placed: bool):
+        return dataclasses.replace(simulate(requests, adapters, TesseraPolicy({MODEL.kind: MODEL}, costs), MODEL,
+                                            costs, config, placement=placement if placed else None), wall_s=0.0)
+    placed, routed = run(True), run(False)
+    assert placed == run(True)
+    assert placed.placement_moves > 0 and routed.placement_moves == 0
+    ceiling = 1 - len({r.adapter for r in requests}) / len(requests)
+    assert placed.hit_ceiling == routed.hit_ceiling == pytest.approx(ceiling)
+    assert routed.hit_rate <= ceiling and placed.hit_rate <= ceiling
+    assert 0 < placed.gpu_adapter_gb <= 4 * costs.adapter_bytes(64) / 1e9
+    assert placed.requests == 600 and placed.slo_attainment > 0.5

@@ -1,0 +1,127 @@
+"""ROCK's placement: adapters placed across the workers' tiers by popularity, not only found by routing.
+
+`Popularity` keeps each adapter's request rate, decayed with a half-life, from the requests seen.
+`plan_placement` turns the rates into a plan: hot adapters (the most requested, while the GPU tiers'
+planned share has room) get GPU replicas on as many workers as their share of the traffic calls for,
+warm ones (the next, while the host tiers' planned share has room) a copy in a worker's host memory,
+and the rest (cold) stay on disk, loaded on demand. Only part of each tier is planned: the rest is the
+workers' own, for the loads requests bring, under their own eviction. A plan keeps an adapter where it is
+held already when it can, so a new plan moves only what popularity moved (`moves` counts them). The
+registry enacts plans through placement orders (preloads); the cluster simulator through its workers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+PlannedTier = Literal["gpu", "host", "disk"]
+
+
+class Popularity:
+    """Requests per second of each adapter, each request's weight halving every `half_life_s`."""
+
+    def __init__(self, half_life_s: float = 60.0) -> None:
+        assert half_life_s > 0
+        self._decay = math.log(2) / half_life_s
+        self._scores: dict[str, float] = {}  # the decayed count as of self._at
+        self._at = 0.0
+
+    def record(self, adapter: str, now: float, requests: float = 1.0) -> None:
+        self._advance(now)
+        self._scores[adapter] = self._scores.get(adapter, 0.0) + requests
+
+    def rates(self, now: float) -> dict[str, float]:
+        """Requests/s of each adapter seen (the decayed count × the decay rate: a steady rate r reads r)."""
+        self._advance(now)
+        return {adapter: score * self._decay for adapter, score in self._scores.items()}
+
+    def _advance(self, now: float) -> None:
+        if now > self._at:
+            factor = math.exp(-self._decay * (now - self._at))
+            self._scores = {a: s * factor for a, s in self._scores.items() if s * factor > 1e-6}
+            self._at = now
+
+
+@dataclass(frozen=True)
+class WorkerRoom:
+    name: str
+    gpu_bytes: int   # its GPU adapter tier
+    host_bytes: int  # its host adapter tier (holds a copy of every GPU adapter too)
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    gpu: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # hot adapter -> its GPU replicas' workers
+    host: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # warm adapter -> workers holding it in host
+
+    def tier_of(self, adapter: str) -> PlannedTier:
+        return "gpu" if adapter in self.gpu else "host" if adapter in self.host else "disk"
+
+    def on_worker(self, worker: str) -> tuple[list[str], list[str]]:
+        """(adapters planned on its GPU, adapters planned in its host memory only)."""
+        return ([a for a, ws in self.gpu.items() if worker in ws], [a for a, ws in self.host.items() if worker in ws])
+
+    def moves(self, before: PlacementPlan) -> int:
+        """Replicas this plan adds over `before` (what enacting it loads)."""
+        return sum(len(set(ws) - set(before.gpu.get(a, ()))) for a, ws in self.gpu.items()) + \
+            sum(len(set(ws) - set(before.host.get(a, ())) - set(before.gpu.get(a, ()))) for a, ws in self.host.items())
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    gpu_share: float = 0.5   # of each worker's GPU tier the plan may fill; the rest serves on-demand loads
+    host_share: float = 0.5  # of each host tier, beyond its GPU replicas' copies
+    min_rate: float = 0.0    # requests/s below which an adapter is cold whatever the room
+    replica_factor: float = 1.0  # GPU replicas per worker's worth of traffic share (more: holders to spare)
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.gpu_share <= 1 and 0 <= self.host_share <= 1 and self.min_rate >= 0
+
+
+def replicas_for(rate: float, total_rate: float, workers: int, factor: float = 1.0) -> int:
+    """GPU replicas of an adapter with `rate` of the `total_rate`: `factor` times its share of the workers,
+    one at least."""
+    return max(1, min(workers, math.ceil(factor * workers * rate / total_rate))) if total_rate > 0 else 1
+
+
+def plan_placement(rates: Mapping[str, float], sizes: Mapping[str, int], workers: Iterable[WorkerRoom],
+                   held: Mapping[str, Iterable[str]] | None = None, limits: PlanLimits = PlanLimits()) -> PlacementPlan:
+    """Hot, warm and cold adapters, most requested first. `sizes`: each adapter's bytes in a tier;
+    `held`: adapter -> workers holding it now (preferred for its replicas and copies, so plans move little)."""
+    rooms = sorted(workers, key=lambda w: w.name)
+    if not rooms:
+        return PlacementPlan()
+    held = {a: set(ws) for a, ws in (held or {}).items()}
+    gpu_free = {w.name: limits.gpu_share * w.gpu_bytes for w in rooms}
+    host_free = {w.name: limits.host_share * w.host_bytes for w in rooms}
+    load = {w.name: 0.0 for w in rooms}  # planned traffic per worker: replicas go where there is least
+    ranked = sorted((a for a, r in rates.items() if r > limits.min_rate and a in sizes), key=lambda a: (-rates[a], a))
+    total = sum(rates[a] for a in ranked)
+    gpu: dict[str, tuple[str, ...]] = {}
+    host: dict[str, tuple[str, ...]] = {}
+    warm_from = len(ranked)
+    for i, adapter in enumerate(ranked):
+        size = sizes[adapter]
+        fitting = [w.name for w in rooms if gpu_free[w.name] >= size]
+        if not fitting:
+            warm_from = i  # the GPU share is full: this one and the rest are warm or cold
+            break
+        want = replicas_for(rates[adapter], total, len(rooms), limits.replica_factor)
+        chosen = sorted(fitting, key=lambda w: (w not in held.get(adapter, ()), load[w], w))[:want]
+        for w in chosen:  # (a GPU replica's host copy lies outside the planned host share)
+            gpu_free[w] -= size
+            load[w] += rates[adapter] / len(chosen)
+        gpu[adapter] = tuple(sorted(chosen))
+    for adapter in ranked[warm_from:]:
+        size = sizes[adapter]
+        fitting = [w for w in host_free if host_free[w] >= size]
+        if not fitting:
+            break
+        worker = min(fitting, key=lambda w: (w not in held.get(adapter, ()), load[w], -host_free[w], w))
+        host_free[worker] -= size
+        load[worker] += rates[adapter]
+        host[adapter] = (worker,)
+    return PlacementPlan(gpu, host)

@@ -1,0 +1,76 @@
+"""ROCK's placement plan (services/common/scheduling/placement.py): popularity with a half-life, hot
+adapters replicated on GPUs by their traffic share, warm ones in host memory, cold ones on disk, within
+the planned share of each tier, and plans that keep adapters where they are held."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.scheduling.placement import (PlacementPlan, PlanLimits, Popularity, WorkerRoom, plan_placement,
+                                                  replicas_for)
+
+MB = 1 << 20
+
+
+def rooms(n: int, gpu_mb: int = 100, host_mb: int = 400) -> list[WorkerRoom]:
+    return [WorkerRoom(f"w{i}", gpu_mb * MB, host_mb * MB) for i in range(n)]
+
+
+def test_popularity_reads_a_steady_rate_and_forgets_with_its_half_life() -> None:
+    popularity = Popularity(half_life_s=10.0)
+    for i in range(2000):  # 2 requests/s for 1000 s: the decayed rate settles at 2
+        popularity.record("a", i * 0.5)
+    assert popularity.rates(1000.0)["a"] == pytest.approx(2.0, rel=0.05)
+    assert popularity.rates(1010.0)["a"] == pytest.approx(1.0, rel=0.05)  # a half-life later: half
+
+
+def test_replicas_follow_the_traffic_share() -> None:
+    assert replicas_for(30.0, 100.0, workers=10) == 3
+    assert replicas_for(0.1, 100.0, workers=10) == 1  # one at least
+    assert replicas_for(100.0, 100.0, workers=10) == 10  # never more than the workers
+
+
+def test_hot_adapters_are_replicated_warm_ones_go_to_host_memory_and_the_rest_stay_on_disk() -> None:
+    rates = {"hot": 50.0, "busy": 20.0, **{f"a{i}": 1.0 for i in range(30)}}
+    sizes = {name: 10 * MB for name in rates}
+    plan = plan_placement(rates, sizes, rooms(4), limits=PlanLimits(gpu_share=0.5, host_share=0.25))
+    assert len(plan.gpu["hot"]) == 2 and len(plan.gpu["busy"]) == 1  # ceil(4 x 50/100), ceil(4 x 20/100)
+    # 4 workers x 50 MB planned GPU = 20 replicas of 10 MB: hot 2 + busy 1 + 17 more adapters once each.
+    assert sum(map(len, plan.gpu.values())) == 20 and len(plan.gpu) == 19
+    # 4 x 100 MB planned host = 40 copies: the other 13 adapters once each.
+    assert len(plan.host) == 13 and all(len(ws) == 1 for ws in plan.host.values())
+    assert {plan.tier_of(a) for a in rates} == {"gpu", "host"}
+    assert plan.tier_of("unknown") == "disk"
+    for worker in ("w0", "w1", "w2", "w3"):  # the planned share of each tier, never more
+        gpu, host = plan.on_worker(worker)
+        assert sum(sizes[a] for a in gpu) <= 50 * MB and sum(sizes[a] for a in host) <= 100 * MB
+
+
+def test_a_tier_without_room_sends_the_rest_to_the_next_and_cold_adapters_stay_on_disk() -> None:
+    rates = {f"a{i}": 10.0 - i for i in range(10)}
+    sizes = {name: 30 * MB for name in rates}
+    plan = plan_placement(rates, sizes, rooms(2, gpu_mb=100, host_mb=100), limits=PlanLimits(0.6, 0.6))
+    # 60 MB planned per GPU tier: two 30 MB adapters each; then 60 MB of host: two each; the rest cold.
+    assert sum(map(len, plan.gpu.values())) == 4 and len(plan.host) == 4
+    assert [plan.tier_of(f"a{i}") for i in range(10)].count("disk") >= 2
+    assert plan.tier_of("a0") == "gpu" and plan.tier_of("a9") == "disk"  # the most requested first
+
+
+def test_a_new_plan_keeps_adapters_where_they_are_held_and_moves_only_what_popularity_moved() -> None:
+    rates = {f"a{i}": 1.0 for i in range(8)}
+    sizes = {name: 10 * MB for name in rates}
+    workers = rooms(4, gpu_mb=40, host_mb=1)
+    first = plan_placement(rates, sizes, workers, limits=PlanLimits(gpu_share=0.5))
+    held = {a: ws for a, ws in first.gpu.items()}
+    again = plan_placement(rates, sizes, workers, held, PlanLimits(gpu_share=0.5))
+    assert again == first and again.moves(first) == 0
+    drifted = {**rates, "a0": 0.0, "new": 1.0}
+    moved = plan_placement(drifted, {**sizes, "new": 10 * MB}, workers, held, PlanLimits(gpu_share=0.5))
+    assert "a0" not in moved.gpu and "new" in moved.gpu
+    assert moved.moves(first) == 1  # only the newcomer is loaded anywhere
+    assert moved.moves(PlacementPlan()) == sum(map(len, moved.gpu.values()))
+
+
+def test_no_workers_or_no_demand_plans_nothing() -> None:
+    assert plan_placement({"a": 1.0}, {"a": MB}, []) == PlacementPlan()
+    assert plan_placement({}, {"a": MB}, rooms(2)) == PlacementPlan()
