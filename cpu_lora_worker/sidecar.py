@@ -24,6 +24,7 @@ from pathlib import Path
 from services.common.config import ConfigError, TesseraConfig
 from services.common.lora_shm import BEAT, KILL, KILLED, PID, SidecarManifest, WorkArea
 from services.common.numa import allowed_cpus, format_cpulist
+from services.common.processes import stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +103,7 @@ class Sidecar:
              "--parent", str(os.getpid())])
 
     def stop(self) -> None:
-        for proc in self._procs:
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-        for proc in self._procs:
-            if proc is not None:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        stop_processes(self._procs)
         if self._area is not None:
             self._area.close()
         self._manifest, self._area, self._procs = None, None, []

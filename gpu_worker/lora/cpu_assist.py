@@ -36,6 +36,7 @@ from services.common.lora_delta import lora_delta
 from services.common.lora_shm import (BEAT, KILL, KILLED, PID, RATE_RANKS, RATES, Job, Segment, Shape, SidecarManifest,
                                       WorkArea, even_shares)
 from services.common.numa import allowed_cpus, format_cpulist, membind_prefix
+from services.common.processes import stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -114,15 +115,7 @@ class LocalWorkers:
             proc.wait()
 
     def stop(self) -> None:
-        for proc in self._procs:
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-        for proc in self._procs:
-            if proc is not None:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        stop_processes(self._procs)
 
 
 class SidecarWorkers:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,32 +29,9 @@ from services.common.grpc_server import check_health
 from services.common.tls import TlsError, health_probe_credentials, load_role_credentials
 from services.demo_assets import DEMO_BASE_MODEL, DEMO_QWEN2VL_BASE_MODEL, DEMO_VISION_BASE_MODEL
 from services.launcher import stop_process_group
+from tests.ports import free_port, free_port_run
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port_run(n: int) -> int:
-    """The first of `n` consecutive free ports (`tessera up`'s k-th worker binds worker.grpc_port + k)."""
-    for _ in range(100):
-        first = free_port()
-        if first + n <= 65535 and all(_port_free(first + k) for k in range(1, n)):
-            return first
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 @dataclass

@@ -18,6 +18,7 @@ import pytest
 from services.common.config import LauncherConfig, load_config
 from services.common.grpc_server import check_health
 from services.common.tls import health_probe_credentials, tls_paths
+from tests.ports import free_port_run
 from services.launcher import LaunchError, check_ports_free, restart_delay_s, role_specs, worker_models
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -208,24 +209,6 @@ def test_up_creates_the_cluster_certificates_and_probes_internal_roles_over_mutu
     assert {f: (paths.dir / f).read_bytes() for f in files} == before
     again.send_signal(signal.SIGINT)
     assert again.wait(timeout=15) == 0
-
-
-def free_port_run(n: int) -> int:
-    """The first of `n` consecutive free ports (the launcher's k-th worker binds worker.grpc_port + k)."""
-    for _ in range(50):
-        (first,) = free_ports(1)
-        if first + n <= 65535 and all(_port_free(first + k) for k in range(1, n)):
-            return first
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def test_workers_n_starts_n_workers_of_the_base_model_on_consecutive_ports_each_restarted_alone(
