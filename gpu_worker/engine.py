@@ -24,6 +24,7 @@ as before.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import os
@@ -104,6 +105,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object] | None] = queue.SimpleQueue()
         self._step = 0
         self._generated_total = 0
+        self._adapter_requests: collections.Counter[str] = collections.Counter()  # by adapter name, since start
         self._async_scheduling = async_scheduling
         self._launched: _LaunchedStep | None = None  # the step on the device whose tokens are not taken yet
         self._stalled = False  # the last step found nothing to run: sleep on the inbox until something changes
@@ -215,6 +217,8 @@ class Engine:
                 seq, handle = payload
                 self._streams.open(seq, handle)
                 self._scheduler.add(seq)  # its adapter starts loading now
+                if seq.adapter is not None:
+                    self._adapter_requests[seq.adapter.name] += 1
             elif kind == "abort" and (seq := self._streams.find(payload)) is not None:
                 self._abort(seq)
             elif kind == "orders":
@@ -344,4 +348,4 @@ class Engine:
     def _snapshot(self) -> EngineStats:
         encoder = self._runner.image_encoder
         return snapshot(self._scheduler, self._adapters, encoder.cache if encoder is not None else None,
-                        self._generated_total, self._runner.cpu_lora)
+                        self._generated_total, self._runner.cpu_lora, self._adapter_requests)

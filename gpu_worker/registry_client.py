@@ -75,7 +75,10 @@ def adapter_ref(adapter: common_pb2.Adapter) -> AdapterRef:
 def placement_orders(reply: registry_pb2.HeartbeatResponse) -> PlacementOrders:
     return PlacementOrders(retire=tuple((v.name, v.sha256) for v in reply.retire),
                            pins=tuple(adapter_ref(p.adapter) for p in reply.placements if p.pin),
-                           preloads=tuple(adapter_ref(p.adapter) for p in reply.placements if not p.pin))
+                           preloads=tuple(adapter_ref(p.adapter) for p in reply.placements
+                                          if not (p.pin or p.host_only)),
+                           host_preloads=tuple(adapter_ref(p.adapter) for p in reply.placements
+                                               if p.host_only and not p.pin))
 
 
 class RegistryClient:

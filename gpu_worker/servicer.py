@@ -167,4 +167,7 @@ def worker_stats(engine: Engine) -> common_pb2.WorkerStats:
         prefix_cache_evicted_blocks_total=s.prefix_cache_evicted_blocks_total,
         image_cache_hits_total=s.image_cache_hits_total, image_cache_misses_total=s.image_cache_misses_total,
         image_cache_evictions_total=s.image_cache_evictions_total, image_cache_entries=s.image_cache_entries,
-        image_cache_bytes=s.image_cache_bytes, image_cache_capacity_bytes=s.image_cache_capacity_bytes)
+        image_cache_bytes=s.image_cache_bytes, image_cache_capacity_bytes=s.image_cache_capacity_bytes,
+        adapter_gpu_bytes=s.adapters.gpu_capacity_bytes, adapter_host_bytes=s.adapters.host_capacity_bytes,
+        adapter_requests_total=[common_pb2.AdapterRequests(adapter=name, requests=count)
+                                for name, count in sorted(s.adapter_requests_total.items())])

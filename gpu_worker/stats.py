@@ -54,10 +54,13 @@ class EngineStats:
     cpu_lora: CpuLoraStats = CpuLoraStats()  # the CPU LoRA workers (none configured: zeros)
     # Sequences admitted whose adapter was not usable on the GPU, by how they started (lora/cold_start.py).
     cold_starts_total: dict[str, int] = field(default_factory=dict)
+    # Requests each adapter brought since the start, by name (the registry places adapters by them).
+    adapter_requests_total: dict[str, int] = field(default_factory=dict)
 
 
 def snapshot(scheduler: Scheduler, adapters: AdapterManager, image_cache: ImageFeatureCache | None,
-             generated_tokens_total: int, cpu_lora: CpuLoraPool | None = None) -> EngineStats:
+             generated_tokens_total: int, cpu_lora: CpuLoraPool | None = None,
+             adapter_requests_total: dict[str, int] | None = None) -> EngineStats:
     """The stats now; `image_cache` is None for a text model, `cpu_lora` without CPU LoRA workers."""
     running, blocks = scheduler.running, scheduler.blocks
     images = image_cache if image_cache is not None else _NO_IMAGE_CACHE
@@ -86,7 +89,8 @@ def snapshot(scheduler: Scheduler, adapters: AdapterManager, image_cache: ImageF
         waiting_load=tuple(map(_seq_load, scheduler.waiting)),
         adapters=tiers,
         cpu_lora=cpu_lora.stats() if cpu_lora is not None else CpuLoraStats(),
-        cold_starts_total={str(way): count for way, count in scheduler.cold_start.started.items()})
+        cold_starts_total={str(way): count for way, count in scheduler.cold_start.started.items()},
+        adapter_requests_total=dict(adapter_requests_total or {}))
 
 
 def _seq_load(seq: Sequence) -> SeqLoad:

@@ -164,6 +164,19 @@ def list_workers() -> Response:
     return jsonify({"workers": [_record(r) for r in records]})
 
 
+@admin.get("/placement-plan")
+def placement_plan() -> Response:
+    """The placement planner's last decisions: each planned adapter's tier ("gpu": hot, its replicas;
+    "host": warm), the workers holding it there and its rate when planned. Adapters not listed are cold."""
+    records = _store().list_planned_placements(base_model=request.args.get("base_model") or None)
+    adapters: dict[str, dict[str, Any]] = {}
+    for r in records:
+        entry = adapters.setdefault(r.adapter, {"adapter": r.adapter, "tier": r.tier, "rate": r.rate, "workers": [],
+                                                "planned_unix_ms": r.planned_unix_ms})
+        entry["workers"].append(r.worker_address)
+    return jsonify({"adapters": sorted(adapters.values(), key=lambda e: (-e["rate"], e["adapter"]))})
+
+
 @admin.get("/placements")
 def list_placements() -> Response:
     records = _store().list_placements(adapter=request.args.get("adapter") or None,

@@ -103,3 +103,18 @@ class PlacementOrderRow(Base):
     worker_address: Mapped[str] = mapped_column(String(256))
     pin: Mapped[bool] = mapped_column(Boolean)
     created_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class PlannedPlacementRow(Base):
+    """The placement planner's decision for one adapter on one worker (registry/placement_planner.py):
+    replaced whole at each plan of its base model, carried out by the worker as a preload."""
+
+    __tablename__ = "planned_placements"
+    __table_args__ = (UniqueConstraint("adapter", "worker_address", name="uq_planned_placements_adapter_worker"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    adapter: Mapped[str] = mapped_column(String(128), ForeignKey("adapters.name", ondelete="CASCADE"))
+    worker_address: Mapped[str] = mapped_column(String(256))
+    tier: Mapped[str] = mapped_column(String(16))  # "gpu" (a hot adapter's replica) or "host" (a warm one)
+    rate: Mapped[float] = mapped_column(Float)      # the adapter's requests/s when planned
+    planned_ms: Mapped[int] = mapped_column(BigInteger)

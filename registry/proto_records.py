@@ -34,9 +34,16 @@ def adapter_to_proto(record: AdapterRecord) -> common_pb2.Adapter:
 
 
 def stats_to_dict(stats: common_pb2.WorkerStats) -> dict[str, Any]:
-    """Every field, zeros included (the admin API's /workers shows them as they are)."""
-    return {field.name: list(getattr(stats, field.name)) if field.is_repeated
-            else getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
+    """Every field, zeros included (the admin API's /workers shows them as they are); a repeated message
+    field as a list of objects of its fields."""
+    def value(field: Any) -> Any:
+        got = getattr(stats, field.name)
+        if not field.is_repeated:
+            return got
+        if field.message_type is None:
+            return list(got)
+        return [{f.name: getattr(item, f.name) for f in item.DESCRIPTOR.fields} for item in got]
+    return {field.name: value(field) for field in stats.DESCRIPTOR.fields}
 
 
 def stats_from_dict(stats: dict[str, Any]) -> common_pb2.WorkerStats:
@@ -76,4 +83,6 @@ def orders_to_proto(orders: WorkerOrders) -> registry_pb2.HeartbeatResponse:
     return registry_pb2.HeartbeatResponse(
         known=True, retire=[registry_pb2.AdapterVersion(name=name, sha256=sha256) for name, sha256 in orders.retire],
         placements=[registry_pb2.PlacementOrder(adapter=adapter_to_proto(adapter), pin=pin)
-                    for adapter, pin in orders.placements])
+                    for adapter, pin in orders.placements]
+        + [registry_pb2.PlacementOrder(adapter=adapter_to_proto(adapter), host_only=True)
+           for adapter in orders.host_placements])

@@ -115,6 +115,28 @@ class WorkerOrders:
 
     retire: tuple[AdapterVersion, ...]  # held versions no adapter is anymore: drop once their requests end
     placements: tuple[tuple[AdapterRecord, bool], ...]  # (adapter, pin) for every order that reaches it
+    host_placements: tuple[AdapterRecord, ...] = ()  # the planner's warm adapters: into host memory only
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlannedPlacementRecord:
+    """The placement planner's decision: hold `adapter` on `worker_address`'s GPU ("gpu") or in its host
+    memory ("host"), planned at `rate` requests/s."""
+
+    adapter: str
+    worker_address: str
+    tier: str
+    rate: float
+    planned_unix_ms: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlacementInputs:
+    """What the planner plans one base model's placement from (RegistryStore.placement_inputs)."""
+
+    workers: tuple[WorkerRecord, ...]       # healthy ones; their stats carry tier budgets and request counts
+    sizes: dict[str, int]                   # adapter -> bytes
+    held: dict[str, frozenset[str]]         # adapter -> addresses of the workers reporting it in a tier
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

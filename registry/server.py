@@ -12,9 +12,12 @@ from sqlalchemy.engine import make_url
 
 from registry.app import create_admin_app, error_body
 from registry.catalog_relay import CatalogRelay
+from registry.metrics import PLACEMENT_MOVES, PLANNED_ADAPTERS, PLANNED_GPU_REPLICAS
+from registry.placement_planner import PlacementPlanner
 from registry.grpc_service import SERVICE_NAME, add_registry_service
 from registry.store import RegistryStore
-from services.common.config import TesseraConfig
+from services.common.config import ConfigError, TesseraConfig
+from services.common.scheduling.placement import PlanLimits
 from services.common.grpc_server import start_grpc_server
 from services.common.http_server import HttpLimits, LoopHttpServer
 from services.common.logs import setup_logging
@@ -49,6 +52,39 @@ def resolve_admin_api_key(config: TesseraConfig) -> str:
     return key
 
 
+async def _plan_placements(planner: PlacementPlanner, interval_s: float, stop: asyncio.Event) -> None:
+    """A placement plan of every base model each interval (the first after one interval of requests)."""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+        if stop.is_set():
+            return
+        try:
+            summaries = await asyncio.to_thread(planner.plan_all)
+        except Exception:  # noqa: BLE001 - a failed pass (the database away) is retried at the next
+            log.exception("placement planning failed; trying again in %.0f s", interval_s)
+            continue
+        for summary in summaries:
+            PLANNED_ADAPTERS.labels(summary.base_model, "gpu").set(summary.gpu_adapters)
+            PLANNED_ADAPTERS.labels(summary.base_model, "host").set(summary.host_adapters)
+            PLANNED_GPU_REPLICAS.labels(summary.base_model).set(summary.gpu_replicas)
+            PLACEMENT_MOVES.labels(summary.base_model).inc(summary.moves)
+
+
+def _planner(config: TesseraConfig, store: RegistryStore) -> PlacementPlanner | None:
+    settings = config.registry
+    if settings.placement_interval_s < 0 or settings.placement_half_life_s <= 0 or not (
+            0 <= settings.placement_gpu_share <= 1 and 0 <= settings.placement_host_share <= 1
+            and settings.placement_replica_factor > 0):
+        raise ConfigError("registry.placement_*: interval_s >= 0, half_life_s > 0, shares in [0, 1], "
+                          "replica_factor > 0")
+    if not settings.placement_interval_s:
+        return None
+    limits = PlanLimits(settings.placement_gpu_share, settings.placement_host_share,
+                        replica_factor=settings.placement_replica_factor)
+    return PlacementPlanner(store, limits, settings.placement_half_life_s)
+
+
 async def _sweep_deleted_files(store: RegistryStore, grace_s: float, stop: asyncio.Event) -> None:
     """Remove deleted adapters' files once their grace has passed: at start, then every quarter grace."""
     while not stop.is_set():
@@ -63,6 +99,7 @@ def serve(config: TesseraConfig) -> None:
     tls = cluster_credentials(config, "registry")  # first: a missing certificate fails before anything binds
     store = RegistryStore.from_config(config)
     settings = config.registry
+    planner = _planner(config, store)
     start_metrics_server(settings.host, settings.metrics_port)
     admin_app = create_admin_app(store, resolve_admin_api_key(config))
 
@@ -78,8 +115,12 @@ def serve(config: TesseraConfig) -> None:
         log.info("registry ready: gRPC %s:%s, admin API http://%s:%s/admin/v1",
                  settings.host, grpc_server.port, settings.host, admin.port)
         sweeping = asyncio.create_task(_sweep_deleted_files(store, settings.deleted_files_grace_s, stop))
+        planning = asyncio.create_task(_plan_placements(planner, settings.placement_interval_s, stop)) \
+            if planner else None
         await stop.wait()
         await sweeping
+        if planning:
+            await planning
         await grpc_server.stop()
         await admin.close()
 

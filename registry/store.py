@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,10 @@ from registry.base_model_files import read_base_model_spec
 from registry.catalog_feed import CatalogFeed
 from registry.catalog_relay import announce
 from registry.db import make_engine, make_session_factory, upgrade_schema
-from registry.models import AdapterRow, BaseModelRow, PlacementOrderRow, PlacementRow, WorkerRow
+from registry.models import AdapterRow, BaseModelRow, PlacementOrderRow, PlacementRow, PlannedPlacementRow, WorkerRow
 from registry.records import (AdapterRecord, AdapterVersion, BaseModelRecord, CatalogChange, ModuleShape,
-                              PlacementOrderRecord, PlacementRecord, ReportedPlacement, Tier, WorkerOrders,
-                              WorkerRecord)
+                              PlacementInputs, PlacementOrderRecord, PlacementRecord, PlannedPlacementRecord,
+                              ReportedPlacement, Tier, WorkerOrders, WorkerRecord)
 from registry.store_lock import StoreLock
 from registry.trusted_paths import real_roots, resolve_inside_roots
 from services.common.config import TesseraConfig
@@ -392,7 +392,61 @@ class RegistryStore:
             for row, pin in ordered:
                 adapters[row.name] = _adapter_record(row)
                 pins[row.name] = pins.get(row.name, False) or pin
-            return WorkerOrders(retire=retire, placements=tuple((adapters[n], pins[n]) for n in adapters))
+            planned = s.execute(
+                select(AdapterRow, PlannedPlacementRow.tier)
+                .join(PlannedPlacementRow, PlannedPlacementRow.adapter == AdapterRow.name)
+                .where(AdapterRow.base_model == worker.base_model, PlannedPlacementRow.worker_address == worker.address)
+                .order_by(AdapterRow.name)).all()
+            host: list[AdapterRecord] = []
+            for row, tier in planned:  # the planner's preloads, where no operator's order says more
+                if row.name in adapters:
+                    continue
+                if tier == "gpu":
+                    adapters[row.name], pins[row.name] = _adapter_record(row), False
+                else:
+                    host.append(_adapter_record(row))
+            return WorkerOrders(retire=retire, placements=tuple((adapters[n], pins[n]) for n in sorted(adapters)),
+                                host_placements=tuple(host))
+
+    # The placement planner's decisions (registry/placement_planner.py)
+
+    def placement_inputs(self, base_model: str) -> PlacementInputs:
+        """What `base_model`'s placement is planned from: its healthy workers (their heartbeats' stats carry
+        tier budgets and the requests each adapter brought), its adapters' sizes, and where each is held."""
+        workers = self.list_workers(base_model, healthy_only=True)
+        addresses = {w.worker_id: w.address for w in workers}
+        with self._transaction() as s:
+            sizes = dict(s.execute(select(AdapterRow.name, AdapterRow.size_bytes)
+                                   .where(AdapterRow.base_model == base_model)).all())
+            held: dict[str, set[str]] = {}
+            for adapter, worker_id in s.execute(select(PlacementRow.adapter, PlacementRow.worker_id)
+                                                .where(PlacementRow.worker_id.in_(list(addresses)))):
+                held.setdefault(adapter, set()).add(addresses[worker_id])
+        return PlacementInputs(tuple(workers), sizes, {a: frozenset(ws) for a, ws in held.items()})
+
+    def replace_planned_placements(self, base_model: str, gpu: Mapping[str, Sequence[str]],
+                                   host: Mapping[str, Sequence[str]], rates: Mapping[str, float]) -> None:
+        """`base_model`'s plan, replacing its last: adapter -> worker addresses, on the GPU or in host memory.
+        Adapters deleted since they were planned are left out."""
+        now = self._now_ms()
+        with self._transaction() as s:
+            names = set(s.scalars(select(AdapterRow.name).where(AdapterRow.base_model == base_model)))
+            s.execute(delete(PlannedPlacementRow).where(PlannedPlacementRow.adapter.in_(names)))
+            for tier, placed in (("gpu", gpu), ("host", host)):
+                for adapter, workers in placed.items():
+                    if adapter in names:
+                        s.add_all(PlannedPlacementRow(adapter=adapter, worker_address=w, tier=tier,
+                                                      rate=float(rates.get(adapter, 0.0)), planned_ms=now)
+                                  for w in workers)
+
+    def list_planned_placements(self, base_model: str | None = None) -> list[PlannedPlacementRecord]:
+        query = select(PlannedPlacementRow).order_by(PlannedPlacementRow.adapter, PlannedPlacementRow.worker_address)
+        if base_model:
+            query = query.join(AdapterRow, AdapterRow.name == PlannedPlacementRow.adapter).where(
+                AdapterRow.base_model == base_model)
+        with self._transaction() as s:
+            return [PlannedPlacementRecord(r.adapter, r.worker_address, r.tier, r.rate, r.planned_ms)
+                    for r in s.scalars(query)]
 
 
 def _insert(session: Session, row: Any, what: str) -> None:

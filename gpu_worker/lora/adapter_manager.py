@@ -73,6 +73,7 @@ class _Version:
     started: float = 0.0                     # when the read or copy in progress started
     pinned: bool = False                     # by an operator's order: made usable, then never evicted
     preloading: bool = False                 # an operator's preload: held (pinned) until usable
+    host_preloading: bool = False            # a placement's host-only preload: held (pinned) until read
 
     @property
     def usable(self) -> bool:
@@ -194,6 +195,21 @@ class AdapterManager:
         self._end_preload(ref.sha256, version)
         return True
 
+    def preload_host(self, ref: AdapterRef) -> bool:
+        """Read `ref` into host memory without a request, no further (the registry's placement of a warm
+        adapter: a later request for it starts from host memory). A no-op where it is in host memory or on
+        its way; refused (False) while a failure of its load is remembered."""
+        if self._failures.cause(ref.sha256) is not None:
+            return False
+        version = self._version_of(ref)
+        if version.host is not None or version.reading is not None or version.host_preloading:
+            return True
+        version.host_preloading = True
+        self._tiers.pin(ref.sha256)  # until read: no other load evicts it halfway
+        self._active[ref.sha256] = None
+        self._advance(ref.sha256, version)
+        return True
+
     def pin(self, ref: AdapterRef) -> bool:
         """Load `ref` onto the GPU and keep it there, never evicted, until `unpin`; whether it is pinned.
         Refused if its load failed lately (a failed load lifts the pin: see `_fail`), or if operators'
@@ -249,11 +265,11 @@ class AdapterManager:
             elif version.copying is not None and version.copying.done.query():
                 version.copying = None
                 self._copied(version)
-            if version.wanted and not version.usable:
+            if not version.usable and (version.wanted or (version.host_preloading and version.host is None)):
                 self._advance(key, version)
             self._end_preload(key, version)
             if key in self._active and version.reading is None and version.copying is None and (
-                    version.usable or not version.wanted):
+                    version.usable or not (version.wanted or version.host_preloading)):
                 del self._active[key]
 
     def load_now(self, ref: AdapterRef) -> tuple[int, int]:
@@ -326,9 +342,13 @@ class AdapterManager:
         self._advance(key, version)
 
     def _end_preload(self, key: str, version: _Version) -> None:
-        """A preload holds its version only until usable: from then on it is an adapter like any other."""
+        """A preload holds its version only until usable (a host-only one until read): from then on it is
+        an adapter like any other."""
         if version.preloading and version.usable:
             version.preloading = False
+            self._tiers.unpin(key)
+        if version.host_preloading and version.host is not None:
+            version.host_preloading = False
             self._tiers.unpin(key)
 
     def _release_orders(self, key: str, version: _Version) -> None:
@@ -338,6 +358,9 @@ class AdapterManager:
             self._tiers.unpin(key)
         if version.preloading:
             version.preloading = False
+            self._tiers.unpin(key)
+        if version.host_preloading:
+            version.host_preloading = False
             self._tiers.unpin(key)
 
     def _advance(self, key: str, version: _Version) -> None:

@@ -24,6 +24,7 @@ class PlacementOrders:
     retire: tuple[tuple[str, str], ...] = ()  # (name, digest) the registry no longer serves under that name
     pins: tuple[AdapterRef, ...] = ()
     preloads: tuple[AdapterRef, ...] = ()
+    host_preloads: tuple[AdapterRef, ...] = ()  # into host memory only (the placement's warm adapters)
 
 
 class OrderBook:
@@ -45,8 +46,9 @@ class OrderBook:
                         "of GPU adapter memory (the placements report it unpinned)",
                         pins[digest].name, MAX_PINNED_SHARE * 100)
         self._refused = refused
-        ordered = {(ref.name, ref.sha256): ref for ref in orders.preloads}
-        self._preloaded = {key for key, ref in ordered.items()  # a failed one is carried out again once it may be
-                           if (key in self._preloaded and adapters.failure(ref) is None) or adapters.preload(ref)}
+        ordered = {(ref.name, ref.sha256): (ref, adapters.preload_host) for ref in orders.host_preloads}
+        ordered |= {(ref.name, ref.sha256): (ref, adapters.preload) for ref in orders.preloads}  # the GPU wins
+        self._preloaded = {key for key, (ref, preload) in ordered.items()  # a failed one is carried out again once it may be
+                           if (key in self._preloaded and adapters.failure(ref) is None) or preload(ref)}
         for name, digest in orders.retire:
             adapters.retire(name, digest)

@@ -43,6 +43,15 @@ class RegistryConfig:
     # A deleted adapter's stored files stay this long (then a sweep removes them): requests that a
     # worker took before the DELETE may still have to read them.
     deleted_files_grace_s: float = 600.0
+    # ROCK's placement (registry/placement_planner.py): every placement_interval_s (0: never), adapters are
+    # placed by popularity (requests/s with this half-life): the hot ones' replicas on workers' GPUs (times
+    # placement_replica_factor their traffic share of the workers), warm ones in host memory, the rest on
+    # disk, within these shares of each worker's GPU and host adapter tiers.
+    placement_interval_s: float = 30.0
+    placement_half_life_s: float = 60.0
+    placement_gpu_share: float = 0.5
+    placement_host_share: float = 0.5
+    placement_replica_factor: float = 1.0
 
 
 @dataclasses.dataclass(slots=True)

@@ -202,3 +202,30 @@ def test_placements_list_every_version_under_each_name():
     disk.release(v1)
     poll_until(adapters, lambda: adapters.resident(v1) is not None)
     assert AdapterPlacement("sql", v1.sha256, Tier.GPU, False, False, True) in adapters.stats().placements
+
+
+def test_a_host_preload_reads_into_host_memory_only_and_a_request_takes_it_on_to_the_gpu():
+    disk = Disk()
+    adapters, _ = manager(2, disk)
+    warm = ref("warm")
+    disk.hold(warm)
+    assert adapters.preload_host(warm)
+    assert _placed(adapters) == {"warm": (Tier.DISK, True, False)}  # on its way from disk
+    disk.release(warm)
+    poll_until(adapters, lambda: _placed(adapters)["warm"] == (Tier.HOST, False, False))
+    for _ in range(5):
+        adapters.poll()
+    assert adapters.resident(warm) is None and adapters.stats().gpu_versions == 0  # never copied to the GPU
+    assert adapters.preload_host(warm) and disk.reads == ["warm"]  # again: a no-op, no second read
+    _use(adapters, warm)  # a request copies it from host memory, no disk read
+    assert disk.reads == ["warm"] and _placed(adapters)["warm"][0] is Tier.GPU
+
+
+def test_the_order_book_carries_out_host_preloads_and_a_gpu_preload_of_the_same_version_wins():
+    disk = Disk()
+    adapters, _ = manager(2, disk)
+    book = OrderBook(adapters)
+    warm, hot = ref("warm"), ref("hot")
+    book.apply(PlacementOrders(host_preloads=(warm, hot), preloads=(hot,)))
+    poll_until(adapters, lambda: adapters.resident(hot) is not None and _placed(adapters)["warm"][1] is False)
+    assert _placed(adapters)["warm"][0] is Tier.HOST and adapters.resident(warm) is None

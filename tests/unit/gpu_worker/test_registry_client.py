@@ -42,7 +42,8 @@ class FakeRegistry(registry_pb2_grpc.RegistryServicer):
         return registry_pb2.HeartbeatResponse(
             known=True, retire=[registry_pb2.AdapterVersion(name="old", sha256="d0")],
             placements=[registry_pb2.PlacementOrder(adapter=PINNED, pin=True),
-                        registry_pb2.PlacementOrder(adapter=PRELOADED, pin=False)])
+                        registry_pb2.PlacementOrder(adapter=PRELOADED, pin=False),
+                        registry_pb2.PlacementOrder(adapter=WARM, host_only=True)])
 
     async def ReportPlacements(self, request, context):
         self.placements.append((request.worker_id, [(p.adapter, p.tier, p.loading, p.pinned)
@@ -52,6 +53,7 @@ class FakeRegistry(registry_pb2_grpc.RegistryServicer):
 
 PINNED = common_pb2.Adapter(name="p", base_model="m", rank=8, sha256="d1", storage_path="/store/d1")
 PRELOADED = common_pb2.Adapter(name="q", base_model="m", rank=16, sha256="d2", storage_path="/store/d2")
+WARM = common_pb2.Adapter(name="w", base_model="m", rank=8, sha256="d3", storage_path="/store/d3")
 
 
 def test_lookup_register_heartbeat_reregister_and_placements():
@@ -89,4 +91,5 @@ def test_lookup_register_heartbeat_reregister_and_placements():
     assert fake.held[-1] == [("demo-r8", "d8"), ("demo-r8", "d7"), ("demo-r16", "d16")]
     assert len(orders) == fake.heartbeats - 1  # every known heartbeat's answer reaches the engine
     assert orders[0] == PlacementOrders(retire=(("old", "d0"),), pins=(AdapterRef("p", "m", 8, "d1", "/store/d1"),),
-                                        preloads=(AdapterRef("q", "m", 16, "d2", "/store/d2"),))
+                                        preloads=(AdapterRef("q", "m", 16, "d2", "/store/d2"),),
+                                        host_preloads=(AdapterRef("w", "m", 8, "d3", "/store/d3"),))

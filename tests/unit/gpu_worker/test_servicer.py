@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from gpu_worker.metrics import CacheMetrics
 from gpu_worker.prompts import ChatMessage, ImagePart
-from gpu_worker.servicer import WorkerServicer, generation_request
+from gpu_worker.servicer import WorkerServicer, generation_request, worker_stats
 from gpu_worker.state_push import StateSource
 from services.demo_assets import DEMO_BASE_MODEL
 from services.common.config import load_config
@@ -230,6 +230,11 @@ def test_watch_state_pushes_the_running_batch_and_resident_adapters(engine_facto
     assert list(busy.gpu_adapters) == ["demo-r16"] and not busy.queued
     assert not idle.running and idle.free_kv_tokens > busy.free_kv_tokens
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "interval_ms must be between 10 and 1000" in err.details()
+    # What the heartbeat tells the registry's placement planner: the tiers' budgets and each adapter's requests.
+    stats = worker_stats(engine)
+    assert [(r.adapter, r.requests) for r in stats.adapter_requests_total] == [("demo-r16", 1)]
+    tiers = engine.stats().adapters
+    assert (stats.adapter_gpu_bytes, stats.adapter_host_bytes) == (tiers.gpu_capacity_bytes, tiers.host_capacity_bytes) != (0, 0)
 
 
 def test_content_parts_become_text_and_images_in_order():

@@ -12,6 +12,7 @@ from flask.testing import FlaskClient
 from registry.app import create_admin_app
 from registry.records import ReportedPlacement, Tier
 from registry.store import RegistryStore
+from registry.store_lock import LOCK_FILE
 
 from .conftest import BASE_MODEL
 
@@ -236,7 +237,7 @@ def test_bad_adapters_are_refused(client: FlaskClient, imports: Path, tmp_path: 
     assert response.status_code == status, response.get_json()
     assert message in error_of(response)["message"]
     assert client.get("/admin/v1/adapters", headers=AUTH).get_json()["adapters"] == []
-    assert list((tmp_path / "store").iterdir()) == []  # nothing staged is left behind
+    assert [p.name for p in (tmp_path / "store").iterdir()] == [LOCK_FILE]  # nothing staged is left behind
 
 
 def test_rslora_and_rank_and_alpha_patterns_register_at_their_largest_rank(client: FlaskClient, imports: Path) -> None:

@@ -7,7 +7,13 @@ import pytest
 
 from registry.records import ModuleShape, ReportedPlacement, Tier
 from registry.store import RegistryStore
-from services.common.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
+from registry.store_lock import LOCK_FILE
+from services.common.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 
 from .conftest import BASE_MODEL, FakeClock
 
@@ -56,7 +62,7 @@ def test_adapter_is_stored_by_content_and_verified(store: RegistryStore, imports
     assert store.get_adapter("a1") == record
     assert record.task_head == {"labels": ["x"]}
     # No staging leftovers.
-    assert [p.name for p in (tmp_path / "store").iterdir()] == [record.sha256]
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == sorted([LOCK_FILE, record.sha256])
 
 
 def test_identical_weights_share_one_blob_until_the_last_is_deleted(store: RegistryStore, imports: Path,

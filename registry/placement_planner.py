@@ -1,0 +1,77 @@
+"""The registry's placement planner: ROCK's popularity-driven placement, planned every interval and carried
+out by the workers as preloads.
+
+Each pass, per base model: the requests each adapter brought every healthy worker since the last pass
+(their heartbeats carry counts since each worker's start) feed a decayed `Popularity`; the plan
+(services/common/scheduling/placement.py) puts hot adapters' replicas on workers' GPUs, warm adapters in
+host memory and leaves cold ones on disk, within a planned share of each worker's tiers (the budgets its
+heartbeats report), keeping adapters where they are held; it is stored (RegistryStore.
+replace_planned_placements) and goes to each worker with its heartbeat answers. An operator's order on the
+same adapter and worker takes precedence. Registry replicas each plan from the same database; the last
+plan written stands.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from registry.records import PlacementInputs
+from registry.store import RegistryStore
+from services.common.scheduling.placement import (PlacementPlan, PlanLimits, Popularity, WorkerRoom,
+                                                  plan_placement)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    base_model: str
+    gpu_adapters: int   # hot
+    gpu_replicas: int
+    host_adapters: int  # warm
+    moves: int          # replicas this plan added over the last
+
+
+class PlacementPlanner:
+    def __init__(self, store: RegistryStore, limits: PlanLimits, half_life_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._store, self._limits, self._half_life_s, self._clock = store, limits, half_life_s, clock
+        self._popularity: dict[str, Popularity] = {}
+        self._seen: dict[tuple[str, str], int] = {}  # (worker id, adapter) -> its request count at the last pass
+        self._plans: dict[str, PlacementPlan] = {}
+
+    def plan_all(self) -> list[PlanSummary]:
+        """One pass over every base model (blocking: the database and the plan)."""
+        return [self.plan(model.name) for model in self._store.list_base_models()]
+
+    def plan(self, base_model: str) -> PlanSummary:
+        now = self._clock()
+        inputs = self._store.placement_inputs(base_model)
+        popularity = self._popularity.setdefault(base_model, Popularity(self._half_life_s))
+        self._count_requests(inputs, popularity, now)
+        rates = popularity.rates(now)
+        rooms = [WorkerRoom(w.address, int(w.stats.get("adapter_gpu_bytes", 0)), int(w.stats.get("adapter_host_bytes", 0)))
+                 for w in inputs.workers]
+        plan = plan_placement(rates, inputs.sizes, rooms, inputs.held, self._limits)
+        moves = plan.moves(self._plans.get(base_model, PlacementPlan()))
+        self._plans[base_model] = plan
+        self._store.replace_planned_placements(base_model, plan.gpu, plan.host, rates)
+        summary = PlanSummary(base_model, len(plan.gpu), sum(map(len, plan.gpu.values())), len(plan.host), moves)
+        if moves:
+            log.info("placement of %s: %d hot adapters (%d GPU replicas), %d warm, %d new replicas", base_model,
+                     summary.gpu_adapters, summary.gpu_replicas, summary.host_adapters, moves)
+        return summary
+
+    def _count_requests(self, inputs: PlacementInputs, popularity: Popularity, now: float) -> None:
+        """The requests since the last pass; a worker's first counts are its history before the planner
+        looked (undated: left out), and a count that went down is a restarted worker's (all new)."""
+        for worker in inputs.workers:
+            for entry in worker.stats.get("adapter_requests_total", []):
+                key, total = (worker.worker_id, entry["adapter"]), int(entry["requests"])
+                before = self._seen.get(key)
+                self._seen[key] = total
+                if before is not None and total != before:
+                    popularity.record(entry["adapter"], now, total - before if total > before else total)

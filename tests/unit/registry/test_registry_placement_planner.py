@@ -1,0 +1,123 @@
+"""The registry's placement planner (registry/placement_planner.py): from the requests each adapter brought
+the workers (their heartbeats' counts) it plans hot adapters' GPU replicas and warm adapters' host copies
+within the workers' budgets, stores the plan, answers it to each worker's heartbeat as preloads (an
+operator's order on the same adapter first), shows it in the admin API, and re-plans as popularity drifts."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from registry.app import create_admin_app
+from registry.placement_planner import PlacementPlanner
+from registry.proto_records import stats_to_dict
+from registry.store import RegistryStore
+from services.common.scheduling.placement import PlanLimits
+from tessera.v1 import common_pb2
+
+from .conftest import BASE_MODEL
+
+ADAPTERS = [f"a{i}" for i in range(6)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _heartbeat(store: RegistryStore, worker_id: str, size: int, counts: dict[str, int]) -> None:
+    """A worker's heartbeat as the gRPC service stores it: budgets for 2 adapters on the GPU, 4 in host."""
+    stats = common_pb2.WorkerStats(adapter_gpu_bytes=2 * size, adapter_host_bytes=4 * size,
+                                   adapter_requests_total=[common_pb2.AdapterRequests(adapter=a, requests=n)
+                                                           for a, n in counts.items()])
+    assert store.heartbeat(worker_id, stats_to_dict(stats))
+
+
+@pytest.fixture
+def cluster(store: RegistryStore, imports: Path):
+    for name in ADAPTERS:  # the same files under each name: one size
+        shutil.copytree(imports / "attn-qv", imports / name)
+        store.register_adapter(name, BASE_MODEL, str(imports / name))
+    workers = [store.register_worker(f"127.0.0.1:{7001 + i}", "cpu", BASE_MODEL, capacity=8).worker_id
+               for i in range(2)]
+    return workers, store.get_adapter("a0").size_bytes
+
+
+def _planner(store: RegistryStore, clock: Clock) -> PlacementPlanner:
+    return PlacementPlanner(store, PlanLimits(gpu_share=1.0, host_share=0.5), half_life_s=60.0, clock=clock)
+
+
+def test_hot_adapters_get_gpu_replicas_warm_ones_host_copies_and_the_workers_are_told(store: RegistryStore,
+                                                                                         cluster) -> None:
+    (w1, w2), size = cluster
+    clock = Clock()
+    planner = _planner(store, clock)
+    counts = {name: 0 for name in ADAPTERS}
+    for worker in (w1, w2):
+        _heartbeat(store, worker, size, counts)
+    first = planner.plan(BASE_MODEL)  # the counts so far are history the planner cannot date: no plan
+    assert (first.gpu_adapters, first.host_adapters) == (0, 0) and store.list_planned_placements() == []
+
+    clock.now = 30.0
+    _heartbeat(store, w1, size, {**counts, "a0": 300, "a1": 40, "a2": 20, "a3": 10, "a4": 5})
+    _heartbeat(store, w2, size, {**counts, "a0": 300, "a1": 40, "a2": 20, "a3": 10, "a4": 5})
+    summary = planner.plan(BASE_MODEL)
+    planned = {(r.adapter, r.worker_address, r.tier) for r in store.list_planned_placements()}
+    # a0 has 600 of 750 requests: replicas on both workers; 4 GPU places in all: a0 x2, a1, a2; then host.
+    gpu = {(a, w) for a, w, tier in planned if tier == "gpu"}
+    assert {a for a, _ in gpu} == {"a0", "a1", "a2"} and len(gpu) == 4
+    assert {a for a, w in gpu if a == "a0"} == {"a0"} and sum(a == "a0" for a, _ in gpu) == 2
+    host = {a for a, _, tier in planned if tier == "host"}
+    assert host == {"a3", "a4"}  # a5 brought no request: cold, on disk
+    assert (summary.gpu_adapters, summary.gpu_replicas, summary.host_adapters, summary.moves) == (3, 4, 2, 6)
+
+    orders = {w: store.worker_orders(w, []) for w in (w1, w2)}
+    address = {w1: "127.0.0.1:7001", w2: "127.0.0.1:7002"}
+    for worker, answer in orders.items():
+        assert {a.name for a, pin in answer.placements} == {a for a, w in gpu if w == address[worker]}
+        assert not any(pin for _, pin in answer.placements)  # preloads, never pins
+        assert {a.name for a in answer.host_placements} == {a for a, w, t in planned if t == "host" and w == address[worker]}
+
+    store.place_adapter("a3", [w1], pin=True)  # an operator's order on a planned adapter comes first
+    answer = store.worker_orders(w1, [])
+    assert ("a3", True) in {(a.name, pin) for a, pin in answer.placements}
+    assert "a3" not in {a.name for a in answer.host_placements}
+
+    listed = create_admin_app(store, "k").test_client().get(
+        "/admin/v1/placement-plan", headers={"Authorization": "Bearer k"}).get_json()["adapters"]
+    assert [e["adapter"] for e in listed][:1] == ["a0"] and listed[0]["tier"] == "gpu"
+    assert sorted(listed[0]["workers"]) == ["127.0.0.1:7001", "127.0.0.1:7002"]
+
+
+def test_a_drift_in_popularity_moves_only_what_moved(store: RegistryStore, cluster) -> None:
+    (w1, w2), size = cluster
+    clock = Clock()
+    planner = _planner(store, clock)
+    totals = {name: 0 for name in ADAPTERS}
+    for worker in (w1, w2):
+        _heartbeat(store, worker, size, totals)
+    planner.plan(BASE_MODEL)
+
+    def traffic(per_adapter: dict[str, int]) -> None:
+        for name, n in per_adapter.items():
+            totals[name] += n
+        clock.now += 30.0
+        for worker in (w1, w2):
+            _heartbeat(store, worker, size, totals)
+    traffic({"a0": 100, "a1": 50, "a2": 30, "a3": 20})
+    planner.plan(BASE_MODEL)
+    before = {r.adapter: r.tier for r in store.list_planned_placements()}
+    assert before["a0"] == "gpu" and "a5" not in before
+    for _ in range(6):  # a5 becomes the most requested; a0 falls silent (3 minutes: 3 half-lives)
+        traffic({"a5": 200, "a1": 50, "a2": 30, "a3": 20})
+        summary = planner.plan(BASE_MODEL)
+    after = {r.adapter: r.tier for r in store.list_planned_placements()}
+    assert after["a5"] == "gpu" and after.get("a0") != "gpu"
+    assert summary.moves == 0  # settled: a plan without a change loads nothing
+    store.delete_adapter("a5")  # a deleted adapter leaves the plan with it
+    assert "a5" not in {r.adapter for r in store.list_planned_placements()}
