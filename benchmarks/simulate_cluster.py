@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-slo-factor", type=float, default=5.0, help="TTFT SLO = this × the prefill alone")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
     p.add_argument("--headroom", type=float, default=0.85, help="tessera: share of the SLO its prediction may use")
-    p.add_argument("--sole-holder-headroom", type=float, default=0.95,
+    p.add_argument("--sole-holder-headroom", type=float, default=0.98,
                    help="tessera: the same share on the only worker holding the adapter on its GPU")
     p.add_argument("--first-fit-batch", type=int, default=32, help="first-fit: batch size a worker may take")
     p.add_argument("--affinity-slack", type=int, default=2, help="least-loaded-lru: load slack for affinity")

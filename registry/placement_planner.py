@@ -53,8 +53,8 @@ class PlacementPlanner:
         popularity = self._popularity.setdefault(base_model, Popularity(self._half_life_s))
         self._count_requests(inputs, popularity, now)
         rates = popularity.rates(now)
-        rooms = [WorkerRoom(w.address, int(w.stats.get("adapter_gpu_bytes", 0)), int(w.stats.get("adapter_host_bytes", 0)))
-                 for w in inputs.workers]
+        rooms = [WorkerRoom(w.address, int(w.stats.get("adapter_gpu_bytes", 0)),
+                            int(w.stats.get("adapter_host_bytes", 0))) for w in inputs.workers]
         plan = plan_placement(rates, inputs.sizes, rooms, inputs.held, self._limits)
         moves = plan.moves(self._plans.get(base_model, PlacementPlan()))
         self._plans[base_model] = plan

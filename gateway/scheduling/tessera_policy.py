@@ -20,8 +20,9 @@ leaving one mostly means another holder takes r: the margin is cheap. Where w is
 leaving means a cache miss, a load in r's TTFT (from disk, 30-200 ms, unless another worker has a
 host copy) and a second replica of an adapter one worker has been enough for (what fills w is
 mostly other adapters' requests, not r's). So the only holder is held to `sole_holder_headroom` ×
-the SLO, a thinner margin (default 0.95; 1.0 trades ~0.2 points of SLO attainment for ~0.6 of
-hit rate in the 60-worker simulation): r leaves it only when its SLO all but breaks there. An
+the SLO, a thinner margin (default 0.98: with the registry's placement, the 60-worker simulation's
+setting that keeps >= 99% within SLO and >= 0.95 of the hit-rate ceiling at Zipf 0.8, 1.1 and 1.4,
+docs/benchmarks/routing.md): r leaves it only when its SLO all but breaks there. An
 adapter with several holders still spills at the margin: that is how hot adapters' replicas multiply.
 """
 
@@ -64,7 +65,7 @@ class TesseraPolicy:
     name = "tessera"
 
     def __init__(self, models: Mapping[str, PerfModel], load_costs: LoadCosts, headroom: float = 0.85,
-                 sole_holder_headroom: float = 0.95) -> None:
+                 sole_holder_headroom: float = 0.98) -> None:
         """`models`: each worker kind's performance model, read when a worker is priced, so models added
         later (those workers report: gateway/state_feed.py) price theirs; a worker is priced with its own
         kind's model only (the state feed routes no worker whose kind has none).

@@ -49,9 +49,9 @@ class RegistryConfig:
     # disk, within these shares of each worker's GPU and host adapter tiers.
     placement_interval_s: float = 30.0
     placement_half_life_s: float = 60.0
-    placement_gpu_share: float = 0.5
+    placement_gpu_share: float = 0.9
     placement_host_share: float = 0.5
-    placement_replica_factor: float = 1.0
+    placement_replica_factor: float = 8.0
 
 
 @dataclasses.dataclass(slots=True)

@@ -72,10 +72,12 @@ class PlacementPlan:
 
 @dataclass(frozen=True)
 class PlanLimits:
-    gpu_share: float = 0.5   # of each worker's GPU tier the plan may fill; the rest serves on-demand loads
+    # Defaults: the 60-worker simulation's setting (docs/benchmarks/routing.md). Planned replicas are
+    # preloads, evictable first, so a full plan never keeps a request's own load out.
+    gpu_share: float = 0.9   # of each worker's GPU tier the plan may fill; the rest serves on-demand loads
     host_share: float = 0.5  # of each host tier, beyond its GPU replicas' copies
     min_rate: float = 0.0    # requests/s below which an adapter is cold whatever the room
-    replica_factor: float = 1.0  # GPU replicas per worker's worth of traffic share (more: holders to spare)
+    replica_factor: float = 8.0  # GPU replicas per worker's worth of traffic share (more: holders to spare)
 
     def __post_init__(self) -> None:
         assert 0 <= self.gpu_share <= 1 and 0 <= self.host_share <= 1 and self.min_rate >= 0

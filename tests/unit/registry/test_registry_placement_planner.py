@@ -49,7 +49,8 @@ def cluster(store: RegistryStore, imports: Path):
 
 
 def _planner(store: RegistryStore, clock: Clock) -> PlacementPlanner:
-    return PlacementPlanner(store, PlanLimits(gpu_share=1.0, host_share=0.5), half_life_s=60.0, clock=clock)
+    limits = PlanLimits(gpu_share=1.0, host_share=0.5, replica_factor=1.0)
+    return PlacementPlanner(store, limits, half_life_s=60.0, clock=clock)
 
 
 def test_hot_adapters_get_gpu_replicas_warm_ones_host_copies_and_the_workers_are_told(store: RegistryStore,
@@ -81,7 +82,8 @@ def test_hot_adapters_get_gpu_replicas_warm_ones_host_copies_and_the_workers_are
     for worker, answer in orders.items():
         assert {a.name for a, pin in answer.placements} == {a for a, w in gpu if w == address[worker]}
         assert not any(pin for _, pin in answer.placements)  # preloads, never pins
-        assert {a.name for a in answer.host_placements} == {a for a, w, t in planned if t == "host" and w == address[worker]}
+        warm_here = {a for a, w, tier in planned if tier == "host" and w == address[worker]}
+        assert {a.name for a in answer.host_placements} == warm_here
 
     store.place_adapter("a3", [w1], pin=True)  # an operator's order on a planned adapter comes first
     answer = store.worker_orders(w1, [])

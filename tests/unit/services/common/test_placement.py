@@ -33,7 +33,8 @@ def test_replicas_follow_the_traffic_share() -> None:
 def test_hot_adapters_are_replicated_warm_ones_go_to_host_memory_and_the_rest_stay_on_disk() -> None:
     rates = {"hot": 50.0, "busy": 20.0, **{f"a{i}": 1.0 for i in range(30)}}
     sizes = {name: 10 * MB for name in rates}
-    plan = plan_placement(rates, sizes, rooms(4), limits=PlanLimits(gpu_share=0.5, host_share=0.25))
+    limits = PlanLimits(gpu_share=0.5, host_share=0.25, replica_factor=1.0)
+    plan = plan_placement(rates, sizes, rooms(4), limits=limits)
     assert len(plan.gpu["hot"]) == 2 and len(plan.gpu["busy"]) == 1  # ceil(4 x 50/100), ceil(4 x 20/100)
     # 4 workers x 50 MB planned GPU = 20 replicas of 10 MB: hot 2 + busy 1 + 17 more adapters once each.
     assert sum(map(len, plan.gpu.values())) == 20 and len(plan.gpu) == 19
@@ -49,7 +50,8 @@ def test_hot_adapters_are_replicated_warm_ones_go_to_host_memory_and_the_rest_st
 def test_a_tier_without_room_sends_the_rest_to_the_next_and_cold_adapters_stay_on_disk() -> None:
     rates = {f"a{i}": 10.0 - i for i in range(10)}
     sizes = {name: 30 * MB for name in rates}
-    plan = plan_placement(rates, sizes, rooms(2, gpu_mb=100, host_mb=100), limits=PlanLimits(0.6, 0.6))
+    limits = PlanLimits(0.6, 0.6, replica_factor=1.0)
+    plan = plan_placement(rates, sizes, rooms(2, gpu_mb=100, host_mb=100), limits=limits)
     # 60 MB planned per GPU tier: two 30 MB adapters each; then 60 MB of host: two each; the rest cold.
     assert sum(map(len, plan.gpu.values())) == 4 and len(plan.host) == 4
     assert [plan.tier_of(f"a{i}") for i in range(10)].count("disk") >= 2
@@ -60,12 +62,13 @@ def test_a_new_plan_keeps_adapters_where_they_are_held_and_moves_only_what_popul
     rates = {f"a{i}": 1.0 for i in range(8)}
     sizes = {name: 10 * MB for name in rates}
     workers = rooms(4, gpu_mb=40, host_mb=1)
-    first = plan_placement(rates, sizes, workers, limits=PlanLimits(gpu_share=0.5))
+    limits = PlanLimits(gpu_share=0.5, replica_factor=1.0)
+    first = plan_placement(rates, sizes, workers, limits=limits)
     held = {a: ws for a, ws in first.gpu.items()}
-    again = plan_placement(rates, sizes, workers, held, PlanLimits(gpu_share=0.5))
+    again = plan_placement(rates, sizes, workers, held, limits)
     assert again == first and again.moves(first) == 0
     drifted = {**rates, "a0": 0.0, "new": 1.0}
-    moved = plan_placement(drifted, {**sizes, "new": 10 * MB}, workers, held, PlanLimits(gpu_share=0.5))
+    moved = plan_placement(drifted, {**sizes, "new": 10 * MB}, workers, held, limits)
     assert "a0" not in moved.gpu and "new" in moved.gpu
     assert moved.moves(first) == 1  # only the newcomer is loaded anywhere
     assert moved.moves(PlacementPlan()) == sum(map(len, moved.gpu.values()))
