@@ -79,6 +79,7 @@ def _planner(config: TesseraConfig, store: RegistryStore) -> PlacementPlanner | 
         raise ConfigError("registry.placement_*: interval_s >= 0, half_life_s > 0, shares in [0, 1], "
                           "replica_factor > 0")
     if not settings.placement_interval_s:
+        store.clear_planned_placements()  # an earlier run's plan must not outlive the planner
         return None
     limits = PlanLimits(settings.placement_gpu_share, settings.placement_host_share,
                         replica_factor=settings.placement_replica_factor)

@@ -439,6 +439,11 @@ class RegistryStore:
                                                       rate=float(rates.get(adapter, 0.0)), planned_ms=now)
                                   for w in workers)
 
+    def clear_planned_placements(self) -> None:
+        """Forget every plan (placement planning is off: no worker is asked for a planned preload)."""
+        with self._transaction() as s:
+            s.execute(delete(PlannedPlacementRow))
+
     def list_planned_placements(self, base_model: str | None = None) -> list[PlannedPlacementRecord]:
         query = select(PlannedPlacementRow).order_by(PlannedPlacementRow.adapter, PlannedPlacementRow.worker_address)
         if base_model:

@@ -27,3 +27,25 @@ def free_port_run(n: int) -> int:
         if first + n <= 65535 and all(port_free(first + k) for k in range(1, n)):
             return first
     raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def free_port_plan(singles: list[str], runs: list[str], run_length: int) -> dict[str, int]:
+    """A free port for each of `singles` and the first of `run_length` free consecutive ports for each of
+    `runs`, no two overlapping (a port is free when chosen, not reserved: each is checked against the
+    others)."""
+    taken: set[int] = set()
+    plan: dict[str, int] = {}
+    for name in runs:
+        while True:
+            first = free_port_run(run_length)
+            ports = set(range(first, first + run_length))
+            if not ports & taken:
+                break
+        taken |= ports
+        plan[name] = first
+    for name in singles:
+        while (port := free_port()) in taken:
+            pass
+        taken.add(port)
+        plan[name] = port
+    return plan

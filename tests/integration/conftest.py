@@ -29,7 +29,7 @@ from services.common.grpc_server import check_health
 from services.common.tls import TlsError, health_probe_credentials, load_role_credentials
 from services.demo_assets import DEMO_BASE_MODEL, DEMO_QWEN2VL_BASE_MODEL, DEMO_VISION_BASE_MODEL
 from services.launcher import stop_process_group
-from tests.ports import free_port, free_port_run
+from tests.ports import free_port_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,12 +111,11 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float) -> None:
 @pytest.fixture(scope="session")
 def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
     home = tmp_path_factory.mktemp("tessera-home")
-    ports = {name: free_port() for name in (
-        "REGISTRY__GRPC_PORT", "REGISTRY__ADMIN_PORT", "REGISTRY__METRICS_PORT",
-        "GATEWAY__HTTP_PORT", "GATEWAY__GRPC_PORT", "GATEWAY__METRICS_PORT")}
     # Ordered by name, as `tessera up` starts them: the k-th on the worker ports + k.
     models = sorted((DEMO_BASE_MODEL, DEMO_VISION_BASE_MODEL, DEMO_QWEN2VL_BASE_MODEL))
-    ports |= {name: free_port_run(len(models)) for name in ("WORKER__GRPC_PORT", "WORKER__METRICS_PORT")}
+    ports = free_port_plan(["REGISTRY__GRPC_PORT", "REGISTRY__ADMIN_PORT", "REGISTRY__METRICS_PORT",
+                            "GATEWAY__HTTP_PORT", "GATEWAY__GRPC_PORT", "GATEWAY__METRICS_PORT"],
+                           ["WORKER__GRPC_PORT", "WORKER__METRICS_PORT"], len(models))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
     env.update({f"TESSERA_{k}": str(v) for k, v in ports.items()})
     env.update({

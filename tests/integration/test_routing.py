@@ -23,7 +23,8 @@ from gateway.scheduling.tessera_policy import TesseraPolicy
 from gateway.state_feed import worker_state
 from services.common.config import GatewayConfig
 from tessera.v1 import common_pb2, inference_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.integration.conftest import RunningSystem, free_port, spawn_role, stop_role
+from tests.integration.conftest import RunningSystem, spawn_role, stop_role
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 

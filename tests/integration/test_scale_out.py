@@ -14,7 +14,8 @@ import pytest
 import requests
 
 from services.demo_assets import DEMO_BASE_MODEL
-from tests.integration.conftest import RunningSystem, free_port, spawn_role, stop_role
+from tests.integration.conftest import RunningSystem, spawn_role, stop_role
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 

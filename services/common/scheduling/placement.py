@@ -92,7 +92,10 @@ def replicas_for(rate: float, total_rate: float, workers: int, factor: float = 1
 def plan_placement(rates: Mapping[str, float], sizes: Mapping[str, int], workers: Iterable[WorkerRoom],
                    held: Mapping[str, Iterable[str]] | None = None, limits: PlanLimits = PlanLimits()) -> PlacementPlan:
     """Hot, warm and cold adapters, most requested first. `sizes`: each adapter's bytes in a tier;
-    `held`: adapter -> workers holding it now (preferred for its replicas and copies, so plans move little)."""
+    `held`: adapter -> workers holding it now (preferred for its replicas and copies, so plans move little).
+    Coverage before replicas: every adapter gets one GPU replica, most requested first, while the planned
+    GPU share has room, and only the room left takes the hot ones' further replicas; so tight tiers hold as
+    many different adapters as they can, and roomy ones also spread the hot adapters' traffic."""
     rooms = sorted(workers, key=lambda w: w.name)
     if not rooms:
         return PlacementPlan()
@@ -102,22 +105,32 @@ def plan_placement(rates: Mapping[str, float], sizes: Mapping[str, int], workers
     load = {w.name: 0.0 for w in rooms}  # planned traffic per worker: replicas go where there is least
     ranked = sorted((a for a, r in rates.items() if r > limits.min_rate and a in sizes), key=lambda a: (-rates[a], a))
     total = sum(rates[a] for a in ranked)
-    gpu: dict[str, tuple[str, ...]] = {}
-    host: dict[str, tuple[str, ...]] = {}
-    warm_from = len(ranked)
-    for i, adapter in enumerate(ranked):
-        size = sizes[adapter]
-        fitting = [w.name for w in rooms if gpu_free[w.name] >= size]
+    gpu: dict[str, list[str]] = {}
+
+    def add_replica(adapter: str) -> bool:
+        """One more GPU replica of `adapter` on the fitting worker that holds it or is least loaded."""
+        holders = gpu.setdefault(adapter, [])
+        fitting = [w.name for w in rooms if gpu_free[w.name] >= sizes[adapter] and w.name not in holders]
         if not fitting:
-            warm_from = i  # the GPU share is full: this one and the rest are warm or cold
-            break
+            return False
+        worker = min(fitting, key=lambda w: (w not in held.get(adapter, ()), load[w], w))
+        for w in holders:  # its traffic now splits one way more
+            load[w] -= rates[adapter] / len(holders) - rates[adapter] / (len(holders) + 1)
+        holders.append(worker)
+        gpu_free[worker] -= sizes[adapter]  # (a GPU replica's host copy lies outside the planned host share)
+        load[worker] += rates[adapter] / len(holders)
+        return True
+
+    covered = 0
+    while covered < len(ranked) and add_replica(ranked[covered]):
+        covered += 1
+    gpu = {a: ws for a, ws in gpu.items() if ws}  # the first adapter that found no room
+    for adapter in ranked[:covered]:
         want = replicas_for(rates[adapter], total, len(rooms), limits.replica_factor)
-        chosen = sorted(fitting, key=lambda w: (w not in held.get(adapter, ()), load[w], w))[:want]
-        for w in chosen:  # (a GPU replica's host copy lies outside the planned host share)
-            gpu_free[w] -= size
-            load[w] += rates[adapter] / len(chosen)
-        gpu[adapter] = tuple(sorted(chosen))
-    for adapter in ranked[warm_from:]:
+        while len(gpu[adapter]) < want and add_replica(adapter):
+            pass
+    host: dict[str, tuple[str, ...]] = {}
+    for adapter in ranked[covered:]:
         size = sizes[adapter]
         fitting = [w for w in host_free if host_free[w] >= size]
         if not fitting:
@@ -126,4 +139,4 @@ def plan_placement(rates: Mapping[str, float], sizes: Mapping[str, int], workers
         host_free[worker] -= size
         load[worker] += rates[adapter]
         host[adapter] = (worker,)
-    return PlacementPlan(gpu, host)
+    return PlacementPlan({a: tuple(sorted(ws)) for a, ws in gpu.items()}, host)

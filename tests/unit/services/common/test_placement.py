@@ -30,18 +30,26 @@ def test_replicas_follow_the_traffic_share() -> None:
     assert replicas_for(100.0, 100.0, workers=10) == 10  # never more than the workers
 
 
-def test_hot_adapters_are_replicated_warm_ones_go_to_host_memory_and_the_rest_stay_on_disk() -> None:
-    rates = {"hot": 50.0, "busy": 20.0, **{f"a{i}": 1.0 for i in range(30)}}
+def test_with_room_to_spare_hot_adapters_are_replicated_by_their_traffic_share() -> None:
+    rates = {"hot": 50.0, "busy": 20.0, **{f"a{i}": 1.0 for i in range(10)}}
     sizes = {name: 10 * MB for name in rates}
-    limits = PlanLimits(gpu_share=0.5, host_share=0.25, replica_factor=1.0)
+    plan = plan_placement(rates, sizes, rooms(4, gpu_mb=200), limits=PlanLimits(gpu_share=0.5, replica_factor=1.0))
+    # 4 workers x 100 MB planned = 40 places of 10 MB: every adapter once, then hot's further replicas.
+    assert len(plan.gpu["hot"]) == 3 and len(plan.gpu["busy"]) == 1  # ceil(4 x 50/80), ceil(4 x 20/80)
+    assert all(len(plan.gpu[f"a{i}"]) == 1 for i in range(10)) and plan.host == {}
+    roomy = plan_placement(rates, sizes, rooms(4, gpu_mb=200), limits=PlanLimits(0.5, replica_factor=8.0))
+    assert roomy.gpu["busy"] == ("w0", "w1", "w2", "w3")  # a larger factor: more holders to spare
+
+
+def test_tight_tiers_hold_as_many_adapters_as_they_can_before_any_replica_then_host_then_disk() -> None:
+    rates = {"hot": 50.0, "cold": 0.0, **{f"a{i}": 1.0 for i in range(30)}}
+    sizes = {name: 10 * MB for name in rates}
+    limits = PlanLimits(gpu_share=0.5, host_share=0.25, replica_factor=8.0)
     plan = plan_placement(rates, sizes, rooms(4), limits=limits)
-    assert len(plan.gpu["hot"]) == 2 and len(plan.gpu["busy"]) == 1  # ceil(4 x 50/100), ceil(4 x 20/100)
-    # 4 workers x 50 MB planned GPU = 20 replicas of 10 MB: hot 2 + busy 1 + 17 more adapters once each.
-    assert sum(map(len, plan.gpu.values())) == 20 and len(plan.gpu) == 19
-    # 4 x 100 MB planned host = 40 copies: the other 13 adapters once each.
-    assert len(plan.host) == 13 and all(len(ws) == 1 for ws in plan.host.values())
-    assert {plan.tier_of(a) for a in rates} == {"gpu", "host"}
-    assert plan.tier_of("unknown") == "disk"
+    # 20 GPU places: hot and the 19 next adapters once each, no replica; 4 x 100 MB of host: the other 11.
+    assert len(plan.gpu) == 20 and all(len(ws) == 1 for ws in plan.gpu.values()) and "hot" in plan.gpu
+    assert len(plan.host) == 11 and all(len(ws) == 1 for ws in plan.host.values())
+    assert plan.tier_of("cold") == "disk"  # never requested
     for worker in ("w0", "w1", "w2", "w3"):  # the planned share of each tier, never more
         gpu, host = plan.on_worker(worker)
         assert sum(sizes[a] for a in gpu) <= 50 * MB and sum(sizes[a] for a in host) <= 100 * MB
