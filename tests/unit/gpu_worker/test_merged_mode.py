@@ -56,9 +56,10 @@ def test_one_adapter_runs_merged_then_base_weights_come_back_exactly(engine_fact
 
 def test_switching_adapters_never_drifts_the_base_weights(engine_factory, tiny_assets):
     """Merge r8, then r16 (unmerging r8 first), with one adapter slot reused: the weights the engine
-    returns to are the original ones, bit for bit."""
+    returns to are the original ones, bit for bit. Merge-only, so that every run merges whatever the
+    credit policy's measured switch cost on a loaded machine would say."""
     steps = []
-    engine = engine_factory(steps=steps, adapter_slots=1)
+    engine = engine_factory(steps=steps, adapter_slots=1, mode_policy="merged")
     before = _weights(engine)
     for round_ in range(2):
         for name in ("demo-r8", "demo-r16"):
