@@ -34,6 +34,7 @@ from benchmarks.served_bench import Request, Result, prompt_text, rest_stream
 from registry.store import RegistryStore
 from services.common.adapter_layout import CONFIG_FILE, WEIGHTS_FILE
 from services.common.config import load_config
+from services.common.scheduling.placement import PlanLimits
 from services.demo_assets import DEMO_BASE_MODEL, DemoAdapterSpec, build_llama, build_lora_adapter
 from services.launcher import stop_process_group
 from tests.ports import free_port_plan
@@ -175,6 +176,8 @@ def run_env(home: Path, workers: int, policy: str, args: argparse.Namespace) -> 
         # Placement is Tessera's: the baselines route over the workers' own caches alone.
         "TESSERA_REGISTRY__PLACEMENT_INTERVAL_S": str(args.replan_s if policy == "tessera" else 0),
         "TESSERA_REGISTRY__PLACEMENT_HALF_LIFE_S": str(args.half_life_s),
+        "TESSERA_REGISTRY__PLACEMENT_GPU_SHARE": str(args.plan_gpu_share),
+        "TESSERA_REGISTRY__PLACEMENT_REPLICA_FACTOR": str(args.replica_factor),
         "TESSERA_LAUNCHER__WORKERS": str(workers),
         "TESSERA_WORKER__BASE_MODEL": DEMO_BASE_MODEL,
         "TESSERA_WORKER__CPU_LORA_WORKERS": "0",
@@ -296,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tpot-slo-ms", type=float, default=200.0)
     p.add_argument("--replan-s", type=float, default=3.0, help="Tessera's placement interval")
     p.add_argument("--half-life-s", type=float, default=20.0, help="Tessera's popularity half-life")
+    p.add_argument("--plan-gpu-share", type=float, default=PlanLimits.gpu_share, help="Tessera's planned GPU share")
+    p.add_argument("--replica-factor", type=float, default=PlanLimits.replica_factor, help="Tessera's replica factor")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)

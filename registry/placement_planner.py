@@ -55,7 +55,7 @@ class PlacementPlanner:
         rates = popularity.rates(now)
         rooms = [WorkerRoom(w.address, int(w.stats.get("adapter_gpu_bytes", 0)),
                             int(w.stats.get("adapter_host_bytes", 0))) for w in inputs.workers]
-        plan = plan_placement(rates, inputs.sizes, rooms, inputs.held, self._limits)
+        plan = plan_placement(rates, inputs.sizes, rooms, inputs.on_gpu, self._limits, inputs.in_host)
         moves = plan.moves(self._plans.get(base_model, PlacementPlan()))
         self._plans[base_model] = plan
         self._store.replace_planned_placements(base_model, plan.gpu, plan.host, rates)

@@ -136,7 +136,8 @@ class PlacementInputs:
 
     workers: tuple[WorkerRecord, ...]       # healthy ones; their stats carry tier budgets and request counts
     sizes: dict[str, int]                   # adapter -> bytes
-    held: dict[str, frozenset[str]]         # adapter -> addresses of the workers reporting it in a tier
+    on_gpu: dict[str, frozenset[str]]       # adapter -> addresses of the workers reporting it on their GPU
+    in_host: dict[str, frozenset[str]]      # ... in their host memory only
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -418,11 +418,14 @@ class RegistryStore:
         with self._transaction() as s:
             sizes = dict(s.execute(select(AdapterRow.name, AdapterRow.size_bytes)
                                    .where(AdapterRow.base_model == base_model)).all())
-            held: dict[str, set[str]] = {}
-            for adapter, worker_id in s.execute(select(PlacementRow.adapter, PlacementRow.worker_id)
-                                                .where(PlacementRow.worker_id.in_(list(addresses)))):
-                held.setdefault(adapter, set()).add(addresses[worker_id])
-        return PlacementInputs(tuple(workers), sizes, {a: frozenset(ws) for a, ws in held.items()})
+            held: dict[Tier, dict[str, set[str]]] = {Tier.GPU: {}, Tier.HOST: {}}
+            for adapter, worker_id, tier, loading in s.execute(
+                    select(PlacementRow.adapter, PlacementRow.worker_id, PlacementRow.tier, PlacementRow.loading)
+                    .where(PlacementRow.worker_id.in_(list(addresses)))):
+                if not loading and Tier(tier) in held:
+                    held[Tier(tier)].setdefault(adapter, set()).add(addresses[worker_id])
+        frozen = {tier: {a: frozenset(ws) for a, ws in by.items()} for tier, by in held.items()}
+        return PlacementInputs(tuple(workers), sizes, frozen[Tier.GPU], frozen[Tier.HOST])
 
     def replace_planned_placements(self, base_model: str, gpu: Mapping[str, Sequence[str]],
                                    host: Mapping[str, Sequence[str]], rates: Mapping[str, float]) -> None:

@@ -170,11 +170,15 @@ def simulate(requests: Sequence[SimRequest], adapters: Mapping[str, int], policy
 
         def replan(t: float) -> None:
             nonlocal last, moves
-            held: dict[str, list[str]] = {}
+            on_gpu: dict[str, list[str]] = {}
+            in_host: dict[str, list[str]] = {}
             for worker in workers.values():
-                for adapter in worker.held_adapters():
-                    held.setdefault(adapter, []).append(worker.address)
-            plan = plan_placement(popularity.rates(t), sizes, rooms, held, placement.limits)
+                gpu, host = worker.held_adapters()
+                for adapter in gpu:
+                    on_gpu.setdefault(adapter, []).append(worker.address)
+                for adapter in host:
+                    in_host.setdefault(adapter, []).append(worker.address)
+            plan = plan_placement(popularity.rates(t), sizes, rooms, on_gpu, placement.limits, in_host)
             for worker in workers.values():
                 gpu, host = plan.on_worker(worker.address)
                 worker.place([(a, adapters[a]) for a in gpu], [(a, adapters[a]) for a in host], t)

@@ -206,9 +206,9 @@ class SimWorker:
         self._last_report = (self._events, state)
         return state
 
-    def held_adapters(self) -> frozenset[str]:
-        """Adapters in its host or GPU memory."""
-        return self._tiers.host_adapters | self._tiers.gpu_adapters
+    def held_adapters(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(adapters on its GPU, adapters in its host memory)."""
+        return self._tiers.gpu_adapters, self._tiers.host_adapters
 
     def gpu_adapter_bytes(self) -> int:
         return self._tiers.gpu_used

@@ -90,9 +90,11 @@ def replicas_for(rate: float, total_rate: float, workers: int, factor: float = 1
 
 
 def plan_placement(rates: Mapping[str, float], sizes: Mapping[str, int], workers: Iterable[WorkerRoom],
-                   held: Mapping[str, Iterable[str]] | None = None, limits: PlanLimits = PlanLimits()) -> PlacementPlan:
+                   held: Mapping[str, Iterable[str]] | None = None, limits: PlanLimits = PlanLimits(),
+                   in_host: Mapping[str, Iterable[str]] | None = None) -> PlacementPlan:
     """Hot, warm and cold adapters, most requested first. `sizes`: each adapter's bytes in a tier;
-    `held`: adapter -> workers holding it now (preferred for its replicas and copies, so plans move little).
+    `held`: adapter -> workers holding it on the GPU now, `in_host`: in host memory (preferred for its
+    replicas and its copy, so plans move little and load from host memory where they do).
     Coverage before replicas: every adapter gets one GPU replica, most requested first, while the planned
     GPU share has room, and only the room left takes the hot ones' further replicas; so tight tiers hold as
     many different adapters as they can, and roomy ones also spread the hot adapters' traffic."""
@@ -100,6 +102,7 @@ def plan_placement(rates: Mapping[str, float], sizes: Mapping[str, int], workers
     if not rooms:
         return PlacementPlan()
     held = {a: set(ws) for a, ws in (held or {}).items()}
+    in_host = {a: set(ws) for a, ws in (in_host or {}).items()}
     gpu_free = {w.name: limits.gpu_share * w.gpu_bytes for w in rooms}
     host_free = {w.name: limits.host_share * w.host_bytes for w in rooms}
     load = {w.name: 0.0 for w in rooms}  # planned traffic per worker: replicas go where there is least
@@ -113,7 +116,8 @@ def plan_placement(rates: Mapping[str, float], sizes: Mapping[str, int], workers
         fitting = [w.name for w in rooms if gpu_free[w.name] >= sizes[adapter] and w.name not in holders]
         if not fitting:
             return False
-        worker = min(fitting, key=lambda w: (w not in held.get(adapter, ()), load[w], w))
+        worker = min(fitting, key=lambda w: (w not in held.get(adapter, ()), w not in in_host.get(adapter, ()),
+                                             load[w], w))
         for w in holders:  # its traffic now splits one way more
             load[w] -= rates[adapter] / len(holders) - rates[adapter] / (len(holders) + 1)
         holders.append(worker)
@@ -135,7 +139,7 @@ def plan_placement(rates: Mapping[str, float], sizes: Mapping[str, int], workers
         fitting = [w for w in host_free if host_free[w] >= size]
         if not fitting:
             break
-        worker = min(fitting, key=lambda w: (w not in held.get(adapter, ()), load[w], -host_free[w], w))
+        worker = min(fitting, key=lambda w: (w not in in_host.get(adapter, ()), load[w], -host_free[w], w))
         host_free[worker] -= size
         load[worker] += rates[adapter]
         host[adapter] = (worker,)
