@@ -48,21 +48,24 @@ def cluster(store: RegistryStore, imports: Path):
     return workers, store.get_adapter("a0").size_bytes
 
 
-def _planner(store: RegistryStore, clock: Clock) -> PlacementPlanner:
-    limits = PlanLimits(gpu_share=1.0, host_share=0.5, replica_factor=1.0)
-    return PlacementPlanner(store, limits, half_life_s=60.0, clock=clock)
-
-
-def test_hot_adapters_get_gpu_replicas_warm_ones_host_copies_and_the_workers_are_told(store: RegistryStore,
-                                                                                         cluster) -> None:
+def _first_pass(store: RegistryStore, cluster) -> tuple[Clock, PlacementPlanner, dict[str, int]]:
+    """A planner's first pass over workers that have served nothing yet: (its clock, it, the counts)."""
     (w1, w2), size = cluster
     clock = Clock()
-    planner = _planner(store, clock)
+    planner = PlacementPlanner(store, PlanLimits(gpu_share=1.0, host_share=0.5, replica_factor=1.0),
+                               half_life_s=60.0, clock=clock)
     counts = {name: 0 for name in ADAPTERS}
     for worker in (w1, w2):
         _heartbeat(store, worker, size, counts)
     first = planner.plan(BASE_MODEL)  # the counts so far are history the planner cannot date: no plan
     assert (first.gpu_adapters, first.host_adapters) == (0, 0) and store.list_planned_placements() == []
+    return clock, planner, counts
+
+
+def test_hot_adapters_get_gpu_replicas_warm_ones_host_copies_and_the_workers_are_told(store: RegistryStore,
+                                                                                         cluster) -> None:
+    (w1, w2), size = cluster
+    clock, planner, counts = _first_pass(store, cluster)
 
     clock.now = 30.0
     _heartbeat(store, w1, size, {**counts, "a0": 300, "a1": 40, "a2": 20, "a3": 10, "a4": 5})
@@ -97,12 +100,7 @@ def test_hot_adapters_get_gpu_replicas_warm_ones_host_copies_and_the_workers_are
 
 def test_a_drift_in_popularity_moves_only_what_moved(store: RegistryStore, cluster) -> None:
     (w1, w2), size = cluster
-    clock = Clock()
-    planner = _planner(store, clock)
-    totals = {name: 0 for name in ADAPTERS}
-    for worker in (w1, w2):
-        _heartbeat(store, worker, size, totals)
-    planner.plan(BASE_MODEL)
+    clock, planner, totals = _first_pass(store, cluster)
 
     def traffic(per_adapter: dict[str, int]) -> None:
         for name, n in per_adapter.items():
