@@ -10,6 +10,7 @@ stream (gpu_worker/state_push.py), so that a gateway prices it with its own mode
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from gpu_worker.device_kind import device_name, perf_model_kind
 from gpu_worker.models.llama import LlamaForCausalLM
-from gpu_worker.profile import Grid, adapter_cases, profile_model
+from gpu_worker.profile import Grid, grid_plan, profile_model
 from kernels.tiling import table_for
 from services.common.scheduling.perf_model import PERF_MODELS_DIR, PerfModel, perf_model_path
 
@@ -51,11 +52,9 @@ def resolve_perf_model(model: LlamaForCausalLM, base_model: str, max_lora_rank: 
             return loaded
         except (OSError, ValueError, KeyError) as exc:
             log.warning("ignoring the cached perf model %s (%s): profiling again", cached, exc)
-    grid = SELF_GRID
-    ranks = tuple(sorted({min(r, max_lora_rank) for r in grid.ranks}))
-    grid = Grid(grid.prefill_batches, grid.prompt_lens, grid.decode_batches, grid.context_lens, ranks, grid.repeats)
-    log.info("no perf model for %s: profiling this worker (%d steps, ranks %s)", kind,
-             grid.repeats * _steps(grid), ", ".join(map(str, ranks)))
+    grid = dataclasses.replace(SELF_GRID, ranks=tuple(sorted({min(r, max_lora_rank) for r in SELF_GRID.ranks})))
+    log.info("no perf model for %s: profiling this worker (%d compositions x %d passes, ranks %s)", kind,
+             len(grid_plan(grid)), grid.repeats, ", ".join(map(str, grid.ranks)))
     fitted = profile_model(model, base_model, grid, log.debug, "the worker's own profile at start",
                            lora_targets=lora_targets)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -65,9 +64,3 @@ def resolve_perf_model(model: LlamaForCausalLM, base_model: str, max_lora_rank: 
     log.info("perf model for %s fitted (prefill %s R²=%.3f, decode %s R²=%.3f): %s", kind, fitted.prefill.form,
              fitted.prefill.r2 or 0.0, fitted.decode.form, fitted.decode.r2 or 0.0, cached)
     return fitted
-
-
-def _steps(grid: Grid) -> int:
-    prefill = sum(1 for b in grid.prefill_batches for _ in adapter_cases(b, grid.ranks)) * len(grid.prompt_lens)
-    decode = sum(1 for b in grid.decode_batches for _ in adapter_cases(b, grid.ranks)) * len(grid.context_lens)
-    return prefill + decode

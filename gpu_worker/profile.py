@@ -175,15 +175,20 @@ def _entries(adapters: list[Adapter], tokens: int) -> tuple[BatchEntry, ...]:
     return tuple(BatchEntry(a[0] if a else "", a[1] if a else 0, tokens) for a in adapters)
 
 
+def grid_plan(grid: Grid) -> list[tuple[Phase, int, int, str, list[Adapter]]]:
+    """(phase, batch, tokens, case, adapters) of every composition of one pass over `grid`."""
+    plan: list[tuple[Phase, int, int, str, list[Adapter]]] = [
+        ("prefill", b, n, case, adapters) for b in grid.prefill_batches for n in grid.prompt_lens
+        for case, adapters in adapter_cases(b, grid.ranks)]
+    return plan + [("decode", b, n, case, adapters) for b in grid.decode_batches for n in grid.context_lens
+                   for case, adapters in adapter_cases(b, grid.ranks)]
+
+
 def run_grid(profiler: Profiler, grid: Grid, progress: Callable[[str], None]) -> list[ProfileSample]:
     """Every composition once per pass, `grid.repeats` passes; each keeps its fastest pass. Passes,
     not back-to-back repeats: a burst of load from another process then spoils one pass of a
     composition, not all of its measurements."""
-    plan: list[tuple[Phase, int, int, str, list[Adapter]]] = [
-        ("prefill", b, n, case, adapters) for b in grid.prefill_batches for n in grid.prompt_lens
-        for case, adapters in adapter_cases(b, grid.ranks)]
-    plan += [("decode", b, n, case, adapters) for b in grid.decode_batches for n in grid.context_lens
-             for case, adapters in adapter_cases(b, grid.ranks)]
+    plan = grid_plan(grid)
     best: list[ProfileSample | None] = [None] * len(plan)
     for done in range(grid.repeats):
         for i, (phase, batch, tokens, case, adapters) in enumerate(plan):
