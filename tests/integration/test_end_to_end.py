@@ -131,7 +131,9 @@ def test_chat_logprobs_equal_peft(client, reference):
     streamed = [e for chunk in client.chat.completions.create(**ask, stream=True)
                 if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
-    assert all(abs(s.logprob - e.logprob) < 1e-5 for s, e in zip(streamed, content))
+    # Each request's steps may run merged or unmerged (the mode policy decides by the time steps take):
+    # both equal PEFT's within the bound above, not always each other's within less.
+    assert all(abs(s.logprob - e.logprob) < 1e-4 for s, e in zip(streamed, content))
 
 
 def mixed_steps(system) -> float:
