@@ -20,7 +20,7 @@ import grpc
 
 from gpu_worker.lora.adapter_stats import AdapterPlacement
 from gpu_worker.lora.loader import AdapterRef
-from gpu_worker.lora.placement_orders import PlacementOrders
+from gpu_worker.lora.placement_orders import PlacementOrders, Preload
 from services.common.scheduling.adapter_tiers import Tier
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
@@ -75,10 +75,10 @@ def adapter_ref(adapter: common_pb2.Adapter) -> AdapterRef:
 def placement_orders(reply: registry_pb2.HeartbeatResponse) -> PlacementOrders:
     return PlacementOrders(retire=tuple((v.name, v.sha256) for v in reply.retire),
                            pins=tuple(adapter_ref(p.adapter) for p in reply.placements if p.pin),
-                           preloads=tuple(adapter_ref(p.adapter) for p in reply.placements
+                           preloads=tuple(Preload(adapter_ref(p.adapter), p.expected_rate) for p in reply.placements
                                           if not (p.pin or p.host_only)),
-                           host_preloads=tuple(adapter_ref(p.adapter) for p in reply.placements
-                                               if p.host_only and not p.pin))
+                           host_preloads=tuple(Preload(adapter_ref(p.adapter), p.expected_rate)
+                                               for p in reply.placements if p.host_only and not p.pin))
 
 
 class RegistryClient:

@@ -167,13 +167,14 @@ def list_workers() -> Response:
 @admin.get("/placement-plan")
 def placement_plan() -> Response:
     """The placement planner's last decisions: each planned adapter's tier ("gpu": hot, its replicas;
-    "host": warm), the workers holding it there and its rate when planned. Adapters not listed are cold."""
+    "host": warm), the workers holding it there and its requests/s when planned. Adapters not listed are cold."""
     records = _store().list_planned_placements(base_model=request.args.get("base_model") or None)
     adapters: dict[str, dict[str, Any]] = {}
     for r in records:
-        entry = adapters.setdefault(r.adapter, {"adapter": r.adapter, "tier": r.tier, "rate": r.rate, "workers": [],
+        entry = adapters.setdefault(r.adapter, {"adapter": r.adapter, "tier": r.tier, "rate": 0.0, "workers": [],
                                                 "planned_unix_ms": r.planned_unix_ms})
         entry["workers"].append(r.worker_address)
+        entry["rate"] += r.rate  # each worker's share
     return jsonify({"adapters": sorted(adapters.values(), key=lambda e: (-e["rate"], e["adapter"]))})
 
 

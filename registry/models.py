@@ -116,5 +116,5 @@ class PlannedPlacementRow(Base):
     adapter: Mapped[str] = mapped_column(String(128), ForeignKey("adapters.name", ondelete="CASCADE"))
     worker_address: Mapped[str] = mapped_column(String(256))
     tier: Mapped[str] = mapped_column(String(16))  # "gpu" (a hot adapter's replica) or "host" (a warm one)
-    rate: Mapped[float] = mapped_column(Float)      # the adapter's requests/s when planned
+    rate: Mapped[float] = mapped_column(Float)      # the requests/s of it the plan expects this worker to serve
     planned_ms: Mapped[int] = mapped_column(BigInteger)

@@ -50,8 +50,9 @@ class PlacementPlanner:
     def plan(self, base_model: str) -> PlanSummary:
         now = self._clock()
         inputs = self._store.placement_inputs(base_model)
+        first_pass = base_model not in self._popularity
         popularity = self._popularity.setdefault(base_model, Popularity(self._half_life_s))
-        self._count_requests(inputs, popularity, now)
+        self._count_requests(inputs, popularity, now, first_pass)
         rates = popularity.rates(now)
         rooms = [WorkerRoom(w.address, int(w.stats.get("adapter_gpu_bytes", 0)),
                             int(w.stats.get("adapter_host_bytes", 0))) for w in inputs.workers]
@@ -65,13 +66,17 @@ class PlacementPlanner:
                      summary.gpu_adapters, summary.gpu_replicas, summary.host_adapters, moves)
         return summary
 
-    def _count_requests(self, inputs: PlacementInputs, popularity: Popularity, now: float) -> None:
-        """The requests since the last pass; a worker's first counts are its history before the planner
-        looked (undated: left out), and a count that went down is a restarted worker's (all new)."""
+    def _count_requests(self, inputs: PlacementInputs, popularity: Popularity, now: float, first_pass: bool) -> None:
+        """The requests since the last pass. The counts of the planner's first pass are history from before
+        it looked (undated: left out); from then on a count not seen before is all new (a worker that
+        registered since, or an adapter first requested since), and one that went down is a restarted
+        worker's (all new)."""
         for worker in inputs.workers:
             for entry in worker.stats.get("adapter_requests_total", []):
                 key, total = (worker.worker_id, entry["adapter"]), int(entry["requests"])
                 before = self._seen.get(key)
                 self._seen[key] = total
-                if before is not None and total != before:
-                    popularity.record(entry["adapter"], now, total - before if total > before else total)
+                if first_pass or total == before:
+                    continue
+                new = total - before if before is not None and total > before else total
+                popularity.record(entry["adapter"], now, new)

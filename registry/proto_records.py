@@ -82,7 +82,9 @@ def orders_to_proto(orders: WorkerOrders) -> registry_pb2.HeartbeatResponse:
     """A known worker's heartbeat answer."""
     return registry_pb2.HeartbeatResponse(
         known=True, retire=[registry_pb2.AdapterVersion(name=name, sha256=sha256) for name, sha256 in orders.retire],
-        placements=[registry_pb2.PlacementOrder(adapter=adapter_to_proto(adapter), pin=pin)
+        placements=[registry_pb2.PlacementOrder(adapter=adapter_to_proto(adapter), pin=pin,
+                                                expected_rate=orders.planned_rates.get(adapter.name, 0.0))
                     for adapter, pin in orders.placements]
-        + [registry_pb2.PlacementOrder(adapter=adapter_to_proto(adapter), host_only=True)
+        + [registry_pb2.PlacementOrder(adapter=adapter_to_proto(adapter), host_only=True,
+                                       expected_rate=orders.planned_rates.get(adapter.name, 0.0))
            for adapter in orders.host_placements])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from typing import Any
 
 # The LoRA-targetable projections of a Llama-family decoder layer, in layer order.
@@ -116,12 +117,14 @@ class WorkerOrders:
     retire: tuple[AdapterVersion, ...]  # held versions no adapter is anymore: drop once their requests end
     placements: tuple[tuple[AdapterRecord, bool], ...]  # (adapter, pin) for every order that reaches it
     host_placements: tuple[AdapterRecord, ...] = ()  # the planner's warm adapters: into host memory only
+    planned_rates: Mapping[str, float] = dataclasses.field(default_factory=dict)  # the planner's adapters ->
+    # the requests/s it expects the worker to serve of each
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PlannedPlacementRecord:
     """The placement planner's decision: hold `adapter` on `worker_address`'s GPU ("gpu") or in its host
-    memory ("host"), planned at `rate` requests/s."""
+    memory ("host"), where the plan expects `rate` requests/s of it (its share of the adapter's requests)."""
 
     adapter: str
     worker_address: str

@@ -393,20 +393,22 @@ class RegistryStore:
                 adapters[row.name] = _adapter_record(row)
                 pins[row.name] = pins.get(row.name, False) or pin
             planned = s.execute(
-                select(AdapterRow, PlannedPlacementRow.tier)
+                select(AdapterRow, PlannedPlacementRow.tier, PlannedPlacementRow.rate)
                 .join(PlannedPlacementRow, PlannedPlacementRow.adapter == AdapterRow.name)
                 .where(AdapterRow.base_model == worker.base_model, PlannedPlacementRow.worker_address == worker.address)
                 .order_by(AdapterRow.name)).all()
             host: list[AdapterRecord] = []
-            for row, tier in planned:  # the planner's preloads, where no operator's order says more
+            rates: dict[str, float] = {}
+            for row, tier, rate in planned:  # the planner's preloads, where no operator's order says more
                 if row.name in adapters:
                     continue
+                rates[row.name] = rate
                 if tier == "gpu":
                     adapters[row.name], pins[row.name] = _adapter_record(row), False
                 else:
                     host.append(_adapter_record(row))
             return WorkerOrders(retire=retire, placements=tuple((adapters[n], pins[n]) for n in sorted(adapters)),
-                                host_placements=tuple(host))
+                                host_placements=tuple(host), planned_rates=rates)
 
     # The placement planner's decisions (registry/placement_planner.py)
 
@@ -429,8 +431,9 @@ class RegistryStore:
 
     def replace_planned_placements(self, base_model: str, gpu: Mapping[str, Sequence[str]],
                                    host: Mapping[str, Sequence[str]], rates: Mapping[str, float]) -> None:
-        """`base_model`'s plan, replacing its last: adapter -> worker addresses, on the GPU or in host memory.
-        Adapters deleted since they were planned are left out."""
+        """`base_model`'s plan, replacing its last: adapter -> worker addresses, on the GPU or in host memory;
+        `rates`: adapter -> requests/s, split evenly over its GPU replicas. Adapters deleted since they were
+        planned are left out."""
         now = self._now_ms()
         with self._transaction() as s:
             names = set(s.scalars(select(AdapterRow.name).where(AdapterRow.base_model == base_model)))
@@ -438,9 +441,9 @@ class RegistryStore:
             for tier, placed in (("gpu", gpu), ("host", host)):
                 for adapter, workers in placed.items():
                     if adapter in names:
-                        s.add_all(PlannedPlacementRow(adapter=adapter, worker_address=w, tier=tier,
-                                                      rate=float(rates.get(adapter, 0.0)), planned_ms=now)
-                                  for w in workers)
+                        share = float(rates.get(adapter, 0.0)) / max(1, len(workers))
+                        s.add_all(PlannedPlacementRow(adapter=adapter, worker_address=w, tier=tier, rate=share,
+                                                      planned_ms=now) for w in workers)
 
     def clear_planned_placements(self) -> None:
         """Forget every plan (placement planning is off: no worker is asked for a planned preload)."""

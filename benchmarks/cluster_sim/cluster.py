@@ -178,10 +178,12 @@ def simulate(requests: Sequence[SimRequest], adapters: Mapping[str, int], policy
                     on_gpu.setdefault(adapter, []).append(worker.address)
                 for adapter in host:
                     in_host.setdefault(adapter, []).append(worker.address)
-            plan = plan_placement(popularity.rates(t), sizes, rooms, on_gpu, placement.limits, in_host)
+            rates = popularity.rates(t)
+            plan = plan_placement(rates, sizes, rooms, on_gpu, placement.limits, in_host)
             for worker in workers.values():
-                gpu, host = plan.on_worker(worker.address)
-                worker.place([(a, adapters[a]) for a in gpu], [(a, adapters[a]) for a in host], t)
+                gpu, host = plan.on_worker(worker.address)  # each GPU replica expects its share of the rate
+                worker.place([(a, adapters[a], rates[a] / len(plan.gpu[a])) for a in gpu],
+                             [(a, adapters[a], rates[a]) for a in host], t)
             moves += plan.moves(last)
             last = plan
             if metrics.done < len(requests):

@@ -41,10 +41,11 @@ class SimLoads:
         self._placement_reads: set[str] = set()  # reads a placement started (pinned by it until read)
         self._host_only: set[str] = set()        # of those, the ones going no further than host memory
 
-    def acquire(self, adapter: str, rank: int, now: float) -> bool:
-        """A request for `adapter` arrived: count the access, pin it, start its load if it is neither
-        on the GPU nor on its way there. Returns whether it was ready (a hit)."""
-        self._tiers.touch(adapter, now)
+    def acquire(self, adapter: str, rank: int, now: float, access: bool = True) -> bool:
+        """A request for `adapter` arrived (`access`; else a placement's preload): count the access, pin it,
+        start its load if it is neither on the GPU nor on its way there. Returns whether it was ready (a hit)."""
+        if access:
+            self._tiers.touch(adapter, now)
         self._tiers.pin(adapter)
         if self.ready(adapter):
             return True
@@ -78,6 +79,14 @@ class SimLoads:
         self._host_only.add(adapter)
         self._host_wait.append(adapter)
         self._advance(now)
+
+    def room_below(self, adapter: str, rank: int, tier: Tier) -> bool:
+        """Whether `adapter` could reach `tier` displacing only colder adapters (a placement's preload, as
+        the real worker's AdapterManager decides it)."""
+        nbytes = self._costs.adapter_bytes(rank)
+        if self._tiers.tier(adapter) is Tier.DISK and not self._tiers.room_for(adapter, Tier.HOST, nbytes):
+            return False
+        return tier is Tier.HOST or self._tiers.room_for(adapter, Tier.GPU, nbytes)
 
     def stage(self, adapter: str, rank: int) -> bool:
         """Initial placement, no request: `adapter` into free host memory; returns whether it is there."""

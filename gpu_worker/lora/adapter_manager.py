@@ -180,30 +180,42 @@ class AdapterManager:
 
     # --- an operator's orders, relayed by the registry (lora/placement_orders.py) ---
 
-    def preload(self, ref: AdapterRef) -> bool:
-        """Load `ref` into host and GPU memory without a request. No access is recorded, so it is the first
-        to leave when room is needed. A no-op if it is usable or on its way; refused (False) while a failure
-        of its load is remembered."""
+    def preload(self, ref: AdapterRef, rate: float = 0.0) -> bool:
+        """Load `ref` into host and GPU memory without a request. An operator's (`rate` 0) records no
+        access, so it is the first to leave when room is needed. A placement plan's (`rate`: the requests/s
+        it expects here) is recorded as an adapter requested that often, and is declined (False) where it
+        would displace an adapter its rate does not beat. A no-op if it is usable or on its way; refused
+        (False) while a failure of its load is remembered."""
         if self._failures.cause(ref.sha256) is not None:
             return False
         version = self._version_of(ref)
+        if rate > 0:
+            self._tiers.expect(ref.sha256, rate, self._clock())
         if version.usable or version.preloading:
             return True
+        if rate > 0 and not self._room_below(ref, Tier.GPU):
+            self._drop_if_unused(ref.sha256)
+            return False
         version.preloading = True
         self._tiers.pin(ref.sha256)  # until usable: no other load evicts it halfway
         self._want(ref.sha256, version)
         self._end_preload(ref.sha256, version)
         return True
 
-    def preload_host(self, ref: AdapterRef) -> bool:
+    def preload_host(self, ref: AdapterRef, rate: float = 0.0) -> bool:
         """Read `ref` into host memory without a request, no further (the registry's placement of a warm
-        adapter: a later request for it starts from host memory). A no-op where it is in host memory or on
-        its way; refused (False) while a failure of its load is remembered."""
+        adapter: a later request for it starts from host memory). `rate` as for `preload`. A no-op where it
+        is in host memory or on its way; refused (False) while a failure of its load is remembered."""
         if self._failures.cause(ref.sha256) is not None:
             return False
         version = self._version_of(ref)
+        if rate > 0:
+            self._tiers.expect(ref.sha256, rate, self._clock())
         if version.host is not None or version.reading is not None or version.host_preloading:
             return True
+        if rate > 0 and not self._room_below(ref, Tier.HOST):
+            self._drop_if_unused(ref.sha256)
+            return False
         version.host_preloading = True
         self._tiers.pin(ref.sha256)  # until read: no other load evicts it halfway
         self._active[ref.sha256] = None
@@ -334,6 +346,16 @@ class AdapterManager:
         if replaced is not None and replaced != key:
             self._drop_if_unused(replaced)
         return version
+
+    def _room_below(self, ref: AdapterRef, tier: Tier) -> bool:
+        """Whether `ref` could reach `tier` displacing only adapters colder than its record (a plan's preload)."""
+        key = ref.sha256
+        in_host = self._tiers.tier(key) is not Tier.DISK
+        if not in_host and not self._tiers.room_for(
+                key, Tier.HOST, self.host_pages.rounded(self._memory.bytes_at_rank(ref.rank))):
+            return False
+        return tier is Tier.HOST or self._tiers.room_for(
+            key, Tier.GPU, self._tiers.gpu_size(key) if in_host else self._memory.bytes_at_rank(ref.rank))
 
     def _want(self, key: str, version: _Version) -> None:
         """Something now waits for `version` on the GPU: start its next load."""

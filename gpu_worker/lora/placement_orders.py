@@ -20,11 +20,17 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Preload:
+    ref: AdapterRef
+    rate: float = 0.0  # requests/s a placement plan expects of it here; 0: an operator's order
+
+
+@dataclass(frozen=True)
 class PlacementOrders:
     retire: tuple[tuple[str, str], ...] = ()  # (name, digest) the registry no longer serves under that name
     pins: tuple[AdapterRef, ...] = ()
-    preloads: tuple[AdapterRef, ...] = ()
-    host_preloads: tuple[AdapterRef, ...] = ()  # into host memory only (the placement's warm adapters)
+    preloads: tuple[Preload, ...] = ()
+    host_preloads: tuple[Preload, ...] = ()  # into host memory only (the placement's warm adapters)
 
 
 class OrderBook:
@@ -46,9 +52,10 @@ class OrderBook:
                         "of GPU adapter memory (the placements report it unpinned)",
                         pins[digest].name, MAX_PINNED_SHARE * 100)
         self._refused = refused
-        ordered = {(ref.name, ref.sha256): (ref, adapters.preload_host) for ref in orders.host_preloads}
-        ordered |= {(ref.name, ref.sha256): (ref, adapters.preload) for ref in orders.preloads}  # the GPU wins
-        self._preloaded = {key for key, (ref, preload) in ordered.items()  # a failed one is carried out again once it may be
-                           if (key in self._preloaded and adapters.failure(ref) is None) or preload(ref)}
+        ordered = {(p.ref.name, p.ref.sha256): (p, adapters.preload_host) for p in orders.host_preloads}
+        ordered |= {(p.ref.name, p.ref.sha256): (p, adapters.preload) for p in orders.preloads}  # the GPU wins
+        # Carried out once; one refused (a failure remembered, or declined for hotter adapters) next time again.
+        self._preloaded = {key for key, (p, preload) in ordered.items()
+                           if (key in self._preloaded and adapters.failure(p.ref) is None) or preload(p.ref, p.rate)}
         for name, digest in orders.retire:
             adapters.retire(name, digest)

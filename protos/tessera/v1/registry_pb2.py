@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tessera/v1/registry.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\"#\n\x13GetBaseModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15ListBaseModelsRequest\"D\n\x16ListBaseModelsResponse\x12*\n\x0b\x62\x61se_models\x18\x01 \x03(\x0b\x32\x15.tessera.v1.BaseModel\"!\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x13ListAdaptersRequest\x12\x12\n\nbase_model\x18\x01 \x01(\t\"=\n\x14ListAdaptersResponse\x12%\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x13.tessera.v1.Adapter\"^\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x05\"J\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\x05\".\n\x0e\x41\x64\x61pterVersion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"V\n\x0ePlacementOrder\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.tessera.v1.Adapter\x12\x0b\n\x03pin\x18\x02 \x01(\x08\x12\x11\n\thost_only\x18\x03 \x01(\x08\"{\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.tessera.v1.WorkerStats\x12,\n\x08\x61\x64\x61pters\x18\x03 \x03(\x0b\x32\x1a.tessera.v1.AdapterVersion\"~\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12*\n\x06retire\x18\x02 \x03(\x0b\x32\x1a.tessera.v1.AdapterVersion\x12.\n\nplacements\x18\x03 \x03(\x0b\x32\x1a.tessera.v1.PlacementOrder\">\n\x12ListWorkersRequest\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x14\n\x0chealthy_only\x18\x02 \x01(\x08\">\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.tessera.v1.WorkerInfo\"W\n\x17ReportPlacementsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12)\n\nplacements\x18\x02 \x03(\x0b\x32\x15.tessera.v1.Placement\"\x1a\n\x18ReportPlacementsResponse\";\n\x15ListPlacementsRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\"C\n\x16ListPlacementsResponse\x12)\n\nplacements\x18\x01 \x03(\x0b\x32\x15.tessera.v1.Placement\"\x15\n\x13WatchCatalogRequest\")\n\rCatalogChange\x12\x18\n\x10removed_adapters\x18\x01 \x03(\t2\xb9\x06\n\x08Registry\x12\x46\n\x0cGetBaseModel\x12\x1f.tessera.v1.GetBaseModelRequest\x1a\x15.tessera.v1.BaseModel\x12W\n\x0eListBaseModels\x12!.tessera.v1.ListBaseModelsRequest\x1a\".tessera.v1.ListBaseModelsResponse\x12@\n\nGetAdapter\x12\x1d.tessera.v1.GetAdapterRequest\x1a\x13.tessera.v1.Adapter\x12Q\n\x0cListAdapters\x12\x1f.tessera.v1.ListAdaptersRequest\x1a .tessera.v1.ListAdaptersResponse\x12W\n\x0eRegisterWorker\x12!.tessera.v1.RegisterWorkerRequest\x1a\".tessera.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.tessera.v1.HeartbeatRequest\x1a\x1d.tessera.v1.HeartbeatResponse\x12N\n\x0bListWorkers\x12\x1e.tessera.v1.ListWorkersRequest\x1a\x1f.tessera.v1.ListWorkersResponse\x12]\n\x10ReportPlacements\x12#.tessera.v1.ReportPlacementsRequest\x1a$.tessera.v1.ReportPlacementsResponse\x12W\n\x0eListPlacements\x12!.tessera.v1.ListPlacementsRequest\x1a\".tessera.v1.ListPlacementsResponse\x12L\n\x0cWatchCatalog\x12\x1f.tessera.v1.WatchCatalogRequest\x1a\x19.tessera.v1.CatalogChange0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tessera/v1/registry.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\"#\n\x13GetBaseModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15ListBaseModelsRequest\"D\n\x16ListBaseModelsResponse\x12*\n\x0b\x62\x61se_models\x18\x01 \x03(\x0b\x32\x15.tessera.v1.BaseModel\"!\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x13ListAdaptersRequest\x12\x12\n\nbase_model\x18\x01 \x01(\t\"=\n\x14ListAdaptersResponse\x12%\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x13.tessera.v1.Adapter\"^\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x05\"J\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\x05\".\n\x0e\x41\x64\x61pterVersion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"m\n\x0ePlacementOrder\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.tessera.v1.Adapter\x12\x0b\n\x03pin\x18\x02 \x01(\x08\x12\x11\n\thost_only\x18\x03 \x01(\x08\x12\x15\n\rexpected_rate\x18\x04 \x01(\x01\"{\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.tessera.v1.WorkerStats\x12,\n\x08\x61\x64\x61pters\x18\x03 \x03(\x0b\x32\x1a.tessera.v1.AdapterVersion\"~\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12*\n\x06retire\x18\x02 \x03(\x0b\x32\x1a.tessera.v1.AdapterVersion\x12.\n\nplacements\x18\x03 \x03(\x0b\x32\x1a.tessera.v1.PlacementOrder\">\n\x12ListWorkersRequest\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x14\n\x0chealthy_only\x18\x02 \x01(\x08\">\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.tessera.v1.WorkerInfo\"W\n\x17ReportPlacementsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12)\n\nplacements\x18\x02 \x03(\x0b\x32\x15.tessera.v1.Placement\"\x1a\n\x18ReportPlacementsResponse\";\n\x15ListPlacementsRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\"C\n\x16ListPlacementsResponse\x12)\n\nplacements\x18\x01 \x03(\x0b\x32\x15.tessera.v1.Placement\"\x15\n\x13WatchCatalogRequest\")\n\rCatalogChange\x12\x18\n\x10removed_adapters\x18\x01 \x03(\t2\xb9\x06\n\x08Registry\x12\x46\n\x0cGetBaseModel\x12\x1f.tessera.v1.GetBaseModelRequest\x1a\x15.tessera.v1.BaseModel\x12W\n\x0eListBaseModels\x12!.tessera.v1.ListBaseModelsRequest\x1a\".tessera.v1.ListBaseModelsResponse\x12@\n\nGetAdapter\x12\x1d.tessera.v1.GetAdapterRequest\x1a\x13.tessera.v1.Adapter\x12Q\n\x0cListAdapters\x12\x1f.tessera.v1.ListAdaptersRequest\x1a .tessera.v1.ListAdaptersResponse\x12W\n\x0eRegisterWorker\x12!.tessera.v1.RegisterWorkerRequest\x1a\".tessera.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.tessera.v1.HeartbeatRequest\x1a\x1d.tessera.v1.HeartbeatResponse\x12N\n\x0bListWorkers\x12\x1e.tessera.v1.ListWorkersRequest\x1a\x1f.tessera.v1.ListWorkersResponse\x12]\n\x10ReportPlacements\x12#.tessera.v1.ReportPlacementsRequest\x1a$.tessera.v1.ReportPlacementsResponse\x12W\n\x0eListPlacements\x12!.tessera.v1.ListPlacementsRequest\x1a\".tessera.v1.ListPlacementsResponse\x12L\n\x0cWatchCatalog\x12\x1f.tessera.v1.WatchCatalogRequest\x1a\x19.tessera.v1.CatalogChange0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,27 +51,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADAPTERVERSION']._serialized_start=511
   _globals['_ADAPTERVERSION']._serialized_end=557
   _globals['_PLACEMENTORDER']._serialized_start=559
-  _globals['_PLACEMENTORDER']._serialized_end=645
-  _globals['_HEARTBEATREQUEST']._serialized_start=647
-  _globals['_HEARTBEATREQUEST']._serialized_end=770
-  _globals['_HEARTBEATRESPONSE']._serialized_start=772
-  _globals['_HEARTBEATRESPONSE']._serialized_end=898
-  _globals['_LISTWORKERSREQUEST']._serialized_start=900
-  _globals['_LISTWORKERSREQUEST']._serialized_end=962
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=964
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1026
-  _globals['_REPORTPLACEMENTSREQUEST']._serialized_start=1028
-  _globals['_REPORTPLACEMENTSREQUEST']._serialized_end=1115
-  _globals['_REPORTPLACEMENTSRESPONSE']._serialized_start=1117
-  _globals['_REPORTPLACEMENTSRESPONSE']._serialized_end=1143
-  _globals['_LISTPLACEMENTSREQUEST']._serialized_start=1145
-  _globals['_LISTPLACEMENTSREQUEST']._serialized_end=1204
-  _globals['_LISTPLACEMENTSRESPONSE']._serialized_start=1206
-  _globals['_LISTPLACEMENTSRESPONSE']._serialized_end=1273
-  _globals['_WATCHCATALOGREQUEST']._serialized_start=1275
-  _globals['_WATCHCATALOGREQUEST']._serialized_end=1296
-  _globals['_CATALOGCHANGE']._serialized_start=1298
-  _globals['_CATALOGCHANGE']._serialized_end=1339
-  _globals['_REGISTRY']._serialized_start=1342
-  _globals['_REGISTRY']._serialized_end=2167
+  _globals['_PLACEMENTORDER']._serialized_end=668
+  _globals['_HEARTBEATREQUEST']._serialized_start=670
+  _globals['_HEARTBEATREQUEST']._serialized_end=793
+  _globals['_HEARTBEATRESPONSE']._serialized_start=795
+  _globals['_HEARTBEATRESPONSE']._serialized_end=921
+  _globals['_LISTWORKERSREQUEST']._serialized_start=923
+  _globals['_LISTWORKERSREQUEST']._serialized_end=985
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=987
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1049
+  _globals['_REPORTPLACEMENTSREQUEST']._serialized_start=1051
+  _globals['_REPORTPLACEMENTSREQUEST']._serialized_end=1138
+  _globals['_REPORTPLACEMENTSRESPONSE']._serialized_start=1140
+  _globals['_REPORTPLACEMENTSRESPONSE']._serialized_end=1166
+  _globals['_LISTPLACEMENTSREQUEST']._serialized_start=1168
+  _globals['_LISTPLACEMENTSREQUEST']._serialized_end=1227
+  _globals['_LISTPLACEMENTSRESPONSE']._serialized_start=1229
+  _globals['_LISTPLACEMENTSRESPONSE']._serialized_end=1296
+  _globals['_WATCHCATALOGREQUEST']._serialized_start=1298
+  _globals['_WATCHCATALOGREQUEST']._serialized_end=1319
+  _globals['_CATALOGCHANGE']._serialized_start=1321
+  _globals['_CATALOGCHANGE']._serialized_end=1362
+  _globals['_REGISTRY']._serialized_start=1365
+  _globals['_REGISTRY']._serialized_end=2190
 # @@protoc_insertion_point(module_scope)

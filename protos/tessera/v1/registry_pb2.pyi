@@ -70,14 +70,16 @@ class AdapterVersion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class PlacementOrder(_message.Message):
-    __slots__ = ("adapter", "pin", "host_only")
+    __slots__ = ("adapter", "pin", "host_only", "expected_rate")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     HOST_ONLY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_RATE_FIELD_NUMBER: _ClassVar[int]
     adapter: _common_pb2.Adapter
     pin: bool
     host_only: bool
-    def __init__(self, adapter: _Optional[_Union[_common_pb2.Adapter, _Mapping]] = ..., pin: _Optional[bool] = ..., host_only: _Optional[bool] = ...) -> None: ...
+    expected_rate: float
+    def __init__(self, adapter: _Optional[_Union[_common_pb2.Adapter, _Mapping]] = ..., pin: _Optional[bool] = ..., host_only: _Optional[bool] = ..., expected_rate: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "stats", "adapters")

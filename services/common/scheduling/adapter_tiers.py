@@ -96,6 +96,27 @@ class AdapterTiers:
         """Record an access (a request for `adapter` reached this worker)."""
         self._records[adapter] = self._eviction.touched(self._records.get(adapter), now)
 
+    def expect(self, adapter: str, rate: float, now: float) -> None:
+        """A placement plan expects `adapter` at `rate` requests/s here: its record becomes that of a steady
+        `rate` (kept where its own accesses already say more), so it is evicted as an adapter that popular
+        would be, not first as an unused preload."""
+        planned = self._eviction.expected(rate, now)
+        record = self._records.get(adapter)
+        if record is None or self._eviction.keep(planned) > self._eviction.keep(record):
+            self._records[adapter] = planned
+
+    def room_for(self, adapter: str, tier: Tier, nbytes: int) -> bool:
+        """Whether `adapter` (`nbytes` there) could enter `tier` now displacing only colder adapters than
+        it, none that its record does not beat (a placement's preload must not evict what requests keep hot)."""
+        assert tier is not Tier.DISK
+        keep = self._keep(adapter)
+        colder = [a for a in (self._gpu if tier is Tier.GPU else self._host)
+                  if a not in self._pins and a != adapter and self._keep(a) < keep]
+        if tier is Tier.HOST:
+            return self._make_room(self.host_bytes - self.host_used, nbytes, colder) is not None
+        seats_short = 0 if self.gpu_max_adapters is None else max(0, len(self._gpu) + 1 - self.gpu_max_adapters)
+        return self._make_room(self.gpu_bytes - self.gpu_used, nbytes, colder, self.gpu_size, seats_short) is not None
+
     def pin(self, adapter: str) -> None:
         self._pins[adapter] = self._pins.get(adapter, 0) + 1
 

@@ -21,6 +21,11 @@ class Eviction(Protocol):
 
     def keep(self, record: Record) -> float: ...
 
+    def expected(self, rate: float, now: float) -> Record:
+        """The record of an adapter requested at a steady `rate` per second until `now` (a placement plan's
+        expectation, weighed against the records of what it would displace)."""
+        ...
+
 
 class LFUDecay:
     """Access count with exponential decay: score(now) = Σ_accesses 2^(-(now - t) / half_life)."""
@@ -35,6 +40,10 @@ class LFUDecay:
         score, at = record
         return score * 2.0 ** (-(now - at) / self._half_life_s) + 1.0, now
 
+    def expected(self, rate: float, now: float) -> Record:
+        # Σ_k 2^(-k / (rate · half_life)) over accesses 1/rate apart ≈ rate · half_life / ln 2.
+        return rate * self._half_life_s / math.log(2), now
+
     def keep(self, record: Record) -> float:
         # log2 of the score brought to a common time: the order of scores at any `now`, without `now`.
         score, at = record
@@ -44,6 +53,9 @@ class LFUDecay:
 class LRU:
     def touched(self, record: Record | None, now: float) -> Record:
         return 1.0, now
+
+    def expected(self, rate: float, now: float) -> Record:
+        return 1.0, now - 1.0 / rate  # the mean time since the last of steady arrivals at `rate`
 
     def keep(self, record: Record) -> float:
         return record[1]

@@ -10,7 +10,7 @@ import torch
 from gpu_worker.lora.adapter_manager import AdapterManager
 from gpu_worker.lora.adapter_stats import AdapterPlacement
 from gpu_worker.lora.loader import AdapterRef
-from gpu_worker.lora.placement_orders import OrderBook, PlacementOrders
+from gpu_worker.lora.placement_orders import OrderBook, PlacementOrders, Preload
 from services.common.errors import FailedPrecondition
 from services.common.scheduling.adapter_tiers import Tier
 
@@ -140,15 +140,15 @@ def test_the_order_book_follows_pins_exactly_and_preloads_once_per_order():
     adapters, _ = manager(2, disk, host_slots=2)
     book = OrderBook(adapters)
     a, b, c = ref("a"), ref("b"), ref("c")
-    book.apply(PlacementOrders(pins=(a,), preloads=(b,)))
+    book.apply(PlacementOrders(pins=(a,), preloads=(Preload(b),)))
     poll_until(adapters, lambda: adapters.stats().gpu_adapters == ("a", "b"))
     assert _placed(adapters) == {"a": (Tier.GPU, False, True), "b": (Tier.GPU, False, False)}
-    book.apply(PlacementOrders(pins=(a,), preloads=(b,)))  # the same answer again: nothing moves
+    book.apply(PlacementOrders(pins=(a,), preloads=(Preload(b),)))  # the same answer again: nothing moves
     _use(adapters, c)                     # evicts the preload from both tiers (host room for two)
     assert adapters.stats().gpu_adapters == ("a", "c")
-    book.apply(PlacementOrders(pins=(a,), preloads=(b,)))
+    book.apply(PlacementOrders(pins=(a,), preloads=(Preload(b),)))
     assert disk.reads == ["a", "b", "c"]  # carried out once: not loaded again
-    book.apply(PlacementOrders(preloads=(b,)))  # the pin's order was lifted
+    book.apply(PlacementOrders(preloads=(Preload(b),)))  # the pin's order was lifted
     assert adapters.operator_pins == frozenset() and _placed(adapters)["a"] == (Tier.GPU, False, False)
     book.apply(PlacementOrders(retire=(("c", c.sha256),)))
     assert "c" not in _placed(adapters)
@@ -161,15 +161,15 @@ def test_a_preload_refused_after_a_failed_load_is_carried_out_once_the_failure_e
     book = OrderBook(adapters)
     flaky = ref("flaky")
     disk.broken[flaky.sha256] = FailedPrecondition("checksum mismatch")
-    book.apply(PlacementOrders(preloads=(flaky,)))
+    book.apply(PlacementOrders(preloads=(Preload(flaky),)))
     poll_until(adapters, lambda: adapters.failure(flaky) is not None)
-    book.apply(PlacementOrders(preloads=(flaky,)))  # the next answer: the failure is remembered, nothing read
+    book.apply(PlacementOrders(preloads=(Preload(flaky),)))  # the next answer: the failure is remembered, nothing read
     assert disk.reads == ["flaky"]
     del disk.broken[flaky.sha256]  # the files were repaired
     clock.now += 11
-    book.apply(PlacementOrders(preloads=(flaky,)))  # the order stands: carried out now
+    book.apply(PlacementOrders(preloads=(Preload(flaky),)))  # the order stands: carried out now
     poll_until(adapters, lambda: adapters.resident(flaky) is not None)
-    book.apply(PlacementOrders(preloads=(flaky,)))
+    book.apply(PlacementOrders(preloads=(Preload(flaky),)))
     assert disk.reads == ["flaky", "flaky"]
 
 
@@ -226,6 +226,40 @@ def test_the_order_book_carries_out_host_preloads_and_a_gpu_preload_of_the_same_
     adapters, _ = manager(2, disk)
     book = OrderBook(adapters)
     warm, hot = ref("warm"), ref("hot")
-    book.apply(PlacementOrders(host_preloads=(warm, hot), preloads=(hot,)))
+    book.apply(PlacementOrders(host_preloads=(Preload(warm), Preload(hot)), preloads=(Preload(hot),)))
     poll_until(adapters, lambda: adapters.resident(hot) is not None and _placed(adapters)["warm"][1] is False)
     assert _placed(adapters)["warm"][0] is Tier.HOST and adapters.resident(warm) is None
+
+
+def test_a_planned_preload_is_declined_while_every_adapter_it_would_displace_is_hotter():
+    """A placement plan's preload carries the rate it expects: it displaces only adapters whose requests
+    were rarer (here LRU: longer ago than its expected gap), is then kept like an adapter requested at
+    that rate, and is tried again at the next answer when declined."""
+    clock = Clock()
+    disk = Disk()
+    adapters, _ = manager(2, disk, host_slots=2, clock=clock)
+    book = OrderBook(adapters)
+    a, b, planned = ref("a"), ref("b"), ref("planned")
+    _use(adapters, a)
+    clock.now = 8.0
+    _use(adapters, b)
+    clock.now = 10.0
+    book.apply(PlacementOrders(preloads=(Preload(planned, rate=0.1),)))  # as if last requested at 0: a is not colder
+    assert adapters.stats().gpu_adapters == ("a", "b") and disk.reads == ["a", "b"]
+    clock.now = 11.0
+    book.apply(PlacementOrders(preloads=(Preload(planned, rate=0.2),)))  # the next answer, a higher rate: a goes
+    poll_until(adapters, lambda: adapters.resident(planned) is not None)
+    assert adapters.stats().gpu_adapters == ("b", "planned") and disk.reads == ["a", "b", "planned"]
+    clock.now = 12.0
+    _use(adapters, a)  # a request's load: the colder of b (at 8) and planned (expected at 6) goes
+    assert adapters.stats().gpu_adapters == ("a", "b")
+
+
+def test_an_operators_preload_still_displaces_whatever_is_coldest():
+    disk = Disk()
+    adapters, _ = manager(1, disk, host_slots=1)
+    a, pre = ref("a"), ref("pre")
+    _use(adapters, a)
+    assert adapters.preload(pre)  # rate 0: no comparison
+    poll_until(adapters, lambda: adapters.resident(pre) is not None)
+    assert adapters.stats().gpu_adapters == ("pre",)

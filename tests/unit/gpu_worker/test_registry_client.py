@@ -9,7 +9,7 @@ import grpc
 
 from gpu_worker.lora.adapter_stats import AdapterPlacement
 from gpu_worker.lora.loader import AdapterRef
-from gpu_worker.lora.placement_orders import PlacementOrders
+from gpu_worker.lora.placement_orders import PlacementOrders, Preload
 from gpu_worker.registry_client import RegistryClient, WorkerIdentity, fetch_base_model
 from services.common.grpc_server import start_grpc_server
 from services.common.scheduling.adapter_tiers import Tier
@@ -43,7 +43,7 @@ class FakeRegistry(registry_pb2_grpc.RegistryServicer):
             known=True, retire=[registry_pb2.AdapterVersion(name="old", sha256="d0")],
             placements=[registry_pb2.PlacementOrder(adapter=PINNED, pin=True),
                         registry_pb2.PlacementOrder(adapter=PRELOADED, pin=False),
-                        registry_pb2.PlacementOrder(adapter=WARM, host_only=True)])
+                        registry_pb2.PlacementOrder(adapter=WARM, host_only=True, expected_rate=0.5)])
 
     async def ReportPlacements(self, request, context):
         self.placements.append((request.worker_id, [(p.adapter, p.tier, p.loading, p.pinned)
@@ -91,5 +91,5 @@ def test_lookup_register_heartbeat_reregister_and_placements():
     assert fake.held[-1] == [("demo-r8", "d8"), ("demo-r8", "d7"), ("demo-r16", "d16")]
     assert len(orders) == fake.heartbeats - 1  # every known heartbeat's answer reaches the engine
     assert orders[0] == PlacementOrders(retire=(("old", "d0"),), pins=(AdapterRef("p", "m", 8, "d1", "/store/d1"),),
-                                        preloads=(AdapterRef("q", "m", 16, "d2", "/store/d2"),),
-                                        host_preloads=(AdapterRef("w", "m", 8, "d3", "/store/d3"),))
+                                        preloads=(Preload(AdapterRef("q", "m", 16, "d2", "/store/d2")),),
+                                        host_preloads=(Preload(AdapterRef("w", "m", 8, "d3", "/store/d3"), 0.5),))

@@ -5,6 +5,7 @@ operator's order on the same adapter first), shows it in the admin API, and re-p
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -86,6 +87,10 @@ def test_hot_adapters_get_gpu_replicas_warm_ones_host_copies_and_the_workers_are
         assert not any(pin for _, pin in answer.placements)  # preloads, never pins
         warm_here = {a for a, w, tier in planned if tier == "host" and w == address[worker]}
         assert {a.name for a in answer.host_placements} == warm_here
+        # Each order carries the requests/s expected of it there: 600 of a0 in one pass, its rate under a
+        # 60 s half-life 600 · ln 2 / 60, all on its one replica.
+        if "a0" in answer.planned_rates:
+            assert answer.planned_rates["a0"] == pytest.approx(600 * math.log(2) / 60)
 
     store.place_adapter("a3", [w1], pin=True)  # an operator's order on a planned adapter comes first
     answer = store.worker_orders(w1, [])
@@ -95,6 +100,7 @@ def test_hot_adapters_get_gpu_replicas_warm_ones_host_copies_and_the_workers_are
     listed = create_admin_app(store, "k").test_client().get(
         "/admin/v1/placement-plan", headers={"Authorization": "Bearer k"}).get_json()["adapters"]
     assert [e["adapter"] for e in listed][:1] == ["a0"] and listed[0]["tier"] == "gpu"
+    assert listed[0]["rate"] == pytest.approx(600 * math.log(2) / 60)
     assert listed[0]["workers"] == [next(w for a, w in gpu if a == "a0")]
 
 
@@ -134,3 +140,19 @@ def test_turning_placement_off_forgets_the_plan(store: RegistryStore, cluster, t
     assert store.list_planned_placements() == []
     answer = store.worker_orders(w1, [])
     assert answer.placements == () and answer.host_placements == ()
+
+
+def test_counts_first_seen_after_the_first_pass_are_new_requests(store: RegistryStore, cluster) -> None:
+    """Only the first pass's counts are undated history: an adapter a known worker first reports later,
+    and a worker that registers later, bring requests made since the last pass."""
+    (w1, _), size = cluster
+    clock, planner, _ = _first_pass(store, cluster)
+    late = store.register_worker("127.0.0.1:7003", "cpu", BASE_MODEL, capacity=8).worker_id
+    clock.now = 30.0
+    _heartbeat(store, w1, size, {"a4": 30})    # a known worker's first request for a4
+    _heartbeat(store, late, size, {"a5": 60})  # a worker new since the first pass
+    planner.plan(BASE_MODEL)
+    rates: dict[str, float] = {}
+    for r in store.list_planned_placements():  # each GPU replica's share, summed
+        rates[r.adapter] = rates.get(r.adapter, 0.0) + r.rate
+    assert rates == pytest.approx({"a4": 30 * math.log(2) / 60, "a5": 60 * math.log(2) / 60})

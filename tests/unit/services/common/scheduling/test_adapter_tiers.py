@@ -166,3 +166,29 @@ def test_resize_corrects_a_reservation_to_the_true_size() -> None:
     tiers.place_in_host("a", 16 * MB)   # the most any adapter can take, before its read
     tiers.resize("a", 2 * MB)
     assert tiers.host_used == 2 * MB and tiers.place_on_gpu("a") == [] and tiers.gpu_used == 2 * MB
+
+
+@pytest.mark.parametrize("eviction", [LFUDecay(half_life_s=60.0), LRU()], ids=["lfu", "lru"])
+def test_a_planned_rate_displaces_only_colder_adapters(eviction) -> None:
+    """A placement plan's preload is weighed by the rate it expects: room for it is made only of adapters
+    whose own records are colder than steady requests at that rate."""
+    tiers = AdapterTiers(gpu_bytes=16 * MB, host_bytes=16 * MB, eviction=eviction)
+    for t in range(20):  # hot: a request every second
+        tiers.touch("hot", float(t))
+    load(tiers, "hot", now=20.0)
+    load(tiers, "once", now=0.0)  # one request, 20 s ago
+    tiers.expect("planned", rate=0.2, now=20.0)
+    assert tiers.room_for("planned", Tier.HOST, 8 * MB) and tiers.room_for("planned", Tier.GPU, 8 * MB)
+    tiers.expect("rare", rate=0.001, now=20.0)  # colder than both
+    assert not tiers.room_for("rare", Tier.HOST, 8 * MB) and not tiers.room_for("rare", Tier.GPU, 8 * MB)
+    tiers.expect("hot", rate=0.001, now=20.0)  # an expectation never lowers what requests recorded
+    assert not tiers.room_for("planned", Tier.GPU, 16 * MB)  # it would need hot's room too
+    assert tiers.place_in_host("planned", 8 * MB) == ["once"]  # the room `room_for` counted on
+
+
+def test_a_planned_adapter_is_kept_like_one_requested_at_its_rate() -> None:
+    tiers = AdapterTiers(gpu_bytes=16 * MB, host_bytes=100 * MB, eviction=LFUDecay(half_life_s=60.0))
+    tiers.expect("planned", rate=1.0, now=0.0)  # never requested here, expected at 1/s
+    assert tiers.place_in_host("planned", 8 * MB) == [] and tiers.place_on_gpu("planned") == []
+    load(tiers, "one-off", now=1.0)
+    assert load(tiers, "another", now=2.0) == ["one-off"]  # not the planned adapter
