@@ -177,6 +177,7 @@ def run_env(home: Path, workers: int, policy: str, args: argparse.Namespace) -> 
         "TESSERA_REGISTRY__PLACEMENT_INTERVAL_S": str(args.replan_s if policy == "tessera" else 0),
         "TESSERA_REGISTRY__PLACEMENT_HALF_LIFE_S": str(args.half_life_s),
         "TESSERA_REGISTRY__PLACEMENT_GPU_SHARE": str(args.plan_gpu_share),
+        "TESSERA_REGISTRY__PLACEMENT_HOST_SHARE": str(args.plan_host_share),
         "TESSERA_REGISTRY__PLACEMENT_REPLICA_FACTOR": str(args.replica_factor),
         "TESSERA_LAUNCHER__WORKERS": str(workers),
         "TESSERA_WORKER__BASE_MODEL": DEMO_BASE_MODEL,
@@ -298,8 +299,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-slo-ms", type=float, default=500.0)
     p.add_argument("--tpot-slo-ms", type=float, default=200.0)
     p.add_argument("--replan-s", type=float, default=3.0, help="Tessera's placement interval")
-    p.add_argument("--half-life-s", type=float, default=20.0, help="Tessera's popularity half-life")
+    p.add_argument("--half-life-s", type=float, default=60.0,
+                   help="Tessera's popularity half-life (the workers' eviction half-life: planned rates weigh "
+                        "against their records as like against like)")
     p.add_argument("--plan-gpu-share", type=float, default=PlanLimits.gpu_share, help="Tessera's planned GPU share")
+    p.add_argument("--plan-host-share", type=float, default=PlanLimits.host_share, help="Tessera's planned host share")
     p.add_argument("--replica-factor", type=float, default=PlanLimits.replica_factor, help="Tessera's replica factor")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--timeout-s", type=float, default=120.0)

@@ -54,8 +54,10 @@ class PlacementPlanner:
         popularity = self._popularity.setdefault(base_model, Popularity(self._half_life_s))
         self._count_requests(inputs, popularity, now, first_pass)
         rates = popularity.rates(now)
+        # A CPU worker's "GPU" tier is host memory too: a host copy would save it nothing, so none is planned.
         rooms = [WorkerRoom(w.address, int(w.stats.get("adapter_gpu_bytes", 0)),
-                            int(w.stats.get("adapter_host_bytes", 0))) for w in inputs.workers]
+                            0 if w.device.partition(":")[0] == "cpu" else int(w.stats.get("adapter_host_bytes", 0)))
+                 for w in inputs.workers]
         plan = plan_placement(rates, inputs.sizes, rooms, inputs.on_gpu, self._limits, inputs.in_host)
         moves = plan.moves(self._plans.get(base_model, PlacementPlan()))
         self._plans[base_model] = plan

@@ -64,6 +64,7 @@ class PlacementConfig:
     every_s: float = 30.0
     half_life_s: float = 60.0
     limits: PlanLimits = field(default_factory=PlanLimits)
+    heartbeat_s: float = 1.0  # each worker's heartbeat: its answer carries the orders again (RegistryConfig)
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,15 @@ def simulate(requests: Sequence[SimRequest], adapters: Mapping[str, int], policy
             if metrics.done < len(requests):
                 schedule(t + placement.every_s, replan)
         schedule(placement.every_s, replan)
+
+        def heartbeat(worker: SimWorker) -> Callable[[float], None]:
+            def answer(t: float) -> None:  # the registry's answer carries the plan's orders again
+                worker.answer(t)
+                if metrics.done < len(requests):
+                    schedule(t + placement.heartbeat_s, answer)
+            return answer
+        for i, worker in enumerate(workers.values()):
+            schedule(placement.heartbeat_s * (i + 1) / config.workers, heartbeat(worker))
 
     next_progress = started + 2.0
     for req in requests:

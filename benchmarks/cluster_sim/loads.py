@@ -80,6 +80,10 @@ class SimLoads:
         self._host_wait.append(adapter)
         self._advance(now)
 
+    def idle(self) -> bool:
+        """No load in flight or waited for."""
+        return not self._loading
+
     def room_below(self, adapter: str, rank: int, tier: Tier) -> bool:
         """Whether `adapter` could reach `tier` displacing only colder adapters (a placement's preload, as
         the real worker's AdapterManager decides it)."""

@@ -81,7 +81,9 @@ class SimWorker:
         self._events = 0                      # arrivals, step ends and load ends so far: every change is one
         self._last_report: tuple[int, WorkerState] | None = None
         self._preloading: set[str] = set()    # a placement's GPU loads under way
-        self._placed: set[tuple[str, str]] = set()  # (adapter, "gpu" | "host") orders of the plan carried out
+        self._orders: dict[tuple[str, str], tuple[int, float]] = {}  # the plan's: (adapter, "gpu" | "host") ->
+        # (rank, requests/s expected here)
+        self._placed: set[tuple[str, str]] = set()  # those carried out
         self.busy_s = 0.0
 
     def stage(self, adapter: str, rank: int) -> bool:
@@ -89,28 +91,33 @@ class SimWorker:
         return self._loads.stage(adapter, rank)
 
     def place(self, gpu: Iterable[tuple[str, int, float]], host: Iterable[tuple[str, int, float]], now: float) -> None:
-        """A placement plan's share of this worker (services/common/scheduling/placement.py) as (adapter,
-        rank, requests/s expected here), taken as the real worker takes the registry's preload orders
-        (gpu_worker/lora/placement_orders.py): each adapter held as one requested at its expected rate, each
-        order carried out once, and declined while it would displace hotter adapters (tried again at the
-        next plan). `gpu` loaded onto the GPU (held until there), `host` read into host memory only."""
-        ordered = {(adapter, "gpu"): (rank, rate) for adapter, rank, rate in gpu}
-        ordered |= {(adapter, "host"): (rank, rate) for adapter, rank, rate in host}
-        self._placed &= ordered.keys()
-        for (adapter, tier), (rank, rate) in ordered.items():
+        """A new placement plan's share of this worker (services/common/scheduling/placement.py) as (adapter,
+        rank, requests/s expected here); carried out by `answer`, as the real worker takes the registry's
+        preload orders (gpu_worker/lora/placement_orders.py). `gpu` loaded onto the GPU (held until
+        there), `host` read into host memory only."""
+        self._orders = {(adapter, "gpu"): (rank, rate) for adapter, rank, rate in gpu}
+        self._orders |= {(adapter, "host"): (rank, rate) for adapter, rank, rate in host}
+        self._placed &= self._orders.keys()
+        self.answer(now)
+
+    def answer(self, now: float) -> None:
+        """A heartbeat's answer: the plan's orders not yet carried out, each held as an adapter requested at
+        its expected rate, carried out once, and declined (tried at the next answer) while another load is
+        in flight or waited for, or while it would displace hotter adapters (gpu_worker/lora/
+        adapter_manager.py: `_may_place`)."""
+        for (adapter, tier), (rank, rate) in self._orders.items():
             if (adapter, tier) in self._placed:
                 continue
             self._tiers.expect(adapter, rate, now)
-            if tier == "gpu":
-                if self._loads.ready(adapter) or adapter in self._preloading:
-                    self._placed.add((adapter, tier))
-                elif self._loads.room_below(adapter, rank, Tier.GPU):
-                    self._placed.add((adapter, tier))
+            if tier == "gpu" and (self._loads.ready(adapter) or adapter in self._preloading):
+                self._placed.add((adapter, tier))
+            elif self._loads.idle() and self._loads.room_below(adapter, rank, Tier.GPU if tier == "gpu" else Tier.HOST):
+                self._placed.add((adapter, tier))
+                if tier == "gpu":
                     self._preloading.add(adapter)
                     self._loads.acquire(adapter, rank, now, access=False)
-            elif self._loads.room_below(adapter, rank, Tier.HOST):
-                self._placed.add((adapter, tier))
-                self._loads.preload_host(adapter, rank, now)
+                else:
+                    self._loads.preload_host(adapter, rank, now)
         self._release_preloaded(now)
 
     def _release_preloaded(self, now: float) -> None:

@@ -185,7 +185,8 @@ class AdapterManager:
         access, so it is the first to leave when room is needed. A placement plan's (`rate`: the requests/s
         it expects here) is recorded as an adapter requested that often, and is declined (False) where it
         would displace an adapter its rate does not beat. A no-op if it is usable or on its way; refused
-        (False) while a failure of its load is remembered."""
+        (False) while a failure of its load is remembered. A plan's preload is background work: declined
+        too while another load is in flight or waited for (`_may_place`)."""
         if self._failures.cause(ref.sha256) is not None:
             return False
         version = self._version_of(ref)
@@ -193,7 +194,7 @@ class AdapterManager:
             self._tiers.expect(ref.sha256, rate, self._clock())
         if version.usable or version.preloading:
             return True
-        if rate > 0 and not self._room_below(ref, Tier.GPU):
+        if rate > 0 and not self._may_place(ref, Tier.GPU):
             self._drop_if_unused(ref.sha256)
             return False
         version.preloading = True
@@ -213,7 +214,7 @@ class AdapterManager:
             self._tiers.expect(ref.sha256, rate, self._clock())
         if version.host is not None or version.reading is not None or version.host_preloading:
             return True
-        if rate > 0 and not self._room_below(ref, Tier.HOST):
+        if rate > 0 and not self._may_place(ref, Tier.HOST):
             self._drop_if_unused(ref.sha256)
             return False
         version.host_preloading = True
@@ -347,8 +348,12 @@ class AdapterManager:
             self._drop_if_unused(replaced)
         return version
 
-    def _room_below(self, ref: AdapterRef, tier: Tier) -> bool:
-        """Whether `ref` could reach `tier` displacing only adapters colder than its record (a plan's preload)."""
+    def _may_place(self, ref: AdapterRef, tier: Tier) -> bool:
+        """Whether a placement plan's preload of `ref` into `tier` starts now: it is background work, so only
+        while no other load is in flight or waited for (one at a time, never ahead of a request's), and only
+        displacing adapters colder than its record."""
+        if self._active:
+            return False
         key = ref.sha256
         in_host = self._tiers.tier(key) is not Tier.DISK
         if not in_host and not self._tiers.room_for(

@@ -263,3 +263,27 @@ def test_an_operators_preload_still_displaces_whatever_is_coldest():
     assert adapters.preload(pre)  # rate 0: no comparison
     poll_until(adapters, lambda: adapters.resident(pre) is not None)
     assert adapters.stats().gpu_adapters == ("pre",)
+
+
+def test_a_planned_preload_waits_while_a_requests_load_is_in_flight_and_runs_one_at_a_time():
+    """Placement is background work: a plan's preload starts only while no other load is in flight or
+    waited for, so it never delays a request's adapter and never runs beside another preload."""
+    disk = Disk()
+    adapters, _ = manager(4, disk)
+    book = OrderBook(adapters)
+    wanted, first, second = ref("wanted"), ref("first"), ref("second")
+    disk.hold(wanted)
+    adapters.arrive(wanted)               # a request's load, held on disk
+    orders = PlacementOrders(preloads=(Preload(first, rate=1.0), Preload(second, rate=1.0)))
+    book.apply(orders)
+    assert disk.reads == ["wanted"]       # both declined: the request's load comes first
+    disk.release(wanted)
+    poll_until(adapters, lambda: adapters.resident(wanted) is not None)
+    book.apply(orders)                    # the next answer: one of them starts, the other waits for it
+    poll_until(adapters, lambda: len(adapters.stats().gpu_adapters) == 2)
+    assert disk.reads == ["wanted", "first"]
+    book.apply(orders)
+    poll_until(adapters, lambda: adapters.stats().gpu_adapters == ("first", "second", "wanted"))
+    book.apply(orders)                    # both carried out: nothing more
+    assert disk.reads == ["wanted", "first", "second"]
+    adapters.depart(wanted)

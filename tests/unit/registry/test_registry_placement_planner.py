@@ -39,14 +39,19 @@ def _heartbeat(store: RegistryStore, worker_id: str, size: int, counts: dict[str
     assert store.heartbeat(worker_id, stats_to_dict(stats))
 
 
-@pytest.fixture
-def cluster(store: RegistryStore, imports: Path):
+def _cluster(store: RegistryStore, imports: Path, device: str) -> tuple[list[str], int]:
+    """Six adapters of one size and two workers on `device`: (their ids, an adapter's bytes)."""
     for name in ADAPTERS:  # the same files under each name: one size
         shutil.copytree(imports / "attn-qv", imports / name)
         store.register_adapter(name, BASE_MODEL, str(imports / name))
-    workers = [store.register_worker(f"127.0.0.1:{7001 + i}", "cpu", BASE_MODEL, capacity=8).worker_id
+    workers = [store.register_worker(f"127.0.0.1:{7001 + i}", device, BASE_MODEL, capacity=8).worker_id
                for i in range(2)]
     return workers, store.get_adapter("a0").size_bytes
+
+
+@pytest.fixture
+def cluster(store: RegistryStore, imports: Path):
+    return _cluster(store, imports, "cuda:0")
 
 
 def _first_pass(store: RegistryStore, cluster) -> tuple[Clock, PlacementPlanner, dict[str, int]]:
@@ -147,7 +152,7 @@ def test_counts_first_seen_after_the_first_pass_are_new_requests(store: Registry
     and a worker that registers later, bring requests made since the last pass."""
     (w1, _), size = cluster
     clock, planner, _ = _first_pass(store, cluster)
-    late = store.register_worker("127.0.0.1:7003", "cpu", BASE_MODEL, capacity=8).worker_id
+    late = store.register_worker("127.0.0.1:7003", "cuda:0", BASE_MODEL, capacity=8).worker_id
     clock.now = 30.0
     _heartbeat(store, w1, size, {"a4": 30})    # a known worker's first request for a4
     _heartbeat(store, late, size, {"a5": 60})  # a worker new since the first pass
@@ -156,3 +161,14 @@ def test_counts_first_seen_after_the_first_pass_are_new_requests(store: Registry
     for r in store.list_planned_placements():  # each GPU replica's share, summed
         rates[r.adapter] = rates.get(r.adapter, 0.0) + r.rate
     assert rates == pytest.approx({"a4": 30 * math.log(2) / 60, "a5": 60 * math.log(2) / 60})
+
+
+def test_cpu_workers_get_no_host_copies(store: RegistryStore, imports: Path) -> None:
+    """A CPU worker's "GPU" tier is host memory: a host copy would save its loads nothing."""
+    cpu, size = _cluster(store, imports, "cpu")
+    clock, planner, counts = _first_pass(store, (cpu, size))
+    clock.now = 30.0
+    for worker in cpu:
+        _heartbeat(store, worker, size, {**counts, "a0": 300, "a1": 40, "a2": 20, "a3": 10, "a4": 5})
+    summary = planner.plan(BASE_MODEL)
+    assert summary.gpu_adapters == 4 and summary.host_adapters == 0  # a4 stays on disk
