@@ -23,9 +23,10 @@ A request's adapter, step by step (engine thread unless said):
   depart(ref)    the request ended, waiting or running: unpin.
 
 An operator's orders, relayed by the registry (lora/placement_orders.py): `preload` loads a version
-into host and GPU memory without a request, `pin` / `unpin` hold one on the GPU, never evicted, and
-`retire` tells that the registry no longer serves a version under a name (DELETE drains: the version
-leaves every tier once its last in-flight request ends).
+into host and GPU memory without a request (the placement plan's too, weighed by the rate it expects),
+`pin` / `unpin` hold one on the GPU, never evicted, and `retire` tells that the registry no longer
+serves a version under a name (DELETE drains: the version leaves every tier once its last in-flight
+request ends).
 
 A finished read or copy calls `wake` from its own thread: the engine loop, idle while every request
 waits for an adapter, wakes for the next pass (set by the engine that owns the manager).
@@ -178,7 +179,7 @@ class AdapterManager:
         self._tiers.unpin(key)
         self._drop_if_unused(key)
 
-    # --- an operator's orders, relayed by the registry (lora/placement_orders.py) ---
+    # --- the registry's orders: an operator's, or the placement plan's (lora/placement_orders.py) ---
 
     def preload(self, ref: AdapterRef, rate: float = 0.0) -> bool:
         """Load `ref` into host and GPU memory without a request. An operator's (`rate` 0) records no
