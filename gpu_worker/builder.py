@@ -249,7 +249,7 @@ def _orchestrator(worker: WorkerConfig, merge_switch: MergeSwitch | None, device
         policy = make_policy(worker.mode_policy, worker.mode_credit_theta, cost)
     except ValueError as exc:
         raise ConfigError(f"worker.mode_policy: {exc}") from None
-    return Orchestrator(merge_switch, policy, _default_slos(worker), step_cost=cost)
+    return Orchestrator(merge_switch, policy, _default_slos(worker))
 
 
 def _eviction(worker: WorkerConfig) -> Eviction:

@@ -47,7 +47,6 @@ from gpu_worker.sampler import SampledTokens, sample
 from gpu_worker.scheduler import ScheduledBatch, Scheduler
 from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus
 from gpu_worker.stats import EngineStats, snapshot
-from gpu_worker.step_speed import StepSpeed
 from services.common.errors import Internal, TesseraError
 
 log = logging.getLogger(__name__)
@@ -81,7 +80,6 @@ class _LaunchedStep:
     merged_adapter: str | None  # folded into the base weights for this step
     mode: str
     starving: int
-    predicted_s: float          # what the performance model predicts it costs (0: no model)
 
 
 class Engine:
@@ -103,7 +101,6 @@ class Engine:
         self._intake_threads = concurrent.futures.ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="intake")
         self._streams = Streams(on_close=self._intake.release)  # engine thread only
         self._on_step = on_step
-        self._step_speed = StepSpeed()  # engine thread writes, stats() reads a float
         self._eos = tokenizer.eos_token_id
         self._inbox: queue.SimpleQueue[tuple[str, object] | None] = queue.SimpleQueue()
         self._step = 0
@@ -277,14 +274,13 @@ class Engine:
 
     def _launch(self, batch: ScheduledBatch, plan: StepPlan, previous: _LaunchedStep | None) -> _LaunchedStep:
         """Run `batch` as `plan` says and sample on the device; the tokens reach the host in `_postprocess`."""
-        predicted_s = self._orchestrator.predicted_step_s(batch, plan)
         started = time.perf_counter()
         sampling, logits = self._runner.run(batch.items, plan, previous.sampled if previous is not None else None,
                                             batch.adapter_copies)
         for seq in sampling:
             seq.num_in_flight += 1
         return _LaunchedStep(batch, sample(logits, sampling), started, self._runner.merged_adapter, plan.mode.value,
-                             self._orchestrator.starving, predicted_s)
+                             self._orchestrator.starving)
 
     def _postprocess(self, launched: _LaunchedStep | None) -> None:
         """Take a launched step's tokens, if there is one: append them, decide which requests finished
@@ -305,7 +301,6 @@ class Engine:
         self._step += 1
         duration_s = time.perf_counter() - launched.started
         self._scheduler.cold_start.observe_step(duration_s)
-        self._step_speed.observe(launched.predicted_s, duration_s)
         if self._on_step is not None:
             batch, seqs = launched.batch, [item.seq for item in launched.batch.items]
             self._on_step(StepRecord(
@@ -353,4 +348,4 @@ class Engine:
     def _snapshot(self) -> EngineStats:
         encoder = self._runner.image_encoder
         return snapshot(self._scheduler, self._adapters, encoder.cache if encoder is not None else None,
-                        self._generated_total, self._runner.cpu_lora, self._adapter_requests, self._step_speed.ratio)
+                        self._generated_total, self._runner.cpu_lora, self._adapter_requests)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpu_worker.lora.merge_switch import MergeSwitch
-from gpu_worker.mode_policies import UNMERGED_ALL, Candidate, InferenceMode, ModePolicy, ModeView, StepCost
+from gpu_worker.mode_policies import UNMERGED_ALL, Candidate, InferenceMode, ModePolicy, ModeView
 from gpu_worker.scheduler import ScheduledBatch, Scheduler
 from gpu_worker.sequence import Sequence
 from kernels import NO_SLOT
@@ -52,12 +52,10 @@ class Slos:
 
 class Orchestrator:
     def __init__(self, merge_switch: MergeSwitch | None, policy: ModePolicy, slos: Slos,
-                 clock: Callable[[], float] = time.perf_counter, step_cost: StepCost | None = None) -> None:
-        """`merge_switch`: None when merged mode is off. `step_cost`: what the performance model predicts a
-        step costs (None: no model for this worker)."""
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """`merge_switch`: None when merged mode is off."""
         self.merge_switch = merge_switch if merge_switch is not None and merge_switch.available else None
         self.policy = policy
-        self._step_cost = step_cost
         self._slos = slos
         self._clock = clock
         self._decision = UNMERGED_ALL
@@ -87,15 +85,6 @@ class Orchestrator:
         alone = all(item.seq.slot == slot and item.seq.adapter is not None and item.seq.adapter.name == name
                     for item in batch.items)
         return StepPlan(InferenceMode.MERGED if alone else InferenceMode.MIXTURE, name, slot)
-
-    def predicted_step_s(self, batch: ScheduledBatch, plan: StepPlan) -> float:
-        """What the performance model predicts `batch` costs as `plan` runs it (0: no model); call before
-        the step runs, while each sequence's cached tokens are its context."""
-        if self._step_cost is None or not batch.items:
-            return 0.0
-        candidates = [Candidate(item.seq.seq_id, item.seq.adapter.name if item.seq.adapter else None, NO_SLOT,
-                                item.seq.rank, item.num_new, item.seq.num_cached, 0.0, 1.0) for item in batch.items]
-        return self._step_cost(candidates, plan.merged_adapter, plan.mode is InferenceMode.MIXTURE)
 
     def _candidates(self, scheduler: Scheduler) -> list[Candidate]:
         """The running sequences with tokens to run, then the waiting ones in queue order, up to the

@@ -34,7 +34,7 @@ class StateSource:
             running=[_entry(e) for e in s.running_load], queued=[_entry(e) for e in s.waiting_load],
             gpu_adapters=tiers.gpu_adapters, host_adapters=tiers.host_adapters,
             loading_adapters=tiers.loading_adapters, gpu_adapter_slots=s.adapter_slots,
-            max_batch=self.max_batch, free_kv_tokens=s.free_kv_tokens, step_time_ratio=s.step_time_ratio)
+            max_batch=self.max_batch, free_kv_tokens=s.free_kv_tokens)
 
     async def watch(self, interval_ms: int) -> AsyncIterator[worker_pb2.WorkerState]:
         if not MIN_INTERVAL_MS <= interval_ms <= MAX_INTERVAL_MS:

@@ -56,12 +56,11 @@ class EngineStats:
     cold_starts_total: dict[str, int] = field(default_factory=dict)
     # Requests each adapter brought since the start, by name (the registry places adapters by them).
     adapter_requests_total: dict[str, int] = field(default_factory=dict)
-    step_time_ratio: float = 0.0  # steps' measured time ÷ the performance model's prediction (step_speed.py)
 
 
 def snapshot(scheduler: Scheduler, adapters: AdapterManager, image_cache: ImageFeatureCache | None,
              generated_tokens_total: int, cpu_lora: CpuLoraPool | None = None,
-             adapter_requests_total: dict[str, int] | None = None, step_time_ratio: float = 0.0) -> EngineStats:
+             adapter_requests_total: dict[str, int] | None = None) -> EngineStats:
     """The stats now; `image_cache` is None for a text model, `cpu_lora` without CPU LoRA workers."""
     running, blocks = scheduler.running, scheduler.blocks
     images = image_cache if image_cache is not None else _NO_IMAGE_CACHE
@@ -91,7 +90,7 @@ def snapshot(scheduler: Scheduler, adapters: AdapterManager, image_cache: ImageF
         adapters=tiers,
         cpu_lora=cpu_lora.stats() if cpu_lora is not None else CpuLoraStats(),
         cold_starts_total={str(way): count for way, count in scheduler.cold_start.started.items()},
-        adapter_requests_total=dict(adapter_requests_total or {}), step_time_ratio=step_time_ratio)
+        adapter_requests_total=dict(adapter_requests_total or {}))
 
 
 def _seq_load(seq: Sequence) -> SeqLoad:

@@ -12,9 +12,7 @@ and the cheapest worker wins. Predicted time per token on w with r:
 decode once, spread over a response's length. Predicted time to first token:
   ttft = max(load, step + prefill(queued)) + step + prefill(r),   step = decode(B)
 (the step in flight, the queued prompts ahead of r — while the adapter loads — then r's own step).
-Every step time is the perf model's × the worker's measured step-time ratio (WorkerState.
-step_time_ratio: how its steps really run against the model it was profiled under, e.g. on cores it
-shares). Both are held to `headroom` × the SLO: the policy cannot see the arrivals that will come after r.
+Both are held to `headroom` × the SLO: the policy cannot see the arrivals that will come after r.
 Load time is the cache affinity: a worker that holds the adapter wins until it would break an SLO,
 then the request spills to the next best, which loads the adapter — a replica, where demand is.
 The margin is priced by what leaving costs. Where r's adapter is on the GPU of several workers,
@@ -96,18 +94,15 @@ class TesseraPolicy:
         return self.model_for(kind).prefill_s(BatchSummary.of([request.entry]))
 
     def predict(self, request: RoutingRequest, worker: WorkerState, own_prefill_s: float) -> Prediction:
-        """Step times are the model's scaled by how fast `worker`'s steps measure against it."""
         model = self.model_for(worker.kind)
-        speed = worker.step_time_ratio
         out = max(1, request.expected_output_tokens)
         batch = worker.batch
         after = batch.plus(request.entry)
-        step, step_after = speed * model.decode_s(batch), speed * model.decode_s(after)
-        own_prefill_s *= speed
+        step, step_after = model.decode_s(batch), model.decode_s(after)
         load_s = adapter_load_s(self._load_costs, worker, request.adapter, request.rank)
         return Prediction(added_s=own_prefill_s / out + (step_after - step) + load_s,
-                          tpot_s=step_after + speed * model.prefill.predict_alone(after) / out,
-                          ttft_s=max(load_s, step + speed * model.prefill_s(worker.queued_batch)) + step + own_prefill_s)
+                          tpot_s=step_after + model.prefill.predict_alone(after) / out,
+                          ttft_s=max(load_s, step + model.prefill_s(worker.queued_batch)) + step + own_prefill_s)
 
     def cost(self, request: RoutingRequest, worker: WorkerState, own_prefill_s: float, headroom: float) -> float:
         """`headroom`: the share of the SLO the prediction may use on `worker` (`choose` picks it)."""

@@ -36,9 +36,6 @@ class WorkerState:
     # On their way to the GPU (disk -> host, or host -> GPU), not usable yet: priced by what is left
     # of their load (tessera_policy.adapter_load_s).
     loading_adapters: frozenset[str] = frozenset()
-    # Its steps' measured time ÷ its performance model's prediction (gpu_worker/step_speed.py): the
-    # gateway's predictions of it are scaled by this. 1: as profiled (or not measured yet).
-    step_time_ratio: float = 1.0
 
     @property
     def load(self) -> int:

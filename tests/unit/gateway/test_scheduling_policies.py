@@ -3,7 +3,6 @@ Tessera policy's cache affinity, SLO protection and rank awareness."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 import pytest
@@ -139,20 +138,6 @@ def test_tessera_keeps_a_request_on_its_adapters_only_holder_within_a_thinner_ma
     assert picks(policy, replicated, 2) == ["w2", "w2"]
     over = [worker("w1", load=8, gpu=("x",)), worker("w2", host=("x",))]  # 8.0 ms: past the SLO itself
     assert picks(policy, over, 1) == ["w2"]
-
-
-def test_tessera_scales_a_workers_predictions_by_its_measured_step_time_ratio() -> None:
-    # Relaxed, w1 (the holder, 11 requests) keeps x: about 7.45 ms a token, within 20 ms. Its steps measure
-    # 3x what the model predicts (cores shared with other workers): 22 ms, past the SLO, so x spills to
-    # w2, whose steps run as profiled.
-    relaxed = request(tpot_s=20e-3)
-    holder = worker("w1", load=11, gpu=("x",))
-    other = worker("w2", load=3, host=("x",))
-    assert picks(tessera(), [holder, other], 1, relaxed) == ["w1"]
-    slow = dataclasses.replace(holder, step_time_ratio=3.0)
-    assert picks(tessera(), [slow, other], 1, relaxed) == ["w2"]
-    plain, scaled = (tessera().predict(relaxed, w, 0.01) for w in (holder, slow))
-    assert scaled.tpot_s == pytest.approx(3 * plain.tpot_s)
 
 
 def test_tessera_sole_holder_headroom_lies_between_the_headroom_and_the_slo() -> None:

@@ -84,10 +84,3 @@ def test_a_pushed_state_names_the_adapters_on_their_way() -> None:
     s = worker_state("w1:1", message, None, 0.0)
     assert s.loading_adapters == {"h", "d"}
     assert (s.tier("g"), s.tier("h"), s.tier("d")) == (Tier.GPU, Tier.HOST, Tier.DISK)
-
-
-def test_a_pushed_step_time_ratio_scales_the_worker_and_an_unmeasured_one_reads_as_profiled() -> None:
-    measured = worker_state("w1:1", worker_pb2.WorkerState(base_model="llama", perf_model="k", step_time_ratio=2.5),
-                            None, 0.0)
-    unmeasured = worker_state("w1:1", worker_pb2.WorkerState(base_model="llama", perf_model="k"), None, 0.0)
-    assert (measured.step_time_ratio, unmeasured.step_time_ratio) == (2.5, 1.0)

@@ -102,20 +102,3 @@ def test_a_plan_is_merged_exactly_when_it_names_an_adapter_and_a_slot():
         StepPlan(InferenceMode.UNMERGED, "sql", 3)
     with pytest.raises(AssertionError):
         ModeDecision(InferenceMode.MIXTURE, (3, "sql"))
-
-
-def test_a_steps_predicted_cost_prices_its_batch_as_the_plan_runs_it():
-    """What the step-time ratio (gpu_worker/step_speed.py) measures against: the model's cost of the batch
-    launched, each sequence's cached tokens its context, in the plan's mode; 0 without a model."""
-    priced = []
-
-    def cost(candidates, merged, mixture):
-        priced.append(([(c.adapter, c.rank, c.tokens, c.context) for c in candidates], merged, mixture))
-        return 0.02
-    sql, chat = _seq("sql", outputs=2), _seq("chat")
-    batch = ScheduledBatch([ScheduledSeq(sql, 1, True), ScheduledSeq(chat, 3, True)])
-    orchestrator = Orchestrator(_switch(), _Policy(UNMERGED_ALL), SLOS, step_cost=cost)
-    assert orchestrator.predicted_step_s(batch, StepPlan(InferenceMode.MIXTURE, "sql", SLOTS["sql"])) == 0.02
-    assert priced == [([("sql", 8, 1, 4), ("chat", 0, 3, 0)], "sql", True)]
-    assert orchestrator.predicted_step_s(ScheduledBatch(), UNMERGED) == 0.0
-    assert Orchestrator(_switch(), _Policy(UNMERGED_ALL), SLOS).predicted_step_s(batch, UNMERGED) == 0.0

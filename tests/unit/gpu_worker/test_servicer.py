@@ -228,8 +228,6 @@ def test_watch_state_pushes_the_running_batch_and_resident_adapters(engine_facto
     (entry,) = busy.running
     assert entry.adapter == "demo-r16" and entry.rank == 16 and entry.tokens > 1
     assert list(busy.gpu_adapters) == ["demo-r16"] and not busy.queued
-    # Its steps were timed against the performance model's prediction for them: how fast it really runs.
-    assert engine.stats().step_time_ratio > 0 and idle.step_time_ratio > 0
     assert not idle.running and idle.free_kv_tokens > busy.free_kv_tokens
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "interval_ms must be between 10 and 1000" in err.details()
     # What the heartbeat tells the registry's placement planner: the tiers' budgets and each adapter's requests.
