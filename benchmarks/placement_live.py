@@ -29,11 +29,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks import simulate_cluster
 from benchmarks.cluster_sim.workload import load_trace
 from benchmarks.served_bench import Request, Result, prompt_text, rest_stream
 from registry.store import RegistryStore
 from services.common.adapter_layout import CONFIG_FILE, WEIGHTS_FILE
 from services.common.config import load_config
+from services.common.scheduling.perf_model import perf_model_path
 from services.common.scheduling.placement import PlanLimits
 from services.demo_assets import DEMO_BASE_MODEL, DemoAdapterSpec, build_llama, build_lora_adapter
 from services.launcher import stop_process_group
@@ -272,6 +274,28 @@ def run_policy(policy: str, home: Path, load: list[Arrival], args: argparse.Name
                    quantile(0.99), errors, planned)
 
 
+def simulator_argv(args: argparse.Namespace, sizes: dict[str, int], out: Path) -> list[str]:
+    """benchmarks/simulate_cluster.py's arguments for the same setting: the trace's same first requests at
+    the same rate, prompt and output caps and SLO; the same workers, tiers (in the adapters' own bytes per
+    rank), Zipf skew and drift (paced in trace time: the live drift period × the rate scale), the demo
+    Llama's CPU performance model, the registry's plan settings (no host copies: CPU workers) and
+    max_num_seqs. What it cannot model: the workers, gateway and registry sharing this machine's cores."""
+    per_rank = sum(sizes.values()) / sum(RANKS[i % len(RANKS)] for i in range(len(sizes)))
+    return ["--trace", str(args.trace), "--max-requests", str(args.requests), "--rate-scale", str(args.rate_scale),
+            "--workers", str(args.workers), "--adapters", str(args.adapters), "--skew", str(args.skew),
+            "--drift", str(args.drift), "--drift-every-min", str(args.drift_every_s * args.rate_scale / 60),
+            "--rank-mix", ",".join(f"{r}:1" for r in RANKS), "--adapter-mib-per-rank", f"{per_rank / 2**20:.5f}",
+            "--gpu-adapter-gib", f"{args.gpu_adapter_bytes / 2**30:.6f}",
+            "--host-adapter-gib", f"{args.host_adapter_bytes / 2**30:.6f}", "--host-copies", "0",  # on disk at start
+            "--max-batch", "16",
+            "--max-prompt", str(args.max_prompt), "--max-output", str(args.max_output),
+            "--tpot-slo-ms", str(args.tpot_slo_ms), "--ttft-slo-ms", str(args.ttft_slo_ms),
+            "--perf-model", str(perf_model_path(f"cpu-{DEMO_BASE_MODEL}")), "--policies", args.policies,
+            "--placement", "tessera", "--replan-s", str(args.replan_s), "--popularity-half-life-s",
+            str(args.half_life_s), "--plan-gpu-share", str(args.plan_gpu_share), "--plan-host-share", "0",
+            "--replica-factor", str(args.replica_factor), "--seed", str(args.seed), "--quiet", "--out", str(out)]
+
+
 def table(outcomes: list[Outcome]) -> str:
     rows = ["| policy | within SLO | adapter hit rate | of its ceiling | TTFT p50 / p99 ms | errors | planned GPU replicas |",
             "|---|---|---|---|---|---|---|"]
@@ -306,6 +330,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan-host-share", type=float, default=PlanLimits.host_share, help="Tessera's planned host share")
     p.add_argument("--replica-factor", type=float, default=PlanLimits.replica_factor, help="Tessera's replica factor")
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--simulate", action="store_true",
+                   help="also print the cluster simulator's prediction for the same setting")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -325,6 +351,9 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
         f"{load[-1].at_s:.0f} s, device {torch.device('cpu')} ({os.cpu_count()} cores)")
     outcomes = [run_policy(policy, args.home, load, args) for policy in args.policies.split(",")]
     print(table(outcomes))
+    if args.simulate:
+        print("\nThe cluster simulator's prediction for the same setting:\n")
+        simulate_cluster.main(simulator_argv(args, sizes, args.home / "simulated"))
     return outcomes
 
 

@@ -30,7 +30,7 @@ from services.common.scheduling.adapter_tiers import LoadCosts
 from services.common.scheduling.perf_model import PerfModel
 from services.common.scheduling.placement import PlanLimits
 from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, Policy,
-                                         RandomChoice, RoundRobin)
+                                         RandomChoice, RoundRobin, Slo)
 from gateway.scheduling.tessera_policy import TesseraPolicy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lfu-half-life-s", type=float, default=60.0)
     p.add_argument("--tpot-slo-factor", type=float, default=1.5, help="TPOT SLO = this × the TPOT alone")
     p.add_argument("--ttft-slo-factor", type=float, default=5.0, help="TTFT SLO = this × the prefill alone")
+    p.add_argument("--tpot-slo-ms", type=float, help="one TPOT SLO for every request (with --ttft-slo-ms; "
+                                                     "instead of the factors)")
+    p.add_argument("--ttft-slo-ms", type=float, help="one TTFT SLO for every request (with --tpot-slo-ms)")
+    p.add_argument("--max-prompt", type=int, help="prompt tokens at most (benchmarks/placement_live.py's cap)")
+    p.add_argument("--max-output", type=int, help="output tokens at most, 2 at least (placement_live.py's cap)")
+    p.add_argument("--adapter-mib-per-rank", type=float, default=LoadCosts.bytes_per_rank / 2**20,
+                   help="an adapter's bytes per unit of rank (default: q,k,v,o of a Llama-2-7B in bf16)")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
     p.add_argument("--headroom", type=float, default=0.85, help="tessera: share of the SLO its prediction may use")
     p.add_argument("--sole-holder-headroom", type=float, default=0.98,
@@ -118,20 +125,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--plot needs --out")
     if args.sweep_values and not args.sweep:
         p.error("--sweep-values needs --sweep")
+    if (args.tpot_slo_ms is None) != (args.ttft_slo_ms is None):
+        p.error("--tpot-slo-ms and --ttft-slo-ms go together")
     return args
 
 
 def load_costs_of(args: argparse.Namespace) -> LoadCosts:
-    return LoadCosts(host_bytes_per_s=args.host_gb_per_s * 1e9, disk_bytes_per_s=args.disk_gb_per_s * 1e9)
+    return LoadCosts(bytes_per_rank=round(args.adapter_mib_per_rank * 2**20),
+                     host_bytes_per_s=args.host_gb_per_s * 1e9, disk_bytes_per_s=args.disk_gb_per_s * 1e9)
 
 
 def run_all(args: argparse.Namespace, model: PerfModel) -> list[RunResult]:
     """Every policy on one configuration (the same requests for each)."""
     load_costs = load_costs_of(args)
     popularity = Popularity(args.adapters, args.skew, args.drift, args.drift_every_min, parse_rank_mix(args.rank_mix))
-    trace = load_trace(args.trace, args.max_requests, args.duration_min)
+    trace = load_trace(args.trace, args.max_requests, args.duration_min).capped(
+        args.max_prompt, args.max_output, min_output=1 if args.max_output is None else 2)
+    fixed = Slo(args.tpot_slo_ms / 1e3, args.ttft_slo_ms / 1e3) if args.tpot_slo_ms is not None else None
     requests = build_requests(trace, popularity, args.rate_scale, model, args.tpot_slo_factor,
-                              args.ttft_slo_factor, args.seed)
+                              args.ttft_slo_factor, args.seed, fixed)
     worker = WorkerConfig(max_batch=args.max_batch, kv_tokens=args.kv_tokens,
                           gpu_adapter_bytes=round(args.gpu_adapter_gib * GIB),
                           host_adapter_bytes=round(args.host_adapter_gib * GIB), loader_threads=args.loader_threads)

@@ -33,6 +33,12 @@ class Trace:
     def __len__(self) -> int:
         return len(self.arrival_s)
 
+    def capped(self, max_prompt: int | None, max_output: int | None, min_output: int = 1) -> Trace:
+        """Prompts and outputs bounded (a small demo model's runs: benchmarks/placement_live.py)."""
+        prompt = self.prompt if max_prompt is None else np.minimum(self.prompt, max_prompt)
+        output = self.output if max_output is None else np.clip(self.output, min_output, max_output)
+        return Trace(self.arrival_s, prompt, output)
+
 
 def load_trace(path: Path, max_requests: int | None = None, duration_min: float | None = None) -> Trace:
     """The first `max_requests` rows, or the first `duration_min` minutes, of an Azure-format CSV."""
@@ -115,9 +121,11 @@ def adapter_ranks(popularity: Popularity, seed: int) -> dict[str, int]:
 
 
 def build_requests(trace: Trace, popularity: Popularity, rate_scale: float, model: PerfModel,
-                   tpot_slo_factor: float, ttft_slo_factor: float, seed: int) -> list[SimRequest]:
+                   tpot_slo_factor: float, ttft_slo_factor: float, seed: int, fixed_slo: Slo | None = None
+                   ) -> list[SimRequest]:
     """Requests in arrival order. SLOs: a factor × what the request takes alone on an idle worker
-    (decode step at its prompt's context; prefill of its prompt), from the same perf model."""
+    (decode step at its prompt's context; prefill of its prompt), from the same perf model; or
+    `fixed_slo` for every request."""
     if rate_scale <= 0:
         raise ValueError(f"rate scale must be positive, got {rate_scale}")
     rng = np.random.default_rng(seed)
@@ -129,7 +137,7 @@ def build_requests(trace: Trace, popularity: Popularity, rate_scale: float, mode
         adapter, prompt = int(adapter_of[i]), int(trace.prompt[i])
         entry = BatchEntry(names[adapter], int(ranks_of[adapter]), prompt)
         alone = BatchSummary.of([entry])
-        slo = Slo(tpot_slo_factor * model.decode_s(alone), ttft_slo_factor * model.prefill_s(alone))
+        slo = fixed_slo or Slo(tpot_slo_factor * model.decode_s(alone), ttft_slo_factor * model.prefill_s(alone))
         requests.append(SimRequest(i, float(trace.arrival_s[i]) / rate_scale, prompt, int(trace.output[i]),
                                    entry.adapter, entry.rank, slo))
     return requests

@@ -166,6 +166,21 @@ def test_cli_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "0.5 GiB GPU / 2 GiB host adapter memory" in markdown and data["config"]["loader_threads"] == 1
 
 
+def test_a_live_runs_setting_caps_prompts_and_outputs_fixes_the_slo_and_sizes_adapters(tmp_path: Path) -> None:
+    """What benchmarks/placement_live.py's runs are simulated with: its prompt and output caps, one
+    absolute SLO for every request, and the demo adapters' bytes per rank."""
+    trace = load_trace(write_trace(tmp_path / "t.csv", 100, per_s=4.0)).capped(96, 8, min_output=2)
+    assert trace.prompt.max() <= 96 and 2 <= trace.output.min() and trace.output.max() <= 8
+    popularity = Popularity(20, 1.1, 0.2, drift_every_min=2.0, rank_mix=UNIFORM_RANKS)
+    requests = build_requests(trace, popularity, 4.0, MODEL, 1.5, 5.0, seed=0, fixed_slo=Slo(0.2, 0.5))
+    assert {r.slo for r in requests} == {Slo(0.2, 0.5)}
+    args = simulate_cluster.parse_args(["--adapter-mib-per-rank", "0.0707", "--tpot-slo-ms", "200",
+                                        "--ttft-slo-ms", "500"])
+    assert simulate_cluster.load_costs_of(args).adapter_bytes(64) == 64 * round(0.0707 * MIB)
+    with pytest.raises(SystemExit):
+        simulate_cluster.parse_args(["--tpot-slo-ms", "200"])  # one without the other
+
+
 def test_cli_rejects_a_missing_trace(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="not found"):
         simulate_cluster.main(["--trace", str(tmp_path / "none.csv"), "--quiet"])
