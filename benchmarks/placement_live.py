@@ -284,7 +284,7 @@ def simulator_argv(args: argparse.Namespace, sizes: dict[str, int], out: Path) -
     return ["--trace", str(args.trace), "--max-requests", str(args.requests), "--rate-scale", str(args.rate_scale),
             "--workers", str(args.workers), "--adapters", str(args.adapters), "--skew", str(args.skew),
             "--drift", str(args.drift), "--drift-every-min", str(args.drift_every_s * args.rate_scale / 60),
-            "--rank-mix", ",".join(f"{r}:1" for r in RANKS), "--adapter-mib-per-rank", f"{per_rank / 2**20:.5f}",
+            "--rank-mix", ",".join(f"{r}:1" for r in RANKS), "--adapter-mib-per-rank", str(per_rank / 2**20),
             "--gpu-adapter-gib", f"{args.gpu_adapter_bytes / 2**30:.6f}",
             "--host-adapter-gib", f"{args.host_adapter_bytes / 2**30:.6f}", "--host-copies", "0",  # on disk at start
             "--max-batch", "16",
