@@ -67,6 +67,7 @@ class RegistryCache:
         self._registry_ok = True
         self._refresh_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
         self._changed = asyncio.Event()  # the change feed asks for a refresh before the next periodic one
         self._refreshes = 0  # refreshes started so far
         # Adapters the change feed said were deleted -> how many refreshes had started by then: a
@@ -81,6 +82,9 @@ class RegistryCache:
                        asyncio.create_task(self._follow_changes(), name="registry-cache-changes")]
 
     async def close(self) -> None:
+        # The loops also stop on this flag: Python 3.11's wait_for drops a cancellation that lands as what
+        # it waits for completes (a change announced as the gateway closes), and the loop would go on.
+        self._closing = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -121,7 +125,7 @@ class RegistryCache:
         return True
 
     async def _refresh_forever(self) -> None:
-        while True:
+        while not self._closing:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self._refresh_s)
             self._changed.clear()
@@ -131,7 +135,7 @@ class RegistryCache:
         """Follow WatchCatalog: drop deleted adapters at once, and ask for a refresh on every change (and
         on each (re)subscription, which starts with an empty change: changes made while away are caught
         up). A slow refresh never holds up the next change."""
-        while True:
+        while not self._closing:
             try:
                 async for change in self._stub.WatchCatalog(registry_pb2.WatchCatalogRequest()):
                     self._remove_adapters(change.removed_adapters)
