@@ -46,6 +46,7 @@ DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "AzureLLMInferenceTrace_c
 RANKS = (8, 16, 32, 64)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 POLICIES = ("tessera", "most-idle", "least-loaded-lru")
+MAX_NUM_SEQS = 16  # each worker's
 
 
 def say(message: str) -> None:
@@ -83,7 +84,7 @@ def build_assets(root: Path, adapters: int, seed: int) -> tuple[Path, dict[str, 
 
 
 def register(env: dict[str, str], base: Path, adapters: dict[str, Path]) -> dict[str, int]:
-    """The base model and adapters in the registry's database (idempotent); -> each adapter's bytes."""
+    """The base model and adapters in the registry's database (idempotent); -> each of these adapters' bytes."""
     store = RegistryStore.from_config(load_config(environ=env))
     try:
         if DEMO_BASE_MODEL not in {m.name for m in store.list_base_models()}:
@@ -92,7 +93,7 @@ def register(env: dict[str, str], base: Path, adapters: dict[str, Path]) -> dict
         for name, directory in adapters.items():
             if name not in known:
                 store.register_adapter(name, DEMO_BASE_MODEL, str(directory))
-        return {a.name: a.size_bytes for a in store.list_adapters()}
+        return {a.name: a.size_bytes for a in store.list_adapters() if a.name in adapters}
     finally:
         store.close()
 
@@ -184,7 +185,7 @@ def run_env(home: Path, workers: int, policy: str, args: argparse.Namespace) -> 
         "TESSERA_LAUNCHER__WORKERS": str(workers),
         "TESSERA_WORKER__BASE_MODEL": DEMO_BASE_MODEL,
         "TESSERA_WORKER__CPU_LORA_WORKERS": "0",
-        "TESSERA_WORKER__MAX_NUM_SEQS": "16",
+        "TESSERA_WORKER__MAX_NUM_SEQS": str(MAX_NUM_SEQS),
         "TESSERA_WORKER__ADAPTER_GPU_BYTES": str(args.gpu_adapter_bytes),
         "TESSERA_WORKER__ADAPTER_HOST_BYTES": str(args.host_adapter_bytes),
         "TESSERA_WORKER__DEFAULT_TPOT_SLO_MS": str(args.tpot_slo_ms),
@@ -287,7 +288,7 @@ def simulator_argv(args: argparse.Namespace, sizes: dict[str, int], out: Path) -
             "--rank-mix", ",".join(f"{r}:1" for r in RANKS), "--adapter-mib-per-rank", str(per_rank / 2**20),
             "--gpu-adapter-gib", f"{args.gpu_adapter_bytes / 2**30:.6f}",
             "--host-adapter-gib", f"{args.host_adapter_bytes / 2**30:.6f}", "--host-copies", "0",  # on disk at start
-            "--max-batch", "16",
+            "--max-batch", str(MAX_NUM_SEQS),
             "--max-prompt", str(args.max_prompt), "--max-output", str(args.max_output),
             "--tpot-slo-ms", str(args.tpot_slo_ms), "--ttft-slo-ms", str(args.ttft_slo_ms),
             "--perf-model", str(perf_model_path(f"cpu-{DEMO_BASE_MODEL}")), "--policies", args.policies,
