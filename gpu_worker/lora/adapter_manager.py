@@ -357,11 +357,15 @@ class AdapterManager:
             return False
         key = ref.sha256
         in_host = self._tiers.tier(key) is not Tier.DISK
-        if not in_host and not self._tiers.room_for(
-                key, Tier.HOST, self.host_pages.rounded(self._memory.bytes_at_rank(ref.rank))):
+        if not in_host and not self._tiers.room_for(key, Tier.HOST, self._host_reservation(ref)):
             return False
         return tier is Tier.HOST or self._tiers.room_for(
             key, Tier.GPU, self._tiers.gpu_size(key) if in_host else self._memory.bytes_at_rank(ref.rank))
+
+    def _host_reservation(self, ref: AdapterRef) -> int:
+        """Host bytes a read of `ref` reserves: the most an adapter of its rank can take (the read tells its
+        true size)."""
+        return self.host_pages.rounded(self._memory.bytes_at_rank(ref.rank))
 
     def _want(self, key: str, version: _Version) -> None:
         """Something now waits for `version` on the GPU: start its next load."""
@@ -397,9 +401,7 @@ class AdapterManager:
             return
         if version.host is None:
             if self._tiers.tier(key) is Tier.DISK:
-                # Room for the most an adapter of its rank can take; the read tells its true size.
-                reserved = self.host_pages.rounded(self._memory.bytes_at_rank(version.ref.rank))
-                evicted = self._tiers.place_in_host(key, reserved)
+                evicted = self._tiers.place_in_host(key, self._host_reservation(version.ref))
                 if evicted is None:
                     return  # host memory is all pinned: a later pass tries again
                 for victim in evicted:  # gone from both tiers

@@ -73,7 +73,7 @@ class PlacementPlan:
 @dataclass(frozen=True)
 class PlanLimits:
     # Defaults: the 60-worker simulation's setting (docs/benchmarks/routing.md). Planned replicas are
-    # preloads, evictable first, so a full plan never keeps a request's own load out.
+    # preloads, never pinned, so a full plan never keeps a request's own load out.
     gpu_share: float = 0.9   # of each worker's GPU tier the plan may fill; the rest serves on-demand loads
     host_share: float = 0.5  # of each host tier, beyond its GPU replicas' copies
     min_rate: float = 0.0    # requests/s below which an adapter is cold whatever the room
