@@ -44,7 +44,7 @@ def worker_state(address: str, message: worker_pb2.WorkerState, tightest_tpot_sl
         host_adapters=gpu | frozenset(message.host_adapters), gpu_adapter_slots=message.gpu_adapter_slots,
         max_batch=message.max_batch, free_kv_tokens=message.free_kv_tokens,
         tightest_tpot_slo_s=tightest_tpot_slo_s, timestamp=timestamp,
-        loading_adapters=frozenset(message.loading_adapters) - gpu)
+        loading_adapters=frozenset(message.loading_adapters) - gpu, gpu_victim_rate=message.gpu_victim_rate)
 
 
 def _entries(loads: Iterable[worker_pb2.LoadEntry]) -> tuple[BatchEntry, ...]:

@@ -105,6 +105,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object] | None] = queue.SimpleQueue()
         self._step = 0
         self._generated_total = 0
+        self._busy_s = 0.0  # steps' launch-to-tokens time, overlaps counted once (EngineStats.busy_seconds_total)
+        self._last_step_done = 0.0
         self._adapter_requests: collections.Counter[str] = collections.Counter()  # by adapter name, since start
         self._async_scheduling = async_scheduling
         self._launched: _LaunchedStep | None = None  # the step on the device whose tokens are not taken yet
@@ -299,7 +301,10 @@ class Engine:
                 self._release(seq)  # its blocks serve the next step already
             self._streams.push(seq, token, token_logprobs)
         self._step += 1
-        duration_s = time.perf_counter() - launched.started
+        done = time.perf_counter()
+        duration_s = done - launched.started
+        self._busy_s += done - max(launched.started, self._last_step_done)  # the next step launched before this one ended
+        self._last_step_done = done
         self._scheduler.cold_start.observe_step(duration_s)
         if self._on_step is not None:
             batch, seqs = launched.batch, [item.seq for item in launched.batch.items]
@@ -348,4 +353,4 @@ class Engine:
     def _snapshot(self) -> EngineStats:
         encoder = self._runner.image_encoder
         return snapshot(self._scheduler, self._adapters, encoder.cache if encoder is not None else None,
-                        self._generated_total, self._runner.cpu_lora, self._adapter_requests)
+                        self._generated_total, self._busy_s, self._runner.cpu_lora, self._adapter_requests)

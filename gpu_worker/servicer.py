@@ -160,7 +160,7 @@ def worker_stats(engine: Engine) -> common_pb2.WorkerStats:
         running_requests=s.running_requests, waiting_requests=s.waiting_requests,
         running_ranks=list(s.running_ranks), resident_adapters=list(s.resident_adapters),
         free_kv_tokens=s.free_kv_tokens, adapter_slots=s.adapter_slots,
-        generated_tokens_total=s.generated_tokens_total,
+        generated_tokens_total=s.generated_tokens_total, busy_seconds_total=s.busy_seconds_total,
         prefix_cache_hit_tokens_total=s.prefix_cache_hit_tokens_total,
         prefix_cache_query_tokens_total=s.prefix_cache_query_tokens_total,
         prefix_cache_blocks=s.prefix_cache_blocks,

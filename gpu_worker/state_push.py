@@ -33,7 +33,8 @@ class StateSource:
             base_model=self.engine.base_model, perf_model=self.perf_model.kind,
             running=[_entry(e) for e in s.running_load], queued=[_entry(e) for e in s.waiting_load],
             gpu_adapters=tiers.gpu_adapters, host_adapters=tiers.host_adapters,
-            loading_adapters=tiers.loading_adapters, gpu_adapter_slots=s.adapter_slots,
+            loading_adapters=tiers.loading_adapters, gpu_victim_rate=tiers.gpu_victim_rate,
+            gpu_adapter_slots=s.adapter_slots,
             max_batch=self.max_batch, free_kv_tokens=s.free_kv_tokens)
 
     async def watch(self, interval_ms: int) -> AsyncIterator[worker_pb2.WorkerState]:

@@ -38,6 +38,7 @@ class EngineStats:
     adapter_slots: int
     pinned_adapters: int    # adapter pins held by live requests (one each, from arrival to end)
     generated_tokens_total: int
+    busy_seconds_total: float  # wall time a step was on the device (async steps' overlap counted once)
     adapters: AdapterTierStats  # the adapter tiers: residency by tier, bytes, loads, hits, evictions
     prefix_cache_hit_tokens_total: int = 0  # prompt tokens whose K/V came from the prefix cache
     prefix_cache_query_tokens_total: int = 0  # tokens of sequences admitted with prefix caching on
@@ -59,7 +60,7 @@ class EngineStats:
 
 
 def snapshot(scheduler: Scheduler, adapters: AdapterManager, image_cache: ImageFeatureCache | None,
-             generated_tokens_total: int, cpu_lora: CpuLoraPool | None = None,
+             generated_tokens_total: int, busy_seconds_total: float, cpu_lora: CpuLoraPool | None = None,
              adapter_requests_total: dict[str, int] | None = None) -> EngineStats:
     """The stats now; `image_cache` is None for a text model, `cpu_lora` without CPU LoRA workers."""
     running, blocks = scheduler.running, scheduler.blocks
@@ -75,6 +76,7 @@ def snapshot(scheduler: Scheduler, adapters: AdapterManager, image_cache: ImageF
         adapter_slots=adapters.num_slots,
         pinned_adapters=tiers.pinned,
         generated_tokens_total=generated_tokens_total,
+        busy_seconds_total=busy_seconds_total,
         prefix_cache_hit_tokens_total=blocks.prefix_hit_tokens,
         prefix_cache_query_tokens_total=blocks.prefix_query_tokens,
         prefix_cache_blocks=blocks.num_cached_blocks,

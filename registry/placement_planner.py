@@ -3,7 +3,8 @@ out by the workers as preloads.
 
 Each pass, per base model: the requests each adapter brought every healthy worker since the last pass
 (their heartbeats carry counts since each worker's start) feed a decayed `Popularity`; the plan
-(services/common/scheduling/placement.py) puts hot adapters' replicas on workers' GPUs, warm adapters in
+(services/common/scheduling/placement.py) puts hot adapters' replicas on workers' GPUs (as many as their
+share of the workers' busy time since the last pass calls for), warm adapters in
 host memory and leaves cold ones on disk, within a planned share of each worker's tiers (the budgets its
 heartbeats report), keeping adapters where they are held; it is stored (RegistryStore.
 replace_planned_placements) and goes to each worker with its heartbeat answers. An operator's order on the
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from registry.records import PlacementInputs
 from registry.store import RegistryStore
-from services.common.scheduling.placement import (PlacementPlan, PlanLimits, Popularity, WorkerRoom,
+from services.common.scheduling.placement import (BusyTime, PlacementPlan, PlanLimits, Popularity, WorkerRoom,
                                                   plan_placement)
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class PlacementPlanner:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._store, self._limits, self._half_life_s, self._clock = store, limits, half_life_s, clock
         self._popularity: dict[str, Popularity] = {}
+        self._busy: dict[str, BusyTime] = {}  # by base model: its workers' busy time between passes
         self._seen: dict[tuple[str, str], int] = {}  # (worker id, adapter) -> its request count at the last pass
         self._plans: dict[str, PlacementPlan] = {}
 
@@ -54,11 +56,13 @@ class PlacementPlanner:
         popularity = self._popularity.setdefault(base_model, Popularity(self._half_life_s))
         self._count_requests(inputs, popularity, now, first_pass)
         rates = popularity.rates(now)
+        busy_workers = self._busy.setdefault(base_model, BusyTime()).busy_workers(
+            {w.worker_id: float(w.stats.get("busy_seconds_total", 0.0)) for w in inputs.workers}, now)
         # A CPU worker's "GPU" tier is host memory too: a host copy would save it nothing, so none is planned.
         rooms = [WorkerRoom(w.address, int(w.stats.get("adapter_gpu_bytes", 0)),
                             0 if w.device.partition(":")[0] == "cpu" else int(w.stats.get("adapter_host_bytes", 0)))
                  for w in inputs.workers]
-        plan = plan_placement(rates, inputs.sizes, rooms, inputs.on_gpu, self._limits, inputs.in_host)
+        plan = plan_placement(rates, inputs.sizes, rooms, inputs.on_gpu, self._limits, inputs.in_host, busy_workers)
         moves = plan.moves(self._plans.get(base_model, PlacementPlan()))
         self._plans[base_model] = plan
         self._store.replace_planned_placements(base_model, plan.gpu, plan.host, rates)

@@ -23,7 +23,8 @@ from benchmarks.cluster_sim.workload import SimRequest
 from services.common.scheduling.adapter_tiers import LoadCosts, Tier
 from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
 from services.common.scheduling.perf_model import PerfModel
-from services.common.scheduling.placement import PlacementPlan, PlanLimits, Popularity, WorkerRoom, plan_placement
+from services.common.scheduling.placement import (BusyTime, PlacementPlan, PlanLimits, Popularity, WorkerRoom,
+                                                  plan_placement)
 from gateway.scheduling.policies import Policy, RoutingRequest
 from gateway.scheduling.worker_state import WorkerStateTable
 
@@ -168,9 +169,12 @@ def simulate(requests: Sequence[SimRequest], adapters: Mapping[str, int], policy
         rooms = [WorkerRoom(address, config.worker.gpu_adapter_bytes, config.worker.host_adapter_bytes)
                  for address in workers]
         last = PlacementPlan()
+        busy = BusyTime()
+        busy.busy_workers({address: 0.0 for address in workers}, 0.0)
 
         def replan(t: float) -> None:
             nonlocal last, moves
+            busy_workers = busy.busy_workers({w.address: w.busy_s for w in workers.values()}, t)
             on_gpu: dict[str, list[str]] = {}
             in_host: dict[str, list[str]] = {}
             for worker in workers.values():
@@ -180,7 +184,7 @@ def simulate(requests: Sequence[SimRequest], adapters: Mapping[str, int], policy
                 for adapter in host:
                     in_host.setdefault(adapter, []).append(worker.address)
             rates = popularity.rates(t)
-            plan = plan_placement(rates, sizes, rooms, on_gpu, placement.limits, in_host)
+            plan = plan_placement(rates, sizes, rooms, on_gpu, placement.limits, in_host, busy_workers)
             for worker in workers.values():
                 gpu, host = plan.on_worker(worker.address)  # each GPU replica expects its share of the rate
                 worker.place([(a, adapters[a], rates[a] / len(plan.gpu[a])) for a in gpu],

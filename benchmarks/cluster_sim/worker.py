@@ -212,7 +212,9 @@ class SimWorker:
 
     def report(self, now: float) -> WorkerState:
         if self._last_report is not None and self._last_report[0] == self._events:
-            return dataclasses.replace(self._last_report[1], timestamp=now)  # nothing changed: a heartbeat
+            # Nothing changed but time: a heartbeat, with the victim's rate decayed to now.
+            return dataclasses.replace(self._last_report[1], timestamp=now,
+                                       gpu_victim_rate=self._tiers.gpu_victim_rate(now))
         running = [BatchEntry(l.req.adapter, l.req.rank, l.req.prompt + self._step - l.admitted_step)
                    for l in self._running.values()]
         running += [BatchEntry(l.req.adapter, l.req.rank, l.req.prompt) for l in self._prefilling]
@@ -223,7 +225,8 @@ class SimWorker:
             running=tuple(running), queued=queued,
             gpu_adapters=self._tiers.gpu_adapters, host_adapters=self._tiers.host_adapters,
             gpu_adapter_slots=self._gpu_adapter_slots, max_batch=self._config.max_batch,
-            free_kv_tokens=self._kv_free, tightest_tpot_slo_s=min(slos, default=None), timestamp=now)
+            free_kv_tokens=self._kv_free, tightest_tpot_slo_s=min(slos, default=None), timestamp=now,
+            gpu_victim_rate=self._tiers.gpu_victim_rate(now))
         self._last_report = (self._events, state)
         return state
 

@@ -4,6 +4,8 @@ For a request r and a worker w (its reported batch B = running + queued, plus ou
   cost(w) = prefill(r) / E[output] + (decode(B + r) - decode(B))   what r adds to every step of w
           + load(tier of r's adapter on w)                          GPU 0, host ~ms, disk ~100 ms;
                                                                     what is left of a load under way
+          + eviction(w)                                             if r's adapter must come onto w's
+                                                                    full GPU tier: what its victim loses
           + PENALTY                                                 if r, or the tightest SLO already
                                                                     on w, would miss its SLO there
 and the cheapest worker wins. Predicted time per token on w with r:
@@ -24,9 +26,18 @@ the SLO, a thinner margin (default 0.98: with the registry's placement, the 60-w
 setting that keeps >= 99% within SLO and 0.949-0.967 of the hit-rate ceiling at Zipf 0.8, 1.1 and 1.4,
 docs/benchmarks/routing.md): r leaves it only when its SLO all but breaks there. An
 adapter with several holders still spills at the margin: that is how hot adapters' replicas multiply.
+A cache miss costs more than its own load: on a full GPU tier it evicts the worker's coldest adapter,
+whose next request there misses in turn. Each worker reports that victim's expected rate λ
+(AdapterTiers.gpu_victim_rate), and a miss on w is charged a load from disk times the chance the victim
+is requested within `victim_horizon_s`, 1 - exp(-λ · horizon). Without it a miss goes where r adds the
+least to the steps, a worker already running (on an idle one r's first step pays the whole step), so
+at light load the busy workers' tiers churn while the idle ones' sit unused; with it misses go where
+the coldest adapters are, as one cluster-wide LFU would (docs/benchmarks/routing.md).
 """
 
 from __future__ import annotations
+
+import math
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -65,18 +76,22 @@ class TesseraPolicy:
     name = "tessera"
 
     def __init__(self, models: Mapping[str, PerfModel], load_costs: LoadCosts, headroom: float = 0.85,
-                 sole_holder_headroom: float = 0.98) -> None:
+                 sole_holder_headroom: float = 0.98, victim_horizon_s: float = 60.0) -> None:
         """`models`: each worker kind's performance model, read when a worker is priced, so models added
         later (those workers report: gateway/state_feed.py) price theirs; a worker is priced with its own
         kind's model only (the state feed routes no worker whose kind has none).
         `sole_holder_headroom`: the share of the SLO the prediction may use on the only worker that
-        holds the request's adapter on its GPU (see the module docstring)."""
+        holds the request's adapter on its GPU (see the module docstring).
+        `victim_horizon_s`: how far ahead an evicted adapter's lost requests count (the workers' LFU
+        half-life by default: what their eviction already looks back over)."""
         assert 0 < headroom <= 1, "headroom is the fraction of the SLO the prediction may use"
         assert headroom <= sole_holder_headroom <= 1, "a sole holder's margin lies between headroom's and none"
+        assert victim_horizon_s >= 0
         self._models = models
         self._load_costs = load_costs
         self.headroom = headroom
         self.sole_holder_headroom = sole_holder_headroom
+        self.victim_horizon_s = victim_horizon_s
         self._rotation = Rotation()
 
     def model_for(self, kind: str) -> PerfModel:
@@ -107,7 +122,7 @@ class TesseraPolicy:
     def cost(self, request: RoutingRequest, worker: WorkerState, own_prefill_s: float, headroom: float) -> float:
         """`headroom`: the share of the SLO the prediction may use on `worker` (`choose` picks it)."""
         predicted = self.predict(request, worker, own_prefill_s)
-        cost = predicted.added_s
+        cost = predicted.added_s + self.eviction_cost_s(request, worker)
         tightest = worker.tightest_tpot_slo_s
         tpot_slo = request.slo.tpot_s if tightest is None else min(request.slo.tpot_s, tightest)
         overshoot = max(predicted.tpot_s / tpot_slo, predicted.ttft_s / request.slo.ttft_s) / headroom
@@ -116,3 +131,13 @@ class TesseraPolicy:
         if overshoot > 1 or not room:
             cost += PENALTY_S * (1 + overshoot)  # among bad choices, the least bad
         return cost
+
+    def eviction_cost_s(self, request: RoutingRequest, worker: WorkerState) -> float:
+        """What bringing `request`'s adapter onto `worker`'s GPU costs the adapter it evicts there: a load
+        from disk, in the chance that adapter is requested within the horizon (0 for a hit, a load under
+        way, or a free slot). Priced as from disk, not from the host copy it keeps: priced by the copy, the
+        term recovered less than half the hits in the live benchmark's setting (docs/benchmarks/routing.md)."""
+        if request.adapter in worker.gpu_adapters or request.adapter in worker.loading_adapters:
+            return 0.0
+        lost = 1.0 - math.exp(-worker.gpu_victim_rate * self.victim_horizon_s)
+        return lost * self._load_costs.load_s(Tier.DISK, request.rank)

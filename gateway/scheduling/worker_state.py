@@ -36,6 +36,9 @@ class WorkerState:
     # On their way to the GPU (disk -> host, or host -> GPU), not usable yet: priced by what is left
     # of their load (tessera_policy.adapter_load_s).
     loading_adapters: frozenset[str] = frozenset()
+    # Requests/s expected of the adapter that one more GPU placement would evict (0: a free slot): what a
+    # cache miss routed here costs the worker's other adapters (AdapterTiers.gpu_victim_rate).
+    gpu_victim_rate: float = 0.0
 
     @property
     def load(self) -> int:

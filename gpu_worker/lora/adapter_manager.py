@@ -328,6 +328,7 @@ class AdapterManager:
             gpu_adapters=tuple(p.name for p in newest if p.tier is Tier.GPU),
             host_adapters=tuple(p.name for p in newest if p.tier is not Tier.DISK),
             loading_adapters=tuple(p.name for p in newest if p.loading), placements=placements,
+            gpu_victim_rate=tiers.gpu_victim_rate(self._clock()),
             gpu_versions=len(tiers.gpu_adapters), host_versions=len(tiers.host_adapters),
             gpu_bytes=tiers.gpu_used, host_bytes=tiers.host_used, gpu_capacity_bytes=tiers.gpu_bytes,
             host_capacity_bytes=tiers.host_bytes, pinned=sum(v.requests for v in self._versions.values()),

@@ -58,6 +58,7 @@ class AdapterTierStats:
     gpu_adapters: tuple[str, ...] = ()      # usable on the GPU now
     host_adapters: tuple[str, ...] = ()     # in host memory (the GPU ones included: the tier is inclusive)
     loading_adapters: tuple[str, ...] = ()  # on their way: disk -> host, or host -> GPU
+    gpu_victim_rate: float = 0.0            # requests/s of what one more GPU load would evict (AdapterTiers)
     # By version (every adapter version held, old ones that in-flight requests still use included).
     gpu_versions: int = 0
     host_versions: int = 0

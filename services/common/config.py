@@ -45,13 +45,13 @@ class RegistryConfig:
     deleted_files_grace_s: float = 600.0
     # ROCK's placement (registry/placement_planner.py): every placement_interval_s (0: never), adapters are
     # placed by popularity (requests/s with this half-life): the hot ones' replicas on workers' GPUs (times
-    # placement_replica_factor their traffic share of the workers), warm ones in host memory, the rest on
+    # placement_replica_factor their traffic share of the workers' busy time), warm ones in host memory, the rest on
     # disk, within these shares of each worker's GPU and host adapter tiers.
     placement_interval_s: float = 30.0
     placement_half_life_s: float = 60.0
     placement_gpu_share: float = 0.9
     placement_host_share: float = 0.5
-    placement_replica_factor: float = 8.0
+    placement_replica_factor: float = 20.0
 
 
 @dataclasses.dataclass(slots=True)

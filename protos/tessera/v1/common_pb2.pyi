@@ -178,7 +178,7 @@ class Adapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., storage_path: _Optional[str] = ..., created_unix: _Optional[int] = ..., task_head_json: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "running_ranks", "resident_adapters", "free_kv_tokens", "adapter_slots", "generated_tokens_total", "prefix_cache_hit_tokens_total", "prefix_cache_query_tokens_total", "prefix_cache_blocks", "prefix_cache_evicted_blocks_total", "image_cache_hits_total", "image_cache_misses_total", "image_cache_evictions_total", "image_cache_entries", "image_cache_bytes", "image_cache_capacity_bytes", "adapter_gpu_bytes", "adapter_host_bytes", "adapter_requests_total")
+    __slots__ = ("running_requests", "waiting_requests", "running_ranks", "resident_adapters", "free_kv_tokens", "adapter_slots", "generated_tokens_total", "prefix_cache_hit_tokens_total", "prefix_cache_query_tokens_total", "prefix_cache_blocks", "prefix_cache_evicted_blocks_total", "image_cache_hits_total", "image_cache_misses_total", "image_cache_evictions_total", "image_cache_entries", "image_cache_bytes", "image_cache_capacity_bytes", "adapter_gpu_bytes", "adapter_host_bytes", "adapter_requests_total", "busy_seconds_total")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class WorkerStats(_message.Message):
     ADAPTER_GPU_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     running_ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -219,7 +220,8 @@ class WorkerStats(_message.Message):
     adapter_gpu_bytes: int
     adapter_host_bytes: int
     adapter_requests_total: _containers.RepeatedCompositeFieldContainer[AdapterRequests]
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., running_ranks: _Optional[_Iterable[int]] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., free_kv_tokens: _Optional[int] = ..., adapter_slots: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., prefix_cache_query_tokens_total: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_evicted_blocks_total: _Optional[int] = ..., image_cache_hits_total: _Optional[int] = ..., image_cache_misses_total: _Optional[int] = ..., image_cache_evictions_total: _Optional[int] = ..., image_cache_entries: _Optional[int] = ..., image_cache_bytes: _Optional[int] = ..., image_cache_capacity_bytes: _Optional[int] = ..., adapter_gpu_bytes: _Optional[int] = ..., adapter_host_bytes: _Optional[int] = ..., adapter_requests_total: _Optional[_Iterable[_Union[AdapterRequests, _Mapping]]] = ...) -> None: ...
+    busy_seconds_total: float
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., running_ranks: _Optional[_Iterable[int]] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., free_kv_tokens: _Optional[int] = ..., adapter_slots: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., prefix_cache_hit_tokens_total: _Optional[int] = ..., prefix_cache_query_tokens_total: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_evicted_blocks_total: _Optional[int] = ..., image_cache_hits_total: _Optional[int] = ..., image_cache_misses_total: _Optional[int] = ..., image_cache_evictions_total: _Optional[int] = ..., image_cache_entries: _Optional[int] = ..., image_cache_bytes: _Optional[int] = ..., image_cache_capacity_bytes: _Optional[int] = ..., adapter_gpu_bytes: _Optional[int] = ..., adapter_host_bytes: _Optional[int] = ..., adapter_requests_total: _Optional[_Iterable[_Union[AdapterRequests, _Mapping]]] = ..., busy_seconds_total: _Optional[float] = ...) -> None: ...
 
 class AdapterRequests(_message.Message):
     __slots__ = ("adapter", "requests")

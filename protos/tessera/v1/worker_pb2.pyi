@@ -48,7 +48,7 @@ class LoadEntry(_message.Message):
     def __init__(self, adapter: _Optional[str] = ..., rank: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("base_model", "perf_model", "running", "queued", "gpu_adapters", "host_adapters", "gpu_adapter_slots", "max_batch", "free_kv_tokens", "loading_adapters", "perf_model_spec")
+    __slots__ = ("base_model", "perf_model", "running", "queued", "gpu_adapters", "host_adapters", "gpu_adapter_slots", "max_batch", "free_kv_tokens", "loading_adapters", "perf_model_spec", "gpu_victim_rate")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     PERF_MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class WorkerState(_message.Message):
     FREE_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOADING_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     PERF_MODEL_SPEC_FIELD_NUMBER: _ClassVar[int]
+    GPU_VICTIM_RATE_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     perf_model: str
     running: _containers.RepeatedCompositeFieldContainer[LoadEntry]
@@ -71,4 +72,5 @@ class WorkerState(_message.Message):
     free_kv_tokens: int
     loading_adapters: _containers.RepeatedScalarFieldContainer[str]
     perf_model_spec: str
-    def __init__(self, base_model: _Optional[str] = ..., perf_model: _Optional[str] = ..., running: _Optional[_Iterable[_Union[LoadEntry, _Mapping]]] = ..., queued: _Optional[_Iterable[_Union[LoadEntry, _Mapping]]] = ..., gpu_adapters: _Optional[_Iterable[str]] = ..., host_adapters: _Optional[_Iterable[str]] = ..., gpu_adapter_slots: _Optional[int] = ..., max_batch: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., loading_adapters: _Optional[_Iterable[str]] = ..., perf_model_spec: _Optional[str] = ...) -> None: ...
+    gpu_victim_rate: float
+    def __init__(self, base_model: _Optional[str] = ..., perf_model: _Optional[str] = ..., running: _Optional[_Iterable[_Union[LoadEntry, _Mapping]]] = ..., queued: _Optional[_Iterable[_Union[LoadEntry, _Mapping]]] = ..., gpu_adapters: _Optional[_Iterable[str]] = ..., host_adapters: _Optional[_Iterable[str]] = ..., gpu_adapter_slots: _Optional[int] = ..., max_batch: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., loading_adapters: _Optional[_Iterable[str]] = ..., perf_model_spec: _Optional[str] = ..., gpu_victim_rate: _Optional[float] = ...) -> None: ...

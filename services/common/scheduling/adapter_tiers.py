@@ -117,6 +117,19 @@ class AdapterTiers:
         seats_short = 0 if self.gpu_max_adapters is None else max(0, len(self._gpu) + 1 - self.gpu_max_adapters)
         return self._make_room(self.gpu_bytes - self.gpu_used, nbytes, colder, self.gpu_size, seats_short) is not None
 
+    def gpu_victim_rate(self, now: float) -> float:
+        """The requests/s expected here of the adapter that the next GPU placement would evict first: what
+        placing one more adapter on this GPU costs the others (the router weighs it, gateway/scheduling/
+        tessera_policy.py). 0 while the tier has a free seat and the bytes of the biggest adapter it holds,
+        or holds nothing it could evict."""
+        biggest = max((self.gpu_size(a) for a in self._gpu), default=0)
+        seat_free = self.gpu_max_adapters is None or len(self._gpu) < self.gpu_max_adapters
+        unpinned = [a for a in self._gpu if a not in self._pins]
+        if (seat_free and self.gpu_bytes - self.gpu_used >= biggest) or not unpinned:
+            return 0.0
+        record = self._records.get(min(unpinned, key=self._keep))
+        return 0.0 if record is None else self._eviction.rate(record, now)
+
     def pin(self, adapter: str) -> None:
         self._pins[adapter] = self._pins.get(adapter, 0) + 1
 

@@ -26,6 +26,10 @@ class Eviction(Protocol):
         expectation, weighed against the records of what it would displace)."""
         ...
 
+    def rate(self, record: Record, now: float) -> float:
+        """The requests/s an adapter with `record` is expected to get from `now` on (the inverse of `expected`)."""
+        ...
+
 
 class LFUDecay:
     """Access count with exponential decay: score(now) = Σ_accesses 2^(-(now - t) / half_life)."""
@@ -44,10 +48,17 @@ class LFUDecay:
         # Σ_k 2^(-k / (rate · half_life)) over accesses 1/rate apart ≈ rate · half_life / ln 2.
         return rate * self._half_life_s / math.log(2), now
 
+    def rate(self, record: Record, now: float) -> float:
+        score, at = record
+        return score * 2.0 ** (-(now - at) / self._half_life_s) * math.log(2) / self._half_life_s
+
     def keep(self, record: Record) -> float:
         # log2 of the score brought to a common time: the order of scores at any `now`, without `now`.
         score, at = record
         return math.log2(score) + at / self._half_life_s
+
+
+MIN_GAP_S = 1e-3  # an access this recent reads as 1,000 requests/s: the rate of one just touched stays finite
 
 
 class LRU:
@@ -56,6 +67,9 @@ class LRU:
 
     def expected(self, rate: float, now: float) -> Record:
         return 1.0, now - 1.0 / rate  # the mean time since the last of steady arrivals at `rate`
+
+    def rate(self, record: Record, now: float) -> float:
+        return 1.0 / max(now - record[1], MIN_GAP_S)
 
     def keep(self, record: Record) -> float:
         return record[1]

@@ -2,7 +2,8 @@
 
 `Popularity` keeps each adapter's request rate, decayed with a half-life, from the requests seen.
 `plan_placement` turns the rates into a plan: hot adapters (the most requested, while the GPU tiers'
-planned share has room) get GPU replicas on as many workers as their share of the traffic calls for,
+planned share has room) get GPU replicas on as many workers as their share of the work calls for (their
+traffic share of the workers' busy time),
 warm ones (the next, while the host tiers' planned share has room) a copy in a worker's host memory,
 and the rest (cold) stay on disk, loaded on demand. Only part of each tier is planned: the rest is the
 workers' own, for the loads requests bring, under their own eviction. A plan keeps an adapter where it is
@@ -45,6 +46,26 @@ class Popularity:
             self._at = now
 
 
+class BusyTime:
+    """How many workers' worth of time the workers spent stepping since the last reading, from their
+    busy-seconds counters (each since its start). A worker's first reading, or a counter that went down
+    (a restart), counts from the next reading on."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, float]] = {}  # worker -> (its counter, when read)
+
+    def busy_workers(self, counters: Mapping[str, float], now: float) -> float:
+        busy = 0.0
+        for worker, counter in counters.items():
+            last = self._last.get(worker)
+            if last is not None and counter >= last[0] and now > last[1]:
+                busy += min(1.0, (counter - last[0]) / (now - last[1]))
+            self._last[worker] = (counter, now)
+        for gone in self._last.keys() - counters.keys():
+            del self._last[gone]
+        return busy
+
+
 @dataclass(frozen=True)
 class WorkerRoom:
     name: str
@@ -77,24 +98,31 @@ class PlanLimits:
     gpu_share: float = 0.9   # of each worker's GPU tier the plan may fill; the rest serves on-demand loads
     host_share: float = 0.5  # of each host tier, beyond its GPU replicas' copies
     min_rate: float = 0.0    # requests/s below which an adapter is cold whatever the room
-    replica_factor: float = 8.0  # GPU replicas per worker's worth of traffic share (more: holders to spare)
+    # GPU replicas per busy worker's worth of traffic share (more: holders to spare). 20 in the 60-worker
+    # simulation, whose workers are 50-72% busy: about the replicas that 8 per worker's worth gave there.
+    replica_factor: float = 20.0
 
     def __post_init__(self) -> None:
         assert 0 <= self.gpu_share <= 1 and 0 <= self.host_share <= 1 and self.min_rate >= 0
 
 
-def replicas_for(rate: float, total_rate: float, workers: int, factor: float = 1.0) -> int:
-    """GPU replicas of an adapter with `rate` of the `total_rate`: `factor` times its share of the workers,
-    one at least."""
-    return max(1, min(workers, math.ceil(factor * workers * rate / total_rate))) if total_rate > 0 else 1
+def replicas_for(rate: float, total_rate: float, workers: int, busy_workers: float, factor: float = 1.0) -> int:
+    """GPU replicas of an adapter with `rate` of the `total_rate`: `factor` times its share of the work, the
+    `busy_workers` (the workers' busy fractions summed), one at least and one per worker at most. So an idle
+    cluster keeps one copy of each adapter, whose GPU room then holds more different adapters, and a busy one
+    spreads its hot adapters' traffic."""
+    if total_rate <= 0:
+        return 1
+    return max(1, min(workers, math.ceil(factor * busy_workers * rate / total_rate)))
 
 
 def plan_placement(rates: Mapping[str, float], sizes: Mapping[str, int], workers: Iterable[WorkerRoom],
                    held: Mapping[str, Iterable[str]] | None = None, limits: PlanLimits = PlanLimits(),
-                   in_host: Mapping[str, Iterable[str]] | None = None) -> PlacementPlan:
+                   in_host: Mapping[str, Iterable[str]] | None = None, busy_workers: float | None = None) -> PlacementPlan:
     """Hot, warm and cold adapters, most requested first. `sizes`: each adapter's bytes in a tier;
     `held`: adapter -> workers holding it on the GPU now, `in_host`: in host memory (preferred for its
-    replicas and its copy, so plans move little and load from host memory where they do).
+    replicas and its copy, so plans move little and load from host memory where they do). `busy_workers`:
+    how many workers' worth of time they spent stepping lately (None: all of them, a cluster at full load).
     Coverage before replicas: every adapter gets one GPU replica, most requested first, while the planned
     GPU share has room, and only the room left takes the hot ones' further replicas; so tight tiers hold as
     many different adapters as they can, and roomy ones also spread the hot adapters' traffic."""
@@ -130,7 +158,8 @@ def plan_placement(rates: Mapping[str, float], sizes: Mapping[str, int], workers
         covered += 1
     gpu = {a: ws for a, ws in gpu.items() if ws}  # the first adapter that found no room
     for adapter in ranked[:covered]:
-        want = replicas_for(rates[adapter], total, len(rooms), limits.replica_factor)
+        want = replicas_for(rates[adapter], total, len(rooms), len(rooms) if busy_workers is None else busy_workers,
+                            limits.replica_factor)
         while len(gpu[adapter]) < want and add_replica(adapter):
             pass
     host: dict[str, tuple[str, ...]] = {}

@@ -3,11 +3,12 @@ Tessera policy's cache affinity, SLO protection and rank awareness."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
 
-from services.common.scheduling.adapter_tiers import LoadCosts
+from services.common.scheduling.adapter_tiers import LoadCosts, Tier
 from services.common.scheduling.batch_summary import BatchEntry
 from services.common.scheduling.perf_model import PerfModel, PhaseModel
 from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, RandomChoice, RoundRobin,
@@ -27,12 +28,12 @@ PADDED = PerfModel("padded-gpu", "test", PREFILL,
 
 def worker(address: str, load: int = 0, gpu: tuple[str, ...] = (), host: tuple[str, ...] = (), rank: int = 8,
            context: int = 1000, kind: str = "test-gpu", slo: float | None = None,
-           loading: tuple[str, ...] = ()) -> WorkerState:
+           loading: tuple[str, ...] = (), victim_rate: float = 0.0) -> WorkerState:
     running = tuple(BatchEntry(f"{address}-r{i}", rank, context) for i in range(load))
     return WorkerState(address=address, base_model="llama", kind=kind, running=running, queued=(),
                        gpu_adapters=frozenset(gpu), host_adapters=frozenset(gpu + host), gpu_adapter_slots=32,
                        max_batch=64, free_kv_tokens=100_000, tightest_tpot_slo_s=slo, timestamp=0.0,
-                       loading_adapters=frozenset(loading))
+                       loading_adapters=frozenset(loading), gpu_victim_rate=victim_rate)
 
 
 def request(adapter: str = "x", rank: int = 8, tpot_s: float = 7.5e-3, ttft_s: float = 0.5) -> RoutingRequest:
@@ -91,6 +92,20 @@ def test_tessera_prefers_the_worker_holding_the_adapter_over_idle_ones() -> None
     workers = [worker("w1"), worker("w2", load=3, gpu=("x",)), worker("w3")]
     assert picks(tessera(), workers, 3) == ["w2"] * 3
     assert picks(MostIdle(), workers, 2) == ["w1", "w3"]       # what a load-only policy does
+
+
+def test_tessera_sends_a_miss_where_its_eviction_costs_least_not_only_where_it_adds_least() -> None:
+    # Both miss; w1 runs a request, so r adds less to its steps than to idle w2's (whose first step pays the
+    # intercept), but a load on w1 evicts an adapter requested every 2 s, on w2 one not requested for minutes.
+    busy, idle = worker("w1", load=1, victim_rate=0.5), worker("w2", victim_rate=0.001)
+    assert picks(tessera(), [busy, idle], 2) == ["w2"] * 2
+    assert picks(tessera(), [worker("w1", load=1), worker("w2")], 2) == ["w1"] * 2  # free slots: no victim
+    policy = tessera()
+    cost = policy.eviction_cost_s(request(), busy)
+    assert cost == pytest.approx((1 - math.exp(-0.5 * 60.0)) * LoadCosts().load_s(Tier.DISK, 8))
+    hit = worker("w1", load=1, gpu=("x",), victim_rate=0.5)
+    assert policy.eviction_cost_s(request(), hit) == 0.0  # a hit evicts nothing
+    assert policy.eviction_cost_s(request(), worker("w1", loading=("x",), victim_rate=0.5)) == 0.0  # nor a load under way
 
 
 def test_tessera_prefers_a_host_copy_to_a_disk_load() -> None:

@@ -78,9 +78,9 @@ def test_tiers_as_reported() -> None:
     assert (s.tier("g"), s.tier("h"), s.tier("nowhere")) == (Tier.GPU, Tier.HOST, Tier.DISK)
 
 
-def test_a_pushed_state_names_the_adapters_on_their_way() -> None:
+def test_a_pushed_state_names_the_adapters_on_their_way_and_its_gpu_victims_rate() -> None:
     message = worker_pb2.WorkerState(base_model="llama", perf_model="k", gpu_adapters=["g"], host_adapters=["h"],
-                                     loading_adapters=["h", "d"], max_batch=8)
+                                     loading_adapters=["h", "d"], max_batch=8, gpu_victim_rate=0.25)
     s = worker_state("w1:1", message, None, 0.0)
-    assert s.loading_adapters == {"h", "d"}
+    assert s.loading_adapters == {"h", "d"} and s.gpu_victim_rate == 0.25
     assert (s.tier("g"), s.tier("h"), s.tier("d")) == (Tier.GPU, Tier.HOST, Tier.DISK)

@@ -95,6 +95,8 @@ def test_outputs_equal_peft_from_disk_resident_from_host_and_after_eviction(engi
         assert loads == {"gpu": {"disk": 0, "host": 0}, "host": {"disk": 0, "host": 1},
                          "disk": {"disk": 1, "host": 1}}[source], (i, name, source)
         assert after.hits - before.hits == (source == "gpu")
+        # What a miss sent here would evict, for the gateway: demo-r64 while it fills the GPU budget.
+        assert (after.gpu_victim_rate > 0) == (name == "demo-r64"), (i, name, after.gpu_victim_rate)
     stats = idle_stats(engine).adapters
     assert (stats.gpu_adapters, stats.host_adapters) == (("demo-r16", "demo-r8"), ("demo-r16", "demo-r64", "demo-r8"))
     assert (stats.gpu_evictions, stats.host_evictions, stats.load_failures) == (3, 0, 0)
@@ -103,6 +105,7 @@ def test_outputs_equal_peft_from_disk_resident_from_host_and_after_eviction(engi
     pushed = StateSource(engine, PerfModel.load(perf_model_path("cpu-tessera-demo-llama")), max_batch=32).snapshot()
     assert (list(pushed.gpu_adapters), list(pushed.host_adapters)) == (
         ["demo-r16", "demo-r8"], ["demo-r16", "demo-r64", "demo-r8"])
+    assert pushed.gpu_victim_rate == 0.0  # room for another demo-r16 beside them: a miss evicts nothing
     metrics = CollectorRegistry()
     metrics.register(AdapterTierMetrics(engine))
     text = generate_latest(metrics).decode()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 
 import grpc
@@ -223,7 +224,9 @@ def test_watch_state_pushes_the_running_batch_and_resident_adapters(engine_facto
                 pass
         return busy, state, err.value
 
+    started = time.monotonic()
     busy, idle, err = asyncio.run(_with_server(engine, body))
+    elapsed = time.monotonic() - started
     assert busy.base_model == DEMO_BASE_MODEL and busy.perf_model == PERF_MODEL.kind and busy.max_batch == 32
     (entry,) = busy.running
     assert entry.adapter == "demo-r16" and entry.rank == 16 and entry.tokens > 1
@@ -233,6 +236,7 @@ def test_watch_state_pushes_the_running_batch_and_resident_adapters(engine_facto
     # What the heartbeat tells the registry's placement planner: the tiers' budgets and each adapter's requests.
     stats = worker_stats(engine)
     assert [(r.adapter, r.requests) for r in stats.adapter_requests_total] == [("demo-r16", 1)]
+    assert 0 < stats.busy_seconds_total < elapsed  # it stepped, and idled after the abort
     tiers = engine.stats().adapters
     budgets = (stats.adapter_gpu_bytes, stats.adapter_host_bytes)
     assert budgets == (tiers.gpu_capacity_bytes, tiers.host_capacity_bytes) and min(budgets) > 0

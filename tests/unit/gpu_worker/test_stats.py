@@ -25,7 +25,7 @@ def test_running_sequences_count_their_context_and_waiting_ones_their_prompt():
     scheduler.add(Sequence("waiting", [1] * 3, SamplingParams(), None, None))
     poll_until(scheduler.adapters, lambda: scheduler.adapters.resident(sql) is not None)
     scheduler.schedule()  # admits the first only: max_num_seqs=1
-    stats = snapshot(scheduler, scheduler.adapters, None, generated_tokens_total=0)
+    stats = snapshot(scheduler, scheduler.adapters, None, generated_tokens_total=0, busy_seconds_total=0.0)
     assert (stats.running_requests, stats.waiting_requests, stats.running_ranks) == (1, 1, (2,))
     assert stats.running_load == (SeqLoad("sql", 2, 6),) and stats.waiting_load == (SeqLoad(None, 0, 3),)
     assert (stats.resident_adapters, stats.adapter_slots, stats.pinned_adapters) == (("sql",), 2, 1)
@@ -35,9 +35,9 @@ def test_running_sequences_count_their_context_and_waiting_ones_their_prompt():
 
 def test_a_text_model_reports_an_empty_image_cache_and_a_vision_model_its_own():
     scheduler = _scheduler(max_num_seqs=4)
-    text = snapshot(scheduler, scheduler.adapters, None, generated_tokens_total=5)
+    text = snapshot(scheduler, scheduler.adapters, None, generated_tokens_total=5, busy_seconds_total=0.0)
     assert (text.image_cache_entries, text.image_cache_capacity_bytes, text.generated_tokens_total) == (0, 0, 5)
     cache = ImageFeatureCache(1024)
     cache.get("unseen")
-    vision = snapshot(scheduler, scheduler.adapters, cache, generated_tokens_total=5)
+    vision = snapshot(scheduler, scheduler.adapters, cache, generated_tokens_total=5, busy_seconds_total=0.0)
     assert (vision.image_cache_misses_total, vision.image_cache_capacity_bytes) == (1, 1024)

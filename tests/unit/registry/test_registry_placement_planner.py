@@ -31,9 +31,10 @@ class Clock:
         return self.now
 
 
-def _heartbeat(store: RegistryStore, worker_id: str, size: int, counts: dict[str, int]) -> None:
-    """A worker's heartbeat as the gRPC service stores it: budgets for 2 adapters on the GPU, 4 in host."""
-    stats = common_pb2.WorkerStats(adapter_gpu_bytes=2 * size, adapter_host_bytes=4 * size,
+def _heartbeat(store: RegistryStore, worker_id: str, size: int, counts: dict[str, int], busy_s: float = 0.0) -> None:
+    """A worker's heartbeat as the gRPC service stores it: budgets for 2 adapters on the GPU, 4 in host;
+    `busy_s`: its seconds stepping since its start."""
+    stats = common_pb2.WorkerStats(adapter_gpu_bytes=2 * size, adapter_host_bytes=4 * size, busy_seconds_total=busy_s,
                                    adapter_requests_total=[common_pb2.AdapterRequests(adapter=a, requests=n)
                                                            for a, n in counts.items()])
     assert store.heartbeat(worker_id, stats_to_dict(stats))
@@ -161,6 +162,21 @@ def test_counts_first_seen_after_the_first_pass_are_new_requests(store: Registry
     for r in store.list_planned_placements():  # each GPU replica's share, summed
         rates[r.adapter] = rates.get(r.adapter, 0.0) + r.rate
     assert rates == pytest.approx({"a4": 30 * math.log(2) / 60, "a5": 60 * math.log(2) / 60})
+
+
+@pytest.mark.parametrize("busy_s, replicas", [(30.0, 2), (0.3, 1)], ids=["busy", "idle"])
+def test_a_hot_adapter_is_replicated_only_as_far_as_the_workers_are_busy(store: RegistryStore, cluster,
+                                                                          busy_s: float, replicas: int) -> None:
+    """Replicas spread a hot adapter's work: workers busy all of the last 30 s get a0 on both (its share of
+    two busy workers), workers busy 1% of it keep one copy, and the room stays the workers' own."""
+    (w1, w2), size = cluster
+    clock, planner, counts = _first_pass(store, cluster)
+    clock.now = 30.0
+    for worker in (w1, w2):
+        _heartbeat(store, worker, size, {**counts, "a0": 300, "a1": 10}, busy_s=busy_s)
+    summary = planner.plan(BASE_MODEL)
+    gpu = [r.worker_address for r in store.list_planned_placements() if r.adapter == "a0" and r.tier == "gpu"]
+    assert len(gpu) == replicas and summary.gpu_adapters == 2
 
 
 def test_cpu_workers_get_no_host_copies(store: RegistryStore, imports: Path) -> None:

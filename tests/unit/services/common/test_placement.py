@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.scheduling.placement import (PlacementPlan, PlanLimits, Popularity, WorkerRoom, plan_placement,
-                                                  replicas_for)
+from services.common.scheduling.placement import (BusyTime, PlacementPlan, PlanLimits, Popularity, WorkerRoom,
+                                                  plan_placement, replicas_for)
 
 MB = 1 << 20
 
@@ -24,10 +24,34 @@ def test_popularity_reads_a_steady_rate_and_forgets_with_its_half_life() -> None
     assert popularity.rates(1010.0)["a"] == pytest.approx(1.0, rel=0.05)  # a half-life later: half
 
 
-def test_replicas_follow_the_traffic_share() -> None:
-    assert replicas_for(30.0, 100.0, workers=10) == 3
-    assert replicas_for(0.1, 100.0, workers=10) == 1  # one at least
-    assert replicas_for(100.0, 100.0, workers=10) == 10  # never more than the workers
+def test_replicas_follow_the_traffic_share_of_the_busy_workers() -> None:
+    assert replicas_for(30.0, 100.0, workers=10, busy_workers=10.0) == 3
+    assert replicas_for(30.0, 100.0, workers=10, busy_workers=2.0) == 1  # an idle cluster: one copy is enough
+    assert replicas_for(30.0, 100.0, workers=10, busy_workers=2.0, factor=10.0) == 6
+    assert replicas_for(0.1, 100.0, workers=10, busy_workers=10.0) == 1  # one at least
+    assert replicas_for(100.0, 100.0, workers=10, busy_workers=10.0, factor=3.0) == 10  # never more than the workers
+
+
+def test_busy_time_sums_each_workers_busy_fraction_since_its_last_reading() -> None:
+    busy = BusyTime()
+    assert busy.busy_workers({"a": 100.0, "b": 5.0}, now=1000.0) == 0.0  # first readings: nothing to compare
+    # a: 5 of 10 s busy; b: 20 s of overlapping async steps in 10 s, one worker's worth at most; c: new.
+    assert busy.busy_workers({"a": 105.0, "b": 25.0, "c": 50.0}, now=1010.0) == pytest.approx(1.5)
+    # b restarted (its counter went down): counted from the next reading; a left, c 1 of 10 s busy.
+    assert busy.busy_workers({"b": 1.0, "c": 51.0}, now=1020.0) == pytest.approx(0.1)
+    assert busy.busy_workers({"a": 200.0, "b": 3.0}, now=1030.0) == pytest.approx(0.2)  # a is new again
+
+
+def test_an_idle_cluster_leaves_its_room_to_the_workers_own_loads_where_a_busy_one_replicates() -> None:
+    rates = {"hot": 50.0, **{f"a{i}": 1.0 for i in range(29)}}
+    sizes = {name: 10 * MB for name in rates}
+    limits = PlanLimits(gpu_share=1.0, replica_factor=1.0)
+    busy = plan_placement(rates, sizes, rooms(4, gpu_mb=200), limits=limits, busy_workers=4.0)
+    idle = plan_placement(rates, sizes, rooms(4, gpu_mb=200), limits=limits, busy_workers=0.2)
+    # Every adapter once (30 of the 80 places); then hot's share of the work: ceil(4 x 50/79) = 3 replicas
+    # busy, ceil(0.2 x 50/79) = 1 idle.
+    assert len(busy.gpu["hot"]) == 3 and len(idle.gpu["hot"]) == 1
+    assert set(busy.gpu) == set(idle.gpu) == set(rates)
 
 
 def test_with_room_to_spare_hot_adapters_are_replicated_by_their_traffic_share() -> None:

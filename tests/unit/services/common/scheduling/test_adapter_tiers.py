@@ -192,3 +192,38 @@ def test_a_planned_adapter_is_kept_like_one_requested_at_its_rate() -> None:
     assert tiers.place_in_host("planned", 8 * MB) == [] and tiers.place_on_gpu("planned") == []
     load(tiers, "one-off", now=1.0)
     assert load(tiers, "another", now=2.0) == ["one-off"]  # not the planned adapter
+
+
+@pytest.mark.parametrize("eviction", [LFUDecay(half_life_s=60.0), LRU()], ids=["lfu", "lru"])
+def test_a_records_rate_reads_back_the_rate_it_was_expected_at(eviction) -> None:
+    for rate in (0.01, 0.5, 4.0):
+        assert eviction.rate(eviction.expected(rate, now=100.0), now=100.0) == pytest.approx(rate)
+
+
+def test_an_lfu_rate_decays_with_the_half_life_and_an_lru_one_with_the_gap() -> None:
+    lfu, lru = LFUDecay(half_life_s=60.0), LRU()
+    assert lfu.rate(lfu.expected(1.0, now=0.0), now=60.0) == pytest.approx(0.5)  # a half-life without requests
+    assert lru.rate(lru.touched(None, now=0.0), now=20.0) == pytest.approx(1 / 20)
+    assert lru.rate(lru.touched(None, now=5.0), now=5.0) > 0  # just touched: high, finite
+
+
+def test_the_gpu_victim_rate_is_the_coldest_unpinned_adapters_once_the_tier_is_full() -> None:
+    tiers = AdapterTiers(gpu_bytes=16 * MB, host_bytes=64 * MB, eviction=LFUDecay(half_life_s=60.0))
+    assert tiers.gpu_victim_rate(now=0.0) == 0.0  # empty
+    for t in range(10):
+        tiers.touch("hot", float(t))
+    load(tiers, "hot", now=10.0)
+    assert tiers.gpu_victim_rate(now=10.0) == 0.0  # room for another of its size: a miss evicts nothing
+    load(tiers, "once", now=10.0)
+    once = LFUDecay(half_life_s=60.0).rate((1.0, 10.0), now=40.0)
+    assert tiers.gpu_victim_rate(now=40.0) == pytest.approx(once)  # full: "once" leaves first
+    tiers.pin("once")
+    assert tiers.gpu_victim_rate(now=40.0) > once  # pinned: "hot" would leave instead
+    tiers.pin("hot")
+    assert tiers.gpu_victim_rate(now=40.0) == 0.0  # nothing evictable: no victim to price
+
+
+def test_a_seat_limit_makes_a_victim_though_bytes_are_free() -> None:
+    tiers = AdapterTiers(gpu_bytes=64 * MB, host_bytes=64 * MB, eviction=LRU(), gpu_max_adapters=1)
+    load(tiers, "a", now=0.0)
+    assert tiers.gpu_victim_rate(now=10.0) == pytest.approx(0.1)
