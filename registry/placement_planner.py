@@ -4,7 +4,7 @@ out by the workers as preloads.
 Each pass, per base model: the requests each adapter brought every healthy worker since the last pass
 (their heartbeats carry counts since each worker's start) feed a decayed `Popularity`; the plan
 (services/common/scheduling/placement.py) puts hot adapters' replicas on workers' GPUs (as many as their
-share of the workers' busy time since the last pass calls for), warm adapters in
+share of the workers' busy time calls for, decayed with the same half-life), warm adapters in
 host memory and leaves cold ones on disk, within a planned share of each worker's tiers (the budgets its
 heartbeats report), keeping adapters where they are held; it is stored (RegistryStore.
 replace_planned_placements) and goes to each worker with its heartbeat answers. An operator's order on the
@@ -56,7 +56,7 @@ class PlacementPlanner:
         popularity = self._popularity.setdefault(base_model, Popularity(self._half_life_s))
         self._count_requests(inputs, popularity, now, first_pass)
         rates = popularity.rates(now)
-        busy_workers = self._busy.setdefault(base_model, BusyTime()).busy_workers(
+        busy_workers = self._busy.setdefault(base_model, BusyTime(self._half_life_s)).busy_workers(
             {w.worker_id: float(w.stats.get("busy_seconds_total", 0.0)) for w in inputs.workers}, now)
         # A CPU worker's "GPU" tier is host memory too: a host copy would save it nothing, so none is planned.
         rooms = [WorkerRoom(w.address, int(w.stats.get("adapter_gpu_bytes", 0)),

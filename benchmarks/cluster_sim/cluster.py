@@ -169,7 +169,7 @@ def simulate(requests: Sequence[SimRequest], adapters: Mapping[str, int], policy
         rooms = [WorkerRoom(address, config.worker.gpu_adapter_bytes, config.worker.host_adapter_bytes)
                  for address in workers]
         last = PlacementPlan()
-        busy = BusyTime()
+        busy = BusyTime(placement.half_life_s)
         busy.busy_workers({address: 0.0 for address in workers}, 0.0)
 
         def replan(t: float) -> None:

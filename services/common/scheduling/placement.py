@@ -47,23 +47,26 @@ class Popularity:
 
 
 class BusyTime:
-    """How many workers' worth of time the workers spent stepping since the last reading, from their
-    busy-seconds counters (each since its start). A worker's first reading, or a counter that went down
-    (a restart), counts from the next reading on."""
+    """How many workers' worth of time the workers spend stepping: each worker's busy seconds per second,
+    decayed with a half-life as `Popularity` decays requests (one busy burst between two readings does not
+    read as a busy cluster), summed over the workers read now. From their busy-seconds counters (each since
+    its start): a worker's first reading, or a counter that went down (a restart), counts from the next."""
 
-    def __init__(self) -> None:
+    def __init__(self, half_life_s: float) -> None:
         self._last: dict[str, tuple[float, float]] = {}  # worker -> (its counter, when read)
+        self._busy = Popularity(half_life_s)  # worker -> busy seconds, decayed: its busy fraction
 
     def busy_workers(self, counters: Mapping[str, float], now: float) -> float:
-        busy = 0.0
         for worker, counter in counters.items():
             last = self._last.get(worker)
             if last is not None and counter >= last[0] and now > last[1]:
-                busy += min(1.0, (counter - last[0]) / (now - last[1]))
+                # Async steps overlap: no more than the wall time between the readings.
+                self._busy.record(worker, now, min(counter - last[0], now - last[1]))
             self._last[worker] = (counter, now)
         for gone in self._last.keys() - counters.keys():
             del self._last[gone]
-        return busy
+        fractions = self._busy.rates(now)
+        return sum(fractions.get(worker, 0.0) for worker in counters)
 
 
 @dataclass(frozen=True)

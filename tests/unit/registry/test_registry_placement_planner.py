@@ -167,14 +167,15 @@ def test_counts_first_seen_after_the_first_pass_are_new_requests(store: Registry
 @pytest.mark.parametrize("busy_s, replicas", [(30.0, 2), (0.3, 1)], ids=["busy", "idle"])
 def test_a_hot_adapter_is_replicated_only_as_far_as_the_workers_are_busy(store: RegistryStore, cluster,
                                                                           busy_s: float, replicas: int) -> None:
-    """Replicas spread a hot adapter's work: workers busy all of the last 30 s get a0 on both (its share of
-    two busy workers), workers busy 1% of it keep one copy, and the room stays the workers' own."""
+    """Replicas spread a hot adapter's work: workers busy all of the last 5 minutes get a0 on both (its
+    share of two busy workers), workers busy 1% of them keep one copy, and the room stays the workers' own."""
     (w1, w2), size = cluster
     clock, planner, counts = _first_pass(store, cluster)
-    clock.now = 30.0
-    for worker in (w1, w2):
-        _heartbeat(store, worker, size, {**counts, "a0": 300, "a1": 10}, busy_s=busy_s)
-    summary = planner.plan(BASE_MODEL)
+    for n in range(1, 11):  # a pass every 30 s, each worker `busy_s` of every 30 s stepping
+        clock.now = 30.0 * n
+        for worker in (w1, w2):
+            _heartbeat(store, worker, size, {**counts, "a0": 300, "a1": 10}, busy_s=busy_s * n)
+        summary = planner.plan(BASE_MODEL)
     gpu = [r.worker_address for r in store.list_planned_placements() if r.adapter == "a0" and r.tier == "gpu"]
     assert len(gpu) == replicas and summary.gpu_adapters == 2
 

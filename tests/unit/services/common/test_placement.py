@@ -32,14 +32,21 @@ def test_replicas_follow_the_traffic_share_of_the_busy_workers() -> None:
     assert replicas_for(100.0, 100.0, workers=10, busy_workers=10.0, factor=3.0) == 10  # never more than the workers
 
 
-def test_busy_time_sums_each_workers_busy_fraction_since_its_last_reading() -> None:
-    busy = BusyTime()
+def test_busy_time_reads_each_workers_steady_busy_fraction_and_sums_them() -> None:
+    busy = BusyTime(half_life_s=10.0)
     assert busy.busy_workers({"a": 100.0, "b": 5.0}, now=1000.0) == 0.0  # first readings: nothing to compare
-    # a: 5 of 10 s busy; b: 20 s of overlapping async steps in 10 s, one worker's worth at most; c: new.
-    assert busy.busy_workers({"a": 105.0, "b": 25.0, "c": 50.0}, now=1010.0) == pytest.approx(1.5)
-    # b restarted (its counter went down): counted from the next reading; a left, c 1 of 10 s busy.
-    assert busy.busy_workers({"b": 1.0, "c": 51.0}, now=1020.0) == pytest.approx(0.1)
-    assert busy.busy_workers({"a": 200.0, "b": 3.0}, now=1030.0) == pytest.approx(0.2)  # a is new again
+    for i in range(1, 301):  # a: busy half of each second; b: overlapping async steps, 2 s a second
+        busy.busy_workers({"a": 100.0 + 0.5 * i, "b": 5.0 + 2.0 * i}, now=1000.0 + i)
+    assert busy.busy_workers({"a": 250.5, "b": 607.0}, now=1301.0) == pytest.approx(1.5, rel=0.05)  # b: 1 at most
+
+
+def test_busy_time_does_not_read_one_burst_as_a_busy_cluster_and_restarts_count_from_the_next_reading() -> None:
+    busy = BusyTime(half_life_s=60.0)
+    busy.busy_workers({"a": 0.0}, now=0.0)
+    assert busy.busy_workers({"a": 3.0}, now=3.0) < 0.05  # 3 s busy out of 3: one burst, not a busy worker
+    assert busy.busy_workers({"a": 1.0, "b": 50.0}, now=6.0) == pytest.approx(busy.busy_workers({"a": 1.0}, now=6.0))
+    # a restarted (its counter went down) and b is new: neither adds time until its next reading.
+    assert busy.busy_workers({"a": 2.0, "b": 50.0}, now=7.0) > busy.busy_workers({"a": 2.0, "b": 50.0}, now=7.5)
 
 
 def test_an_idle_cluster_leaves_its_room_to_the_workers_own_loads_where_a_busy_one_replicates() -> None:
