@@ -38,7 +38,6 @@ the coldest adapters are, as one cluster-wide LFU would (docs/benchmarks/routing
 from __future__ import annotations
 
 import math
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
