@@ -10,7 +10,6 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.config import ConfigError, TesseraConfig, load_config

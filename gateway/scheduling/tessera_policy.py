@@ -23,7 +23,7 @@ leaving means a cache miss, a load in r's TTFT (from disk, 30-200 ms, unless ano
 host copy) and a second replica of an adapter one worker has been enough for (what fills w is
 mostly other adapters' requests, not r's). So the only holder is held to `sole_holder_headroom` ×
 the SLO, a thinner margin (default 0.98: with the registry's placement, the 60-worker simulation's
-setting that keeps >= 99% within SLO and 0.949-0.967 of the hit-rate ceiling at Zipf 0.8, 1.1 and 1.4,
+setting that keeps >= 99% within SLO and 0.952-0.970 of the hit-rate ceiling at Zipf 0.8, 1.1 and 1.4,
 docs/benchmarks/routing.md): r leaves it only when its SLO all but breaks there. An
 adapter with several holders still spills at the margin: that is how hot adapters' replicas multiply.
 A cache miss costs more than its own load: on a full GPU tier it evicts the worker's coldest adapter,
