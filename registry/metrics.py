@@ -11,5 +11,7 @@ PLANNED_ADAPTERS = Gauge("tessera_registry_planned_adapters", "Adapters the last
                          ["base_model", "tier"])
 PLANNED_GPU_REPLICAS = Gauge("tessera_registry_planned_gpu_replicas", "GPU replicas of the last placement plan",
                              ["base_model"])
+PLANNER_LEASE = Gauge("tessera_registry_placement_planner", "1 while this replica holds the planner's lease "
+                      "and plans placements (one replica of those sharing a database), else 0")
 PLACEMENT_MOVES = Counter("tessera_registry_placement_moves_total",
                           "Replicas placement plans added over the plan before", ["base_model"])

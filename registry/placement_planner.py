@@ -8,8 +8,8 @@ share of the workers' busy time calls for, decayed with the same half-life), war
 host memory and leaves cold ones on disk, within a planned share of each worker's tiers (the budgets its
 heartbeats report), keeping adapters where they are held; it is stored (RegistryStore.
 replace_planned_placements) and goes to each worker with its heartbeat answers. An operator's order on the
-same adapter and worker takes precedence. Registry replicas each plan from the same database; the last
-plan written stands.
+same adapter and worker takes precedence. Of the registry replicas sharing a database, the one holding the
+planner's lease plans (registry/planner_lease.py); the others skip their passes.
 """
 
 from __future__ import annotations

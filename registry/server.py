@@ -12,8 +12,9 @@ from sqlalchemy.engine import make_url
 
 from registry.app import create_admin_app, error_body
 from registry.catalog_relay import CatalogRelay
-from registry.metrics import PLACEMENT_MOVES, PLANNED_ADAPTERS, PLANNED_GPU_REPLICAS
+from registry.metrics import PLACEMENT_MOVES, PLANNED_ADAPTERS, PLANNED_GPU_REPLICAS, PLANNER_LEASE
 from registry.placement_planner import PlacementPlanner
+from registry.planner_lease import PlannerLease
 from registry.grpc_service import SERVICE_NAME, add_registry_service
 from registry.store import RegistryStore
 from services.common.config import ConfigError, TesseraConfig
@@ -52,23 +53,32 @@ def resolve_admin_api_key(config: TesseraConfig) -> str:
     return key
 
 
-async def _plan_placements(planner: PlacementPlanner, interval_s: float, stop: asyncio.Event) -> None:
-    """A placement plan of every base model each interval (the first after one interval of requests)."""
-    while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
-        if stop.is_set():
-            return
-        try:
-            summaries = await asyncio.to_thread(planner.plan_all)
-        except Exception:  # noqa: BLE001 - a failed pass (the database away) is retried at the next
-            log.exception("placement planning failed; trying again in %.0f s", interval_s)
-            continue
-        for summary in summaries:
-            PLANNED_ADAPTERS.labels(summary.base_model, "gpu").set(summary.gpu_adapters)
-            PLANNED_ADAPTERS.labels(summary.base_model, "host").set(summary.host_adapters)
-            PLANNED_GPU_REPLICAS.labels(summary.base_model).set(summary.gpu_replicas)
-            PLACEMENT_MOVES.labels(summary.base_model).inc(summary.moves)
+async def _plan_placements(planner: PlacementPlanner, lease: PlannerLease, interval_s: float,
+                           stop: asyncio.Event) -> None:
+    """A placement plan of every base model each interval (the first after one interval of requests), while
+    this replica holds the planner's lease (given back at the end)."""
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+            if stop.is_set():
+                return
+            try:
+                leading = await asyncio.to_thread(lease.held)
+                PLANNER_LEASE.set(leading)
+                if not leading:
+                    continue
+                summaries = await asyncio.to_thread(planner.plan_all)
+            except Exception:  # noqa: BLE001 - a failed pass (the database away) is retried at the next
+                log.exception("placement planning failed; trying again in %.0f s", interval_s)
+                continue
+            for summary in summaries:
+                PLANNED_ADAPTERS.labels(summary.base_model, "gpu").set(summary.gpu_adapters)
+                PLANNED_ADAPTERS.labels(summary.base_model, "host").set(summary.host_adapters)
+                PLANNED_GPU_REPLICAS.labels(summary.base_model).set(summary.gpu_replicas)
+                PLACEMENT_MOVES.labels(summary.base_model).inc(summary.moves)
+    finally:
+        await asyncio.to_thread(lease.close)
 
 
 def _planner(config: TesseraConfig, store: RegistryStore) -> PlacementPlanner | None:
@@ -116,8 +126,8 @@ def serve(config: TesseraConfig) -> None:
         log.info("registry ready: gRPC %s:%s, admin API http://%s:%s/admin/v1",
                  settings.host, grpc_server.port, settings.host, admin.port)
         sweeping = asyncio.create_task(_sweep_deleted_files(store, settings.deleted_files_grace_s, stop))
-        planning = asyncio.create_task(_plan_placements(planner, settings.placement_interval_s, stop)) \
-            if planner else None
+        planning = asyncio.create_task(_plan_placements(
+            planner, PlannerLease(config.database_url), settings.placement_interval_s, stop)) if planner else None
         await stop.wait()
         await sweeping
         if planning:
