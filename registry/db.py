@@ -61,14 +61,22 @@ def alembic_config() -> Config:
     return config
 
 
+def sqlite_side_file(url: URL, suffix: str) -> Path | None:
+    """The file beside a SQLite database file named as it plus `suffix` (for locks its processes share);
+    None for another backend or an in-memory database (one process)."""
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    return Path(url.database).expanduser().with_name(Path(url.database).name + suffix)
+
+
 @contextmanager
 def _sqlite_file_lock(url: URL) -> Iterator[None]:
     """Held around a SQLite file's migrations: SQLite takes its write lock only at the first write, after
     each process has read the schema's version, so two would both migrate."""
-    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+    lock_path = sqlite_side_file(url, ".migrate-lock")
+    if lock_path is None:
         yield
         return
-    lock_path = Path(url.database).expanduser().with_name(Path(url.database).name + ".migrate-lock")
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes

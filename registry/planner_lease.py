@@ -19,6 +19,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
+from registry.db import sqlite_side_file
+
 log = logging.getLogger(__name__)
 
 PLANNER_LOCK_KEY = 0x7E55E8B  # the PostgreSQL advisory lock of the planner's lease (any constant but the migrations')
@@ -31,27 +33,15 @@ class PlannerLease:
         # No pool: a closed connection is closed at the server, and a session lock never outlives it there.
         self._engine = create_engine(url, poolclass=NullPool) if self._postgres else None
         self._connection: Connection | None = None
-        # A SQLite file: the lock file beside it; in memory: one process holds the database, and the lease.
-        self._lock_path = None if self._postgres or url.database in (None, "", ":memory:") else \
-            Path(url.database).expanduser().with_name(Path(url.database).name + ".planner-lock")
+        # A SQLite file: the lock file beside it; in memory (None): one process holds the database, and the lease.
+        self._lock_path = sqlite_side_file(url, ".planner-lock")
         self._lock_file: IO[str] | None = None
 
     def held(self) -> bool:
         """Whether this replica holds the lease now, taking it if it is free (blocking: database I/O)."""
         if self._postgres:
             return self._hold_advisory_lock()
-        if self._lock_path is None:
-            return True
-        if self._lock_file is None:
-            lock_file = open(self._lock_path, "a")
-            try:
-                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                lock_file.close()
-                return False
-            self._lock_file = lock_file
-            log.info("this registry replica plans placements now (it holds %s)", self._lock_path)
-        return True
+        return self._lock_path is None or self._hold_file_lock(self._lock_path)
 
     def close(self) -> None:
         if self._connection is not None:
@@ -62,6 +52,18 @@ class PlannerLease:
         if self._lock_file is not None:
             self._lock_file.close()  # the flock goes with it
             self._lock_file = None
+
+    def _hold_file_lock(self, path: Path) -> bool:
+        if self._lock_file is None:
+            lock_file = open(path, "a")
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock_file.close()
+                return False
+            self._lock_file = lock_file
+            log.info("this registry replica plans placements now (it holds %s)", path)
+        return True
 
     def _hold_advisory_lock(self) -> bool:
         assert self._engine is not None
