@@ -26,6 +26,7 @@ from registry.metrics import ADAPTERS_REGISTERED
 from registry.store import RegistryStore
 from services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from services.common.strict_json import loads as strict_json_loads
+from services.common.text_fields import check_text, check_texts
 
 STORE_EXTENSION = "tessera_registry_store"
 API_KEY_CONFIG = "TESSERA_ADMIN_API_KEY"
@@ -55,6 +56,11 @@ def require_api_key() -> None:
         raise Unauthenticated("missing admin API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
     if not hmac.compare_digest(supplied.encode(), current_app.config[API_KEY_CONFIG].encode()):
         raise PermissionDenied("invalid admin API key")
+    # Names in the URL and the query string reach the database: a NUL there is a 400, not a 500.
+    for key, value in (request.view_args or {}).items():
+        check_text(str(value), key)
+    for key, value in request.args.items(multi=True):
+        check_text(value, key)
 
 
 # An adapter's default objectives, in ms (services/common/slo.py checks their range).
@@ -69,6 +75,8 @@ def _json_body(fields: dict[str, type | tuple[type, ...]], required: set[str]) -
     for key in body:
         if key not in fields:
             raise InvalidArgument(f"unknown field {key!r}; expected: {', '.join(fields)}", param=key)
+    for key, value in body.items():
+        check_texts(value, key)
     for key, expected in fields.items():
         if key not in body or body[key] is None:
             if key in required:

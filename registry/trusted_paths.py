@@ -11,10 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from services.common.errors import InvalidArgument, PermissionDenied
+from services.common.text_fields import check_path_text
 
 
 def resolve_inside_roots(path: str | Path, roots: Sequence[Path], what: str) -> Path:
-    """The real path of `path` (absolute, symlinks followed); PermissionDenied if outside every root."""
+    """The real path of `path` (absolute, symlinks followed); PermissionDenied if outside every root.
+    InvalidArgument if it is relative or holds what no path can (a NUL, a lone surrogate)."""
+    check_path_text(str(path), f"{what} path")
     if not os.path.isabs(path):
         raise InvalidArgument(f"{what} path {str(path)!r} must be absolute")
     resolved = Path(os.path.realpath(path))

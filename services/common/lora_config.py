@@ -32,6 +32,11 @@ MAX_LORA_ALPHA = 4096.0
 MAX_PATTERN_KEYS = 32     # per pattern; every key is matched against every adapted module
 MAX_KEY_CHARS = 128
 MAX_KEY_CHOICES = 4       # `* + ? {m,n} |` in one key: the matcher's work grows as (name length) ** this
+# The smallest scaling (alpha / r, or alpha / sqrt(r)) served: float16's smallest normal number, 2**-14, the
+# narrowest range of the dtypes a worker serves in (worker.dtype float16). Below it the scaled delta falls
+# into float16's subnormals, losing its precision, or to zero: lora_alpha 1e-320 registered and served
+# exactly the base model. Published recipes use alpha >= 1 and r <= 1024, a scaling of 2**-10 or more.
+MIN_LORA_SCALING = 2.0 ** -14
 
 # PEFT options that change the adapter's math; serving them as plain LoRA would give wrong outputs.
 UNSUPPORTED_OPTIONS: dict[str, str] = {
@@ -105,9 +110,26 @@ def parse_lora_hyperparameters(config: Mapping[str, Any]) -> LoraHyperparameters
     use_rslora = config.get("use_rslora") or False
     if not isinstance(use_rslora, bool):
         raise InvalidArgument(f"{CONFIG_FILE}: use_rslora must be true or false, got {use_rslora!r}")
-    return LoraHyperparameters(rank, alpha, use_rslora,
-                               _parse_pattern(config.get("rank_pattern"), "rank_pattern", check_rank),
-                               _parse_pattern(config.get("alpha_pattern"), "alpha_pattern", check_alpha))
+    hyperparameters = LoraHyperparameters(rank, alpha, use_rslora,
+                                          _parse_pattern(config.get("rank_pattern"), "rank_pattern", check_rank),
+                                          _parse_pattern(config.get("alpha_pattern"), "alpha_pattern", check_alpha))
+    _check_smallest_scaling(hyperparameters)
+    return hyperparameters
+
+
+def _check_smallest_scaling(hyperparameters: LoraHyperparameters) -> None:
+    """InvalidArgument if some module's scaling may fall under MIN_LORA_SCALING: the smallest alpha over the
+    largest rank (of lora_alpha, r and every pattern value) bounds every module's scaling from below."""
+    alpha = min([hyperparameters.lora_alpha, *(value for _, value in hyperparameters.alpha_pattern)])
+    rank = max([hyperparameters.r, *(value for _, value in hyperparameters.rank_pattern)])
+    scaling = alpha / math.sqrt(rank) if hyperparameters.use_rslora else alpha / rank
+    if scaling < MIN_LORA_SCALING:
+        rule = "alpha / sqrt(r) (rsLoRA)" if hyperparameters.use_rslora else "alpha / r"
+        raise InvalidArgument(
+            f"{CONFIG_FILE}: lora_alpha {alpha:.3g} at r={rank} scales the adapter's delta by {scaling:.3g} "
+            f"({rule}), under {MIN_LORA_SCALING:.3g}, float16's smallest normal number: the delta would lose "
+            "its precision or vanish in the serving dtype, and the adapter would serve the base model's "
+            "outputs; raise lora_alpha")
 
 
 def _first_match(pattern: _Pattern[_Value], module: str, default: _Value) -> _Value:

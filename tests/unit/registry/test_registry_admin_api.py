@@ -214,6 +214,9 @@ def shift_offsets(adapter: Path) -> None:
     (edit_config("lora_alpha", 0), 400, "lora_alpha must be a finite number in (0, 4096], got 0"),
     (edit_config("lora_alpha", -4), 400, "lora_alpha must be a finite number in (0, 4096], got -4"),
     (edit_config("lora_alpha", "4"), 400, "lora_alpha must be a finite number in (0, 4096], got '4'"),
+    # A scaling (alpha / r, r = 2 here) under float16's smallest normal number: the delta would vanish.
+    (edit_config("lora_alpha", 1e-320), 400, "lora_alpha 1e-320 at r=2 scales the adapter's delta by 5e-321"),
+    (edit_config("lora_alpha", 1e-4), 400, "under 6.1e-05, float16's smallest normal number"),
     # r: 1..1024 (MAX_LORA_RANK), and no more than the smaller side of every target projection.
     (edit_config("r", 0), 400, "r must be an integer from 1 to 1024, got 0"),
     (edit_config("r", -2), 400, "r must be an integer from 1 to 1024, got -2"),
@@ -265,6 +268,8 @@ def add_to_pattern(key: str, pattern_key: str, value: object) -> Callable[[Path]
     (add_to_pattern("rank_pattern", "o_proj", 0), "rank_pattern['o_proj']: r must be an integer from 1 to 1024"),
     (add_to_pattern("alpha_pattern", "o_proj", 1e308), "alpha_pattern['o_proj']: lora_alpha must be a finite number"),
     (add_to_pattern("alpha_pattern", "(o|k)+_proj", 2), "repeats a group"),
+    # The smallest alpha over the largest rank (8, layer 1's q_proj), rsLoRA: 1e-4 / sqrt(8) < 2**-14.
+    (add_to_pattern("alpha_pattern", "o_proj", 1e-4), "lora_alpha 0.0001 at r=8 scales the adapter's delta by"),
     (add_to_pattern("rank_pattern", "q_proj(", 2), "is not a valid regex"),
     (edit_config("use_dora", True), "use_dora (DoRA) is not supported"),
     (edit_config("use_bdlora", {"nblocks": 2}), "use_bdlora (block-diagonal LoRA) is not supported"),

@@ -1,0 +1,55 @@
+"""Strings from clients that may reach a filesystem or a database: no NUL, valid Unicode, bounded.
+
+A NUL byte ends a C string: `os.path.realpath("/srv/a\\x00x")` raises ValueError (a 500 where a 400
+belongs) and PostgreSQL refuses it in text and JSONB columns. JSON's "\\ud800" decodes to a lone
+surrogate, which UTF-8 (the filesystem's and the database's encoding) cannot encode. Both are refused
+with InvalidArgument, naming the field:
+
+    check_text("/srv/adapters/a\\x00x", "path")
+    -> InvalidArgument("field 'path' holds a NUL character (\\\\u0000), which no path or name may contain")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.common.errors import InvalidArgument
+
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX: a longer path cannot name a file
+
+
+def check_text(value: str, field: str) -> str:
+    """`value` unchanged, or InvalidArgument (param `field`) if it holds NUL or a lone surrogate."""
+    if "\x00" in value:
+        raise InvalidArgument(f"field {field!r} holds a NUL character (\\u0000), which no path or name may contain",
+                              param=field)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"field {field!r} is not valid Unicode text: a lone surrogate "
+                              f"{value[exc.start]!r} at position {exc.start}", param=field) from None
+    return value
+
+
+def check_path_text(value: str, field: str) -> str:
+    """check_text, and no longer than a path can be."""
+    check_text(value, field)
+    if len(value) > MAX_PATH_CHARS:
+        raise InvalidArgument(f"field {field!r} is {len(value)} characters long; a path has at most "
+                              f"{MAX_PATH_CHARS}", param=field)
+    return value
+
+
+def check_texts(value: Any, field: str) -> None:
+    """check_text on every string in a parsed JSON value (object keys included), naming where it sits."""
+    stack: list[tuple[Any, str]] = [(value, field)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            check_text(item, where)
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                check_text(key, f"{where} key")
+                stack.append((inner, f"{where}.{key}"))
+        elif isinstance(item, list):
+            stack.extend((inner, f"{where}[{i}]") for i, inner in enumerate(item))
