@@ -49,7 +49,17 @@ class GatewayCore:
         self._workers = workers
 
     async def generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """Stream token deltas, then exactly one `final` (a FINISH_REASON_ABORT final is an error)."""
+        """Stream token deltas, then exactly one `final` (a FINISH_REASON_ABORT final is an error).
+        Every UNAVAILABLE (503) is logged with its reason: a client's 503 always has a line to match."""
+        try:
+            async with contextlib.aclosing(self._generate(request)) as responses:
+                async for response in responses:
+                    yield response
+        except Unavailable as exc:
+            log.warning("unavailable (503) for model %r: %s", request.model, exc.message)
+            raise
+
+    async def _generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[common_pb2.GenerateResponse]:
         request = validate_generate_request(request, self._config)
         resolved = await self._cache.resolve(request.model)
         check_takes_images(request, resolved)
@@ -78,11 +88,7 @@ class GatewayCore:
                        request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[common_pb2.GenerateResponse]:
         failed: set[str] = set()
         while True:
-            candidates = [w for w in await self._cache.workers_for(base_model) if w.address not in failed]
-            addresses = [w.address for w in candidates]
-            self._feed.watch(addresses)
-            await self._feed.settled(addresses, self._config.state_stale_s, self._config.state_stale_s)
-            address = self._router.pick(routing, base_model, candidates).address
+            address = (await self._pick(base_model, routing, failed)).address
             self._router.started(address, request.request_id, routing.slo.tpot_s)
             streamed = final = False
             try:
@@ -101,6 +107,27 @@ class GatewayCore:
                 failed.add(address)
             finally:
                 self._router.finished(address, request.request_id)
+
+    async def _pick(self, base_model: str, routing: RoutingRequest, failed: set[str]) -> common_pb2.WorkerInfo:
+        """A worker for the request, among the registry's healthy ones not in `failed`. While none has a
+        fresh state but one's state stream is open and silent (`StateFeed.late`: the worker paused, or this
+        gateway's loop behind a burst), wait for its next state — as long as the registry lists it (its
+        heartbeat timeout) and at most `late_worker_wait_s` — instead of refusing a live worker. A worker
+        whose stream ended (it died) is not waited for: that request's 503 comes at once."""
+        stale_s = self._config.state_stale_s
+        give_up_at = time.monotonic() + self._config.late_worker_wait_s
+        while True:
+            candidates = [w for w in await self._cache.workers_for(base_model) if w.address not in failed]
+            addresses = [w.address for w in candidates]
+            self._feed.watch(addresses)
+            await self._feed.settled(addresses, stale_s, stale_s)
+            try:
+                return self._router.pick(routing, base_model, candidates)
+            except Unavailable:
+                late = self._feed.late(addresses, stale_s)
+                if not late or time.monotonic() >= give_up_at:
+                    raise
+                log.debug("no worker for %r has a fresh state; waiting for %s", base_model, ", ".join(late))
 
     async def list_models(self) -> list[inference_pb2.ModelCard]:
         """Every base model and every adapter, in name order."""

@@ -103,7 +103,7 @@ def check_routing_config(gw: GatewayConfig) -> None:
     if gw.state_stale_s <= 2 * gw.state_interval_ms / 1e3:
         raise ConfigError(f"gateway.state_stale_s ({gw.state_stale_s}) must exceed two state intervals "
                           f"({2 * gw.state_interval_ms} ms)")
-    for key in ("default_tpot_slo_ms", "default_ttft_slo_ms"):
+    for key in ("default_tpot_slo_ms", "default_ttft_slo_ms", "late_worker_wait_s"):
         if not getattr(gw, key) > 0:
             raise ConfigError(f"gateway.{key} must be positive, got {getattr(gw, key)}")
     if gw.max_queued_per_model < 1:

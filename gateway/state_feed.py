@@ -7,9 +7,11 @@ restarted) forgets the worker at once — out of rotation — and the next reque
 a stream that merely stalls goes stale in the table after `state_stale_s`.
 
 A state is stamped when the gateway reads it, so a busy gateway makes a live worker look stale
-too (2,000 requests arriving at once on two cores left 1.2 s between two states read, and 800 of
-them were refused as if no worker reported): a request that finds its open stream's last state old
-waits for the next one (`settled`), and only a stream silent for that long too leaves it no worker.
+too (2,000 requests arriving at once on two cores left 1.2 s between two states read), and a paused
+worker process (SIGSTOP, a long GC, a swapped-out page) keeps its stream open and silent: a request
+that finds its open stream's last state old waits for the next one (`settled`), and the core waits
+again while any stream is `late` — a worker that is alive is waited for, not refused. A stream that
+ended (the worker died: its connection was reset or refused) is not late: no request waits for it.
 """
 
 from __future__ import annotations
@@ -110,6 +112,13 @@ class StateFeed:
             finally:
                 for wait in news:
                     wait.cancel()
+
+    def late(self, addresses: Collection[str], stale_s: float) -> list[str]:
+        """Those of `addresses` whose stream is open but has pushed no state in the last `stale_s`
+        (or none yet). A worker whose states come but name no usable model is not late: it is heard."""
+        horizon = self._clock() - stale_s
+        return [a for a in addresses if a in self._streams and not self._streams[a].done()
+                and (not self._settled[a].is_set() or self._reported_at.get(a, horizon) < horizon)]
 
     async def close(self) -> None:
         for stream in self._streams.values():

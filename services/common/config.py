@@ -89,6 +89,10 @@ class GatewayConfig:
     perf_models_dir: str = ""  # "" -> the repo's services/common/scheduling/perf_models (<kind>.json per worker kind)
     state_interval_ms: int = 50  # how often each worker pushes its state (10..100)
     state_stale_s: float = 1.0  # a worker whose last push is older is out of rotation
+    # A request finding no worker with a fresh state, while the registry lists one whose state stream is open
+    # but silent (its process paused, or this gateway's loop behind a burst), waits for that stream's next
+    # state as long as the registry keeps listing the worker, and at most this long (the registry itself down).
+    late_worker_wait_s: float = 30.0
     default_tpot_slo_ms: float = 200.0  # SLO of a request that names none and whose adapter has no default
     default_ttft_slo_ms: float = 5000.0
     # Admission: requests in flight per base model at this gateway; beyond it, 429 / RESOURCE_EXHAUSTED.

@@ -199,6 +199,10 @@ class GatewayEnv:
     def grpc_address(self) -> str:
         return f"127.0.0.1:{self.gateway.grpc_port}"
 
+    def stop_worker(self, index: int) -> None:
+        """The worker's process is gone: its streams end and its port refuses; the registry still lists it."""
+        self.loop.run(self._worker_servers[index].stop(0))
+
     def stop_registry(self) -> None:
         self.loop.run(self.registry_server.stop(0))
 
