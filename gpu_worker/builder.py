@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +36,7 @@ from kernels import NO_SLOT, AdapterArena
 from services.common.adapter_layout import TEXT_LAYOUT, AdapterLayout
 from services.common.config import ConfigError, WorkerConfig
 from services.common.errors import FailedPrecondition
-from services.common.lora_shm import SidecarManifest
+from services.common.shm_claims import claim, reclaim_orphans
 from services.common.scheduling.perf_model import PerfModel
 from services.common.numa import choose_cores, gpu_numa_node, read_topology
 from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
@@ -201,17 +199,15 @@ def _cpu_lora_workers(worker: WorkerConfig, device: torch.device) -> LocalWorker
 
 
 def _shm_files(worker: WorkerConfig) -> tuple[Path, Path]:
-    """(host tier, work area) files for the CPU LoRA workers, named for this process alone. With a sidecar,
-    the files a previous run of this worker left in the directory (a pod's memory volume outlives a
-    container's restart) are removed first."""
+    """(host tier, work area) files for the CPU LoRA workers, under a claim of this process's; the files
+    that workers now gone left in the directory (killed, or a sidecar pod's previous container) are
+    removed first (services/common/shm_claims.py)."""
     directory = Path(worker.cpu_lora_shm_dir)
     if not directory.is_dir():
         raise ConfigError(f"worker.cpu_lora_shm_dir: {directory} is not a directory")
-    if worker.cpu_lora_launch == "sidecar" and (previous := SidecarManifest.read(directory)):
-        for name in (previous.work_area, previous.weights):
-            (directory / name).unlink(missing_ok=True)
-    tag = f"tessera-{os.getpid()}-{secrets.token_hex(4)}"
-    return directory / f"{tag}-host", directory / f"{tag}-lora"
+    reclaim_orphans(directory)
+    host, area = claim(directory).new_paths("host", "lora")
+    return host, area
 
 
 def _cpu_lora_pool(worker: WorkerConfig, adapters: AdapterManager, memory: GpuAdapterMemory, area_path: Path,
