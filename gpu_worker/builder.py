@@ -167,11 +167,14 @@ def adapter_manager(memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAW
     if host_bytes < memory.budget_bytes:
         raise ConfigError(f"worker.adapter_host_bytes: the host tier holds a copy of every GPU adapter, so it needs "
                           f"at least the GPU tier's {memory.budget_bytes} bytes, got {host_bytes}")
-    if worker.adapter_loader_threads < 1 or worker.adapter_failure_ttl_s < 0:
-        raise ConfigError("worker.adapter_loader_threads must be >= 1 and worker.adapter_failure_ttl_s >= 0")
+    if worker.adapter_loader_threads < 1:
+        raise ConfigError("worker.adapter_loader_threads must be >= 1")
+    if not 0 <= worker.adapter_failure_ttl_s <= worker.adapter_failure_max_ttl_s:
+        raise ConfigError(f"worker.adapter_failure_ttl_s ({worker.adapter_failure_ttl_s}) must be >= 0 and at most "
+                          f"worker.adapter_failure_max_ttl_s ({worker.adapter_failure_max_ttl_s})")
     return AdapterManager(memory, read, host_bytes=host_bytes, loader_threads=worker.adapter_loader_threads,
                           eviction=_eviction(worker), failure_ttl_s=worker.adapter_failure_ttl_s,
-                          synchronous=worker.adapter_synchronous_loads, host_path=host_path)
+                          failure_max_ttl_s=worker.adapter_failure_max_ttl_s, synchronous=worker.adapter_synchronous_loads, host_path=host_path)
 
 
 def _cpu_lora_workers(worker: WorkerConfig, device: torch.device) -> LocalWorkers | SidecarWorkers | None:

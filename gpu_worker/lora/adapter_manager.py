@@ -49,7 +49,7 @@ from gpu_worker.lora.gpu_memory import AdapterCopy, GpuAdapterMemory
 from gpu_worker.lora.host_weights import PAGE_BYTES, HostPages, PackedAdapter
 from gpu_worker.lora.load_failures import RecentFailures
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights
-from services.common.errors import AdapterLoadFailed, FailedPrecondition
+from services.common.errors import AdapterLoadFailed, FailedPrecondition, TesseraError
 from services.common.scheduling.adapter_tiers import AdapterTiers, Tier
 from services.common.scheduling.eviction import Eviction
 
@@ -88,14 +88,16 @@ class _Version:
 
 class AdapterManager:
     def __init__(self, memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAWeights], *, host_bytes: int,
-                 loader_threads: int, eviction: Eviction, failure_ttl_s: float, synchronous: bool = False,
+                 loader_threads: int, eviction: Eviction, failure_ttl_s: float, failure_max_ttl_s: float = 300.0,
+                 synchronous: bool = False,
                  host_page_bytes: int | None = None, host_path: Path | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`read`: an adapter from disk, verified and parsed (runs on a loader thread). `synchronous`:
         every load runs to its end on the engine thread, stalling the steps (the behaviour before the
         tiers, kept as benchmarks/cold_start_bench.py's baseline). `host_path`: hold the host tier in a
-        file there, for the CPU LoRA workers to map."""
-        assert loader_threads > 0 and failure_ttl_s >= 0, (loader_threads, failure_ttl_s)
+        file there, for the CPU LoRA workers to map. A failed load is not tried again for `failure_ttl_s`,
+        doubled at each failure in a row up to `failure_max_ttl_s` (load_failures.py)."""
+        assert loader_threads > 0 and 0 <= failure_ttl_s <= failure_max_ttl_s, (loader_threads, failure_ttl_s)
         self._memory = memory
         self._read = read
         cuda = memory.device.type == "cuda"
@@ -114,7 +116,7 @@ class AdapterManager:
         self._versions: dict[str, _Version] = {}  # digest -> every version in a tier, being read, or requested
         self._active: dict[str, None] = {}        # versions with a load in flight or requests waiting, oldest first
         self._newest: dict[str, str] = {}         # adapter name -> digest of the last version that arrived
-        self._failures = RecentFailures(failure_ttl_s, clock)
+        self._failures = RecentFailures(failure_ttl_s, failure_max_ttl_s, clock)
         self._synchronous = synchronous
         self._clock = clock
         self._load_times = LoadClock()
@@ -477,14 +479,18 @@ class AdapterManager:
                 f"its weights have rank {host.rank}, the registry recorded rank {version.ref.rank}"))
             return
         version.host = host
+        self._failures.succeeded(key)
         self._tiers.resize(key, host.host_bytes, gpu_nbytes=host.nbytes)
         self._load_times.observe("disk", self._clock() - version.started)
 
     def _fail(self, key: str, version: _Version, error: BaseException) -> None:
-        """Remember the failure (requests for `key` fail until it expires) and let go of what the load held."""
-        log.error("adapter %s (%s) could not be loaded; failing its requests", ", ".join(sorted(version.names)),
-                  version.ref.storage_path, exc_info=error)
-        self._failures.remember(key, error)
+        """Remember the failure (requests for `key` fail until its backoff ends) and let go of what the load
+        held. One line per failed attempt; a traceback only for an error that is no domain or OS error, once."""
+        failure = self._failures.remember(key, error)
+        unexpected = not isinstance(error, (TesseraError, OSError)) and failure.attempts == 1
+        log.error("adapter %s (%s) could not be loaded (attempt %d; failing its requests, next attempt in %.0f s "
+                  "at the earliest): %s", ", ".join(sorted(version.names)), version.ref.storage_path,
+                  failure.attempts, failure.backoff_s, failure.cause, exc_info=error if unexpected else None)
         version.host = None
         if version.slot is not None:
             self._free_slot(version)

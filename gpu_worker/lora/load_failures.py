@@ -1,9 +1,16 @@
-"""Adapter loads that failed lately, remembered by version for a while: requests for a version whose
-files are broken fail at once instead of reading them again, and the message says what went wrong."""
+"""Adapter loads that failed lately, remembered by version with an exponential backoff: requests for a
+version whose files are broken fail at once instead of reading them again, the message says what went
+wrong, and the next read waits twice as long as the last, up to a cap:
+
+    ttl 10 s, cap 300 s: attempts at t = 0, 10, 30, 70, 150, 310, 610, 910, ... s
+
+(a tampered adapter that the placement plan kept naming hot was re-read, and a traceback logged, every
+11 s). A load that succeeds forgets the version's failures."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import TesseraError
@@ -19,22 +26,36 @@ def cause_of(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+@dataclass(frozen=True)
+class Failure:
+    attempts: int       # failed loads of this version in a row
+    until: float        # no new load before this (clock time)
+    backoff_s: float    # how long this failure is remembered
+    cause: str
+
+
 class RecentFailures:
-    def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
-        assert ttl_s >= 0, ttl_s
-        self._ttl_s = ttl_s
+    def __init__(self, ttl_s: float, max_ttl_s: float, clock: Callable[[], float]) -> None:
+        """`ttl_s`: how long a first failure is remembered; each failure in a row doubles it, up to `max_ttl_s`."""
+        assert 0 <= ttl_s <= max_ttl_s, (ttl_s, max_ttl_s)
+        self._ttl_s, self._max_ttl_s = ttl_s, max_ttl_s
         self._clock = clock
-        self._failures: dict[str, tuple[float, str]] = {}  # version -> (remembered until, cause)
+        self._failures: dict[str, Failure] = {}  # version -> its last failure
         self.count = 0  # failures so far
 
-    def remember(self, key: str, error: BaseException) -> None:
+    def remember(self, key: str, error: BaseException) -> Failure:
+        """A load of `key` failed: the failure, with the backoff before the next attempt."""
         self.count += 1
-        self._failures[key] = (self._clock() + self._ttl_s, cause_of(error))
+        attempts = self._failures[key].attempts + 1 if key in self._failures else 1
+        backoff_s = min(self._max_ttl_s, self._ttl_s * 2 ** (attempts - 1))
+        failure = self._failures[key] = Failure(attempts, self._clock() + backoff_s, backoff_s, cause_of(error))
+        return failure
+
+    def succeeded(self, key: str) -> None:
+        """A load of `key` succeeded: its next failure starts the backoff again."""
+        self._failures.pop(key, None)
 
     def cause(self, key: str) -> str | None:
-        """The cause of `key`'s last failed load, while it is remembered."""
+        """The cause of `key`'s last failed load while no new load may start (its backoff)."""
         failure = self._failures.get(key)
-        if failure is not None and failure[0] <= self._clock():
-            del self._failures[key]
-            failure = None
-        return failure[1] if failure else None
+        return failure.cause if failure is not None and self._clock() < failure.until else None

@@ -122,8 +122,10 @@ class WorkerConfig:
     adapter_loader_threads: int = 2  # threads reading adapters from disk into the host tier
     adapter_eviction: str = "lfu"  # which adapter leaves a full tier: lfu (access frequency with decay) or lru
     adapter_eviction_half_life_s: float = 60.0  # lfu: an access counts half as much after this long
-    # A failed load fails new requests for the same adapter version this long without reading it again.
+    # A failed load fails new requests for the same adapter version this long without reading it again;
+    # each failure in a row doubles the wait, up to adapter_failure_max_ttl_s.
     adapter_failure_ttl_s: float = 10.0
+    adapter_failure_max_ttl_s: float = 300.0
     # Every adapter load runs to its end on the engine thread, stalling every stream (the behaviour
     # before the tiers): benchmarks/cold_start_bench.py's baseline, not for serving.
     adapter_synchronous_loads: bool = False

@@ -3,12 +3,14 @@ digest, failures that fail only their version (and are remembered a while), the 
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
 import torch
 
 from gpu_worker.lora.adapter_manager import AdapterManager
+from gpu_worker.lora.load_failures import RecentFailures
 from gpu_worker.lora.loader import AdapterRef
 from services.common.errors import AdapterLoadFailed, FailedPrecondition
 from services.common.scheduling.eviction import LRU, LFUDecay
@@ -148,6 +150,40 @@ def test_a_failed_load_fails_its_version_only_and_is_remembered_a_while(error):
     del disk.broken[broken.sha256]
     adapters.depart(good)
     assert _use(adapters, broken) is not None and disk.reads.count("broken") == 2
+
+
+def test_a_load_failing_again_and_again_is_retried_with_a_doubling_capped_backoff_one_line_each(caplog):
+    """A broken adapter that something keeps asking for (the placement plan naming it hot) is read at
+    t = 0, 10, 30, 70, ... s (ttl 10 s doubled per failure, capped at 300 s), never in between; each
+    attempt logs one line without a traceback and counts one load failure; a load that succeeds resets it."""
+    disk, clock = Disk(), Clock()
+    adapters, _ = manager(1, disk, clock=clock)
+    broken = ref("broken")
+    disk.broken[broken.sha256] = FailedPrecondition("checksum mismatch")
+    attempts_at = []
+    with caplog.at_level(logging.INFO, logger="gpu_worker.lora.adapter_manager"):
+        while clock.now < 1300:
+            if adapters.preload(broken, rate=1.0):  # the plan's order, at every heartbeat answer
+                attempts_at.append(clock.now)
+                poll_until(adapters, lambda: adapters.failure(broken) is not None)
+            clock.now += 1.0
+    assert attempts_at == [0, 10, 30, 70, 150, 310, 610, 910, 1210]
+    assert disk.reads.count("broken") == len(attempts_at) == adapters.stats().load_failures
+    lines = [r for r in caplog.records if "could not be loaded" in r.getMessage()]
+    assert [r.exc_info for r in lines] == [None] * len(attempts_at)
+    assert "attempt 6; failing its requests, next attempt in 300 s" in lines[5].getMessage()
+    del disk.broken[broken.sha256]  # mended: the attempt after the backoff loads it
+    clock.now = 1510
+    assert _use(adapters, broken) is not None
+
+
+def test_a_success_starts_the_backoff_again():
+    clock = Clock()
+    failures = RecentFailures(10.0, 300.0, clock)
+    assert [failures.remember("v", ValueError("x")).backoff_s for _ in range(7)] == [10, 20, 40, 80, 160, 300, 300]
+    failures.succeeded("v")
+    assert failures.cause("v") is None and failures.remember("v", ValueError("x")).backoff_s == 10
+    assert failures.count == 8
 
 
 def test_load_now_waits_for_the_adapter_and_raises_when_it_fails():
