@@ -71,6 +71,7 @@ class Stream:
     retry_after: str | None = None
     ttft_s: float | None = None  # request written -> first token's event (or 429's head)
     done: bool = False  # the stream ended with data: [DONE]
+    done_s: float | None = None  # request written -> data: [DONE]
     error: str = ""
 
 
@@ -130,7 +131,7 @@ async def sse_stream(port: int, request: bytes, timeout_s: float) -> Stream:
             if out.ttft_s is None and data.startswith(b"data: {"):
                 out.ttft_s = time.perf_counter() - out.sent_at
             if b"data: [DONE]" in data:
-                out.done = True
+                out.done, out.done_s = True, time.perf_counter() - out.sent_at
             elif b'data: {"error"' in data:
                 out.error = data.decode(errors="replace")[:200]
 

@@ -13,8 +13,9 @@ def engine_factory(tiny_assets):  # noqa: F811
     """Float32 CUDA engines (the unit tests' factory, on the GPU)."""
     engines = []
 
-    def factory(steps=None, **fields):
-        engines.append(make_engine(tiny_assets, steps, device="cuda", dtype="float32", kv_cache_tokens=2048, **fields))
+    def factory(steps=None, start=True, **fields):
+        engines.append(make_engine(tiny_assets, steps, start, device="cuda", dtype="float32", kv_cache_tokens=2048,
+                                   **fields))
         return engines[-1]
     yield factory
     for engine in engines:

@@ -8,6 +8,7 @@ idle connections (waitress, its old server, let 120 of them time admin requests 
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 from dataclasses import dataclass
@@ -61,10 +62,13 @@ def test_streams_past_the_bound_complete_or_get_429_at_once_and_none_waits_unadm
     assert run.refused > 0, f"{STREAMS} streams at once against a bound of {BOUND}: the rest are refused"
     refused = [s for s in run.streams if s.status == 429]
     assert all(s.retry_after is not None and int(s.retry_after) >= 1 for s in refused)
-    assert max(s.ttft_s for s in refused) < 5.0, "a refusal comes at once, not after a wait for a place"
-    # No request waits unadmitted: all are admitted or refused within seconds of the last one sent
+    # The yardstick, measured in this run (so a busy machine moves it with the gateway): how long an
+    # admitted stream takes. A request that waited for a place would wait for admitted streams to end.
+    stream_s = statistics.median(s.done_s for s in run.streams if s.done_s is not None)
+    assert max(s.ttft_s for s in refused) < stream_s, "a refusal comes at once, not after a wait for a place"
+    # No request waits unadmitted: all are admitted or refused before a typical admitted stream has ended
     # (a thread per stream would leave all but its pool size waiting for streams to end).
-    assert run.all_decided_s is not None and run.all_decided_s < 5.0, run.all_decided_s
+    assert run.all_decided_s is not None and run.all_decided_s < stream_s, (run.all_decided_s, stream_s)
 
 
 def test_idle_connections_delay_a_normal_request_by_less_than_100_ms(gateway: BoundedGateway) -> None:

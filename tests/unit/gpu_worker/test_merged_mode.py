@@ -19,7 +19,7 @@ from services.common.config import WorkerConfig
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels, assert_same_greedy
 
-from .conftest import run_all, tokens_of
+from .conftest import run_all, run_together, tokens_of
 
 PROMPT = "import os\nimport sys\n"
 MAX_NEW = 12
@@ -109,9 +109,10 @@ def test_steps_their_time_and_switches_are_counted_by_mode():
 def test_mixture_mode_gives_peft_outputs_for_every_adapter_and_the_base_model(engine_factory, tiny_assets):
     """demo-r64 folded into the weights while demo-r16, demo-r8 and base-model requests share its steps
     (each adding its own delta and demo-r64's negated), switching between mixture and unmerged steps
-    mid-prefill and mid-decode; then a step without demo-r64 restores the base weights bit for bit."""
+    mid-prefill and mid-decode; then a step without demo-r64 restores the base weights bit for bit. The
+    requests arrive together on resident adapters (`run_together`), so the steps are the same every run."""
     steps = []
-    engine = engine_factory(steps=steps, max_batch_tokens=24)
+    engine = engine_factory(steps=steps, start=False, max_batch_tokens=24)
     before = _weights(engine)
     calls = itertools.count()
 
@@ -125,7 +126,7 @@ def test_mixture_mode_gives_peft_outputs_for_every_adapter_and_the_base_model(en
     requests = [GenerationRequest(f"x{i}", prompt, SamplingParams(max_tokens=MAX_NEW),
                                   tiny_assets.adapters[name] if name else None)
                 for i, (name, prompt) in enumerate(prompts.items())]
-    outputs = run_all(engine, requests)
+    outputs = run_together(engine, requests)
     assert {s.mode for s in steps} == {"mixture", "unmerged"}
     assert any(s.mode == "mixture" and s.num_prefills and len(set(s.adapters)) > 2 for s in steps)
 
