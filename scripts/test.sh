@@ -11,5 +11,5 @@ echo "[test] checking generated stubs (python -m protos.generate --check)"
 .venv/bin/python -m protos.generate --check
 echo "[test] checking the layering (lint-imports, contracts in pyproject.toml)"
 .venv/bin/lint-imports --no-cache
-echo "[test] pytest $*"
-exec .venv/bin/python -m pytest "$@"
+echo "[test] pytest --durations=30 $*"
+exec .venv/bin/python -m pytest --durations=30 "$@"
