@@ -28,6 +28,7 @@ from jsonschema.exceptions import ValidationError
 from services.common import strict_json
 from services.common.config import GatewayConfig
 from services.common.errors import InvalidArgument
+from services.common.text_fields import strings_in
 from services.common.slo import MAX_SLO_MS, MIN_SLO_MS
 
 MAX_SHOWN_CHARS = 80  # of a value quoted back in an error message
@@ -53,18 +54,9 @@ def parse_json(raw: bytes) -> Any:
 
 
 def _check_texts(body: Any) -> None:
-    """Every string and key is Unicode text (iteratively: strict_json bounds the depth, not the width)."""
-    stack: list[tuple[Any, tuple[str | int, ...]]] = [(body, ())]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, str):
-            _check_text(value, path)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                _check_text(key, path)
-                stack.append((item, (*path, key)))
-        elif isinstance(value, list):
-            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+    """Every string and key is Unicode text."""
+    for text, path in strings_in(body):
+        _check_text(text, path)
 
 
 def _check_text(text: str, path: tuple[str | int, ...]) -> None:

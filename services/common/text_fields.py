@@ -11,6 +11,7 @@ with InvalidArgument, naming the field:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from services.common.errors import InvalidArgument
@@ -40,16 +41,23 @@ def check_path_text(value: str, field: str) -> str:
     return value
 
 
-def check_texts(value: Any, field: str) -> None:
-    """check_text on every string in a parsed JSON value (object keys included), naming where it sits."""
-    stack: list[tuple[Any, str]] = [(value, field)]
+def strings_in(value: Any) -> Iterator[tuple[str, tuple[str | int, ...]]]:
+    """Every string in a parsed JSON value, object keys included, with the path of keys and indexes to it
+    (a key's path is its object's). Iterative: strict JSON bounds the depth, not the width."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
     while stack:
-        item, where = stack.pop()
+        item, path = stack.pop()
         if isinstance(item, str):
-            check_text(item, where)
+            yield item, path
         elif isinstance(item, dict):
             for key, inner in item.items():
-                check_text(key, f"{where} key")
-                stack.append((inner, f"{where}.{key}"))
+                yield key, path
+                stack.append((inner, (*path, key)))
         elif isinstance(item, list):
-            stack.extend((inner, f"{where}[{i}]") for i, inner in enumerate(item))
+            stack.extend((inner, (*path, i)) for i, inner in enumerate(item))
+
+
+def check_texts(value: Any, field: str) -> None:
+    """check_text on every string in `value` (a parsed JSON value), naming where it sits: "task_head.labels[0]"."""
+    for text, path in strings_in(value):
+        check_text(text, field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path))
