@@ -119,7 +119,7 @@ def _certs(config: TesseraConfig, args: argparse.Namespace) -> int:
 
 
 def _health(config: TesseraConfig, args: argparse.Namespace) -> int:
-    from services.common.grpc_server import check_health
+    from services.common.grpc_server import health_status
     from services.common.tls import TlsError, health_probe_credentials
 
     try:
@@ -127,9 +127,9 @@ def _health(config: TesseraConfig, args: argparse.Namespace) -> int:
     except TlsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    healthy = check_health(args.address, timeout_s=args.timeout, credentials=credentials)
-    print(f"{args.address}: {'SERVING' if healthy else 'NOT SERVING'}")
-    return 0 if healthy else 1
+    status = health_status(args.address, timeout_s=args.timeout, credentials=credentials)
+    print(f"{args.address}: {status}")
+    return 0 if status == "SERVING" else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

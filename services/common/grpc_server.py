@@ -179,11 +179,22 @@ def check_health(address: str, timeout_s: float = 1.0, service: str = "",
     """True if the gRPC server at `address` answers SERVING (blocking; for launchers and tests).
 
     `credentials`: what the server requires (tls.health_probe_credentials); None dials plaintext."""
+    return health_status(address, timeout_s, service, credentials) == "SERVING"
+
+
+def health_status(address: str, timeout_s: float = 1.0, service: str = "",
+                  credentials: grpc.ChannelCredentials | None = None) -> str:
+    """What the server at `address` says of `service`: "SERVING", "NOT_SERVING", ...; or, where no
+    server answered (nothing listens, a TLS mismatch, the timeout), "unreachable: <gRPC's reason>"."""
     try:
         channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
         with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        details = (exc.details() if hasattr(exc, "details") else "") or ""
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return f"unreachable: {code.name}: {details}".rstrip(": ")
+        return f"NOT_SERVING ({code.name}: {details})"

@@ -59,7 +59,7 @@ def test_health_exits_0_while_serving_and_1_once_gone(tmp_path: Path, monkeypatc
         server.terminate()
         server.wait()
     assert main(["health", address, "--role", "gateway", "--timeout", "0.5"]) == 1
-    assert "NOT SERVING" in capsys.readouterr().out
+    assert f"{address}: unreachable: UNAVAILABLE: " in capsys.readouterr().out, "nothing listens: it says so"
 
 
 def test_health_probes_an_internal_role_with_its_cluster_certificate(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -71,8 +71,10 @@ def test_health_probes_an_internal_role_with_its_cluster_certificate(tmp_path: P
         while main(["health", address, "--role", "registry", "--timeout", "0.5"]) != 0:
             assert time.monotonic() < deadline, "fake registry never became healthy"
             time.sleep(0.1)
+        capsys.readouterr()
         # Probed as the public gateway port is (no certificate), the registry does not answer.
         assert main(["health", address, "--role", "gateway", "--timeout", "0.5"]) == 1
+        assert f"{address}: unreachable: " in capsys.readouterr().out
     finally:
         server.terminate()
         server.wait()
