@@ -18,7 +18,9 @@ import grpc
 from services.common.errors import Unauthenticated
 
 OPEN_GRPC_SERVICES = ("grpc.health.v1.Health",)
-MISSING_KEY = "a valid API key is required: send 'Authorization: Bearer <key>'"
+# Each door names its own way to send the key.
+MISSING_KEY = "a valid API key is required: send the header 'Authorization: Bearer <key>'"
+MISSING_KEY_GRPC = "a valid API key is required: send the metadata 'authorization: Bearer <key>'"
 
 
 class ApiKeys:
@@ -62,11 +64,11 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def _refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, MISSING_KEY)
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, MISSING_KEY_GRPC)
 
 
 async def _refuse_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, MISSING_KEY)
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, MISSING_KEY_GRPC)
     yield  # an async generator, as a server-streaming handler must be
 
 

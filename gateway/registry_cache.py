@@ -179,7 +179,8 @@ class RegistryCache:
             resolved = self._lookup(model)
         if resolved is None:
             self._require_snapshot()
-            raise NotFound(f"model '{model}' does not exist; GET /v1/models lists the available models",
+            raise NotFound(f"model '{model}' does not exist; the available models are listed by GET /v1/models "
+                           "(REST) and ListModels (gRPC)",
                            param="model")
         return resolved
 

@@ -28,7 +28,7 @@ def test_resolve_base_adapter_and_unknown() -> None:
             assert (base.base_model, base.adapter) == (BASE, None)
             adapter = await cache.resolve(ADAPTER)
             assert adapter.base_model == BASE and adapter.adapter.name == ADAPTER and adapter.adapter.rank == 8
-            with pytest.raises(NotFound, match="model 'nope' does not exist; GET /v1/models"):
+            with pytest.raises(NotFound, match=r"model 'nope' does not exist; the available models are listed by GET /v1/models \(REST\) and ListModels \(gRPC\)"):
                 await cache.resolve("nope")
         finally:
             await cache.close()

@@ -141,7 +141,7 @@ def test_json_body_with_another_content_type_is_accepted(env: GatewayEnv) -> Non
 def test_unknown_model_is_404(env: GatewayEnv) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client(env).chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
-    assert "model 'nope' does not exist; GET /v1/models lists the available models" in str(info.value)
+    assert "model 'nope' does not exist; the available models are listed by GET /v1/models (REST) and ListModels (gRPC)" in str(info.value)
     assert info.value.body["param"] == "model"
 
 
