@@ -17,7 +17,7 @@ from registry.placement_planner import PlacementPlanner
 from registry.planner_lease import PlannerLease
 from registry.grpc_service import SERVICE_NAME, add_registry_service
 from registry.store import RegistryStore
-from services.common.config import ConfigError, TesseraConfig
+from services.common.config import ConfigError, RegistryConfig, TesseraConfig
 from services.common.scheduling.placement import PlanLimits
 from services.common.grpc_server import start_grpc_server
 from services.common.http_server import HttpLimits, LoopHttpServer
@@ -96,20 +96,28 @@ def _planner(config: TesseraConfig, store: RegistryStore) -> PlacementPlanner | 
     return PlacementPlanner(store, limits, settings.placement_half_life_s)
 
 
-async def _sweep_deleted_files(store: RegistryStore, grace_s: float, stop: asyncio.Event) -> None:
-    """Remove deleted adapters' files once their grace has passed: at start, then every quarter grace."""
+async def _housekeeping(store: RegistryStore, settings: RegistryConfig, stop: asyncio.Event) -> None:
+    """At start, then every quarter of the shorter period: remove deleted adapters' files once their grace
+    has passed, and forget workers silent past their expiry."""
+    interval_s = max(1.0, min(settings.deleted_files_grace_s, settings.worker_expiry_s) / 4)
     while not stop.is_set():
         for directory in await asyncio.to_thread(store.sweep_deleted_files):
             log.info("removed the stored files of deleted adapters at %s", directory)
+        for worker in await asyncio.to_thread(store.expire_workers):
+            log.info("forgot worker %s at %s (%s), silent for %.0f s", worker.worker_id, worker.address,
+                     worker.base_model, settings.worker_expiry_s)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(1.0, grace_s / 4))
+            await asyncio.wait_for(stop.wait(), interval_s)
 
 
 def serve(config: TesseraConfig) -> None:
     setup_logging("registry", config.log_level)
     tls = cluster_credentials(config, "registry")  # first: a missing certificate fails before anything binds
-    store = RegistryStore.from_config(config)
     settings = config.registry
+    if not settings.worker_expiry_s >= settings.worker_timeout_s > 0:
+        raise ConfigError(f"registry.worker_expiry_s ({settings.worker_expiry_s}) must be at least "
+                          f"registry.worker_timeout_s ({settings.worker_timeout_s}), which must be positive")
+    store = RegistryStore.from_config(config)
     planner = _planner(config, store)
     start_metrics_server(settings.host, settings.metrics_port)
     admin_app = create_admin_app(store, resolve_admin_api_key(config))
@@ -125,7 +133,7 @@ def serve(config: TesseraConfig) -> None:
             tls.server() if tls else None)
         log.info("registry ready: gRPC %s:%s, admin API http://%s:%s/admin/v1",
                  settings.host, grpc_server.port, settings.host, admin.port)
-        sweeping = asyncio.create_task(_sweep_deleted_files(store, settings.deleted_files_grace_s, stop))
+        sweeping = asyncio.create_task(_housekeeping(store, settings, stop))
         planning = asyncio.create_task(_plan_placements(
             planner, PlannerLease(config.database_url), settings.placement_interval_s, stop)) if planner else None
         await stop.wait()

@@ -81,14 +81,17 @@ def _order_record(row: PlacementOrderRow) -> PlacementOrderRecord:
 class RegistryStore:
     def __init__(self, database_url: str, adapter_store: Path, import_roots: list[Path],
                  worker_timeout_s: float, clock: Callable[[], float] = time.time,
-                 deleted_files_grace_s: float = 600.0) -> None:
+                 deleted_files_grace_s: float = 600.0, worker_expiry_s: float = 3600.0) -> None:
         """`deleted_files_grace_s`: a deleted adapter's files stay this long for the requests workers
-        took before it was deleted (`sweep_deleted_files` removes them after)."""
+        took before it was deleted (`sweep_deleted_files` removes them after). `worker_expiry_s`: a worker
+        silent this long is forgotten (`expire_workers`)."""
+        assert worker_expiry_s >= worker_timeout_s, (worker_expiry_s, worker_timeout_s)
         self._engine = make_engine(database_url)
         self._sessions = make_session_factory(self._engine)
         self._blobs = AdapterBlobStore(adapter_store)
         self._roots = real_roots(import_roots)
         self._worker_timeout_ms = int(worker_timeout_s * 1000)
+        self._worker_expiry_ms = int(worker_expiry_s * 1000)
         self._clock = clock  # wall clock (unix seconds): heartbeats are compared across processes
         self._deleted_files_grace_s = deleted_files_grace_s
         # Serialises each write with the check before it that another row allows it: blob commits and
@@ -103,7 +106,8 @@ class RegistryStore:
         """The store for `config`, with the database schema migrated to head first."""
         upgrade_schema(config.database_url)
         return cls(config.database_url, config.adapter_store_path, config.import_root_paths,
-                   config.registry.worker_timeout_s, deleted_files_grace_s=config.registry.deleted_files_grace_s)
+                   config.registry.worker_timeout_s, deleted_files_grace_s=config.registry.deleted_files_grace_s,
+                   worker_expiry_s=config.registry.worker_expiry_s)
 
     def close(self) -> None:
         self._engine.dispose()
@@ -277,6 +281,18 @@ class RegistryStore:
             row.last_heartbeat_ms = self._now_ms()
             row.stats = stats
             return True
+
+    def expire_workers(self) -> list[WorkerRecord]:
+        """Forget the workers silent for `worker_expiry_s` (gone: killed, scaled in, moved), with the
+        placements they reported; the records removed. One that comes back registers again."""
+        horizon = self._now_ms() - self._worker_expiry_ms
+        with self._transaction() as s:
+            rows = list(s.scalars(select(WorkerRow).where(WorkerRow.last_heartbeat_ms < horizon)))
+            ids = [row.id for row in rows]
+            if ids:
+                s.execute(delete(PlacementRow).where(PlacementRow.worker_id.in_(ids)))
+                s.execute(delete(WorkerRow).where(WorkerRow.id.in_(ids)))
+            return [self._worker_record(row) for row in rows]
 
     def list_workers(self, base_model: str | None = None, healthy_only: bool = False) -> list[WorkerRecord]:
         query = select(WorkerRow).order_by(WorkerRow.address)

@@ -38,6 +38,7 @@ class RegistryConfig:
     import_roots: list[str] = dataclasses.field(default_factory=list)
     admin_api_key: str = ""  # "" -> read or create {home}/admin_api_key (mode 0600)
     worker_timeout_s: float = 10.0  # a worker silent this long is unhealthy
+    worker_expiry_s: float = 3600.0  # a worker silent this long is forgotten (gone from /admin/v1/workers)
     heartbeat_interval_ms: int = 1000
     http_threads: int = 8
     # A deleted adapter's stored files stay this long (then a sweep removes them): requests that a

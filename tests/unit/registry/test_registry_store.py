@@ -142,6 +142,24 @@ def test_workers_heartbeat_health_and_reregistration(store: RegistryStore, clock
         store.register_worker("127.0.0.1:7003", "cpu", BASE_MODEL, capacity=0)
 
 
+def test_workers_silent_past_their_expiry_are_forgotten_with_their_placements(store: RegistryStore, imports: Path,
+                                                                             clock: FakeClock) -> None:
+    """Default expiry 3,600 s: a worker gone for good (killed, scaled in) leaves /admin/v1/workers then."""
+    store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"))
+    gone = store.register_worker("127.0.0.1:7001", "cpu", BASE_MODEL, capacity=8)
+    live = store.register_worker("127.0.0.1:7002", "cpu", BASE_MODEL, capacity=8)
+    store.replace_placements(gone.worker_id, [P("a1", Tier.GPU)])
+    clock.now += 3000
+    assert store.heartbeat(live.worker_id, {}) and store.expire_workers() == []  # unhealthy, not yet forgotten
+    assert not {w.address: w for w in store.list_workers()}["127.0.0.1:7001"].healthy
+    clock.now += 601
+
+    assert [w.worker_id for w in store.expire_workers()] == [gone.worker_id]
+    assert [w.worker_id for w in store.list_workers()] == [live.worker_id]
+    assert store.list_placements(adapter="a1") == []
+    assert not store.heartbeat(gone.worker_id, {}), "come back: register again"
+
+
 def test_placements_replace_and_follow_deletes(store: RegistryStore, imports: Path) -> None:
     store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"))
     store.register_adapter("a2", BASE_MODEL, str(imports / "attn-qv"))
