@@ -17,7 +17,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 6
 
 
-@pytest.mark.timeout(240)
 def test_tiny_run_completes_every_request_both_ways_and_prints_the_ratios(tmp_path: Path):
     out, logs = tmp_path / "served.json", tmp_path / "logs"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
@@ -25,7 +24,9 @@ def test_tiny_run_completes_every_request_both_ways_and_prints_the_ratios(tmp_pa
         [sys.executable, "-m", "benchmarks.served_bench", "--tiny", "--streams", "3", "5", "--max-tokens",
          str(MAX_TOKENS), "--adapters", "2", "--home-parent", str(tmp_path), "--log-dir", str(logs),
          "--json", str(out)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=200)
+        # A bound for a hang, not a speed bar: on a busy 2-core machine the run (three role processes and an
+        # engine built in-process, each importing torch) took over 200 s; the suite's own timeout is 600 s.
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["mutual_tls"] is True and report["adapters"] == 2
