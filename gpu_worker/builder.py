@@ -52,7 +52,7 @@ def build_engine(checkpoint_dir: Path, worker: WorkerConfig, adapter_store: Path
                  price: Callable[[LlamaForCausalLM], PerfModel] | None = None) -> Engine:
     """`price`: the performance model of the loaded (language) model, which the mode policy prices steps
     with (gpu_worker/pricing.py); without it, the one committed for this worker's kind, if any."""
-    device = torch.device(worker.device)
+    device = serving_device(worker.device)
     async_scheduling = async_scheduling_on(worker.async_scheduling, device)  # a bad setting fails before the load
     dtype = resolve_dtype(worker.dtype, device)
     served = load_served_model(checkpoint_dir, device=device, dtype=dtype)
@@ -82,6 +82,23 @@ def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, wor
                   orchestrator=parts.orchestrator, adapters=parts.adapters, tokenizer=tokenizer,
                   max_context=parts.model.max_context, max_lora_rank=worker.max_lora_rank, on_step=on_step,
                   processor=served.processor, async_scheduling=async_scheduling)
+
+
+def serving_device(name: str) -> torch.device:
+    """worker.device as a torch device; ConfigError for one this process cannot use."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"worker.device: {name!r} is not a device ({exc}); use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ConfigError(f"worker.device is {name!r}, but this torch ({torch.__version__}, {build}) sees no "
+                          "CUDA device: set worker.device: cpu, or run on a machine with an NVIDIA GPU and a "
+                          "CUDA build of torch")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"worker.device is {name!r}, but this machine has {torch.cuda.device_count()} CUDA "
+                          "device(s)")
+    return device
 
 
 def async_scheduling_on(setting: str, device: torch.device) -> bool:

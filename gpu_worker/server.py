@@ -12,7 +12,7 @@ from grpc_health.v1 import health
 from grpc_health.v1.health_pb2 import HealthCheckResponse
 
 from gpu_worker import metrics
-from gpu_worker.builder import build_engine
+from gpu_worker.builder import build_engine, serving_device
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.pricing import resolve_perf_model
 from gpu_worker.registry_client import RegistryClient, WorkerIdentity, fetch_base_model
@@ -96,4 +96,5 @@ async def report_cpu_lora_health(servicer: health.aio.HealthServicer, stats: Cal
 def serve(config: TesseraConfig) -> None:
     setup_logging("worker", config.log_level)
     tls = cluster_credentials(config, "worker")  # first: a missing certificate fails before the model loads
+    serving_device(config.worker.device)  # and a device this process cannot use, before the registry is asked
     run_until_signalled(lambda stop: _main(config, tls, stop))

@@ -62,11 +62,14 @@ def register_demo_assets(store: RegistryStore, assets: DemoAssets, progress: Cal
 
 def _serve(config: TesseraConfig, args: argparse.Namespace) -> int:
     from services.common.logs import setup_logging
+    from services.launcher import LaunchError, check_ports_free, served_role_spec
 
     setup_logging(args.role, config.log_level)
     try:
+        spec = served_role_spec(config, args.role)
+        check_ports_free([spec] if spec else [])  # a taken port: named with its key, before anything loads
         importlib.import_module(ROLE_MODULES[args.role]).serve(config)
-    except ConfigError as exc:  # a missing certificate, say: one clear line, not a traceback
+    except (ConfigError, LaunchError) as exc:  # a missing certificate, say: one clear line, not a traceback
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -125,20 +125,33 @@ def _worker_specs(config: TesseraConfig, models: Sequence[str]) -> list[RoleSpec
 def role_specs(config: TesseraConfig, models: Sequence[str]) -> list[RoleSpec]:
     """The children in start order (the workers of `models` between registry and gateway), with the ports
     each binds."""
-    r, g = config.registry, config.gateway
-    specs = [
-        RoleSpec("registry", f"{_connect_host(r.host)}:{r.grpc_port}", (
-            RolePort("grpc_port", r.host, r.grpc_port), RolePort("admin_port", r.host, r.admin_port),
-            RolePort("metrics_port", r.host, r.metrics_port))),
-        *_worker_specs(config, models),
-        RoleSpec("gateway", f"{_connect_host(g.host)}:{g.grpc_port}", (
-            RolePort("http_port", g.host, g.http_port), RolePort("grpc_port", g.host, g.grpc_port),
-            RolePort("metrics_port", g.host, g.metrics_port))),
-    ]
+    specs = [_registry_spec(config), *_worker_specs(config, models), _gateway_spec(config)]
     for spec in specs:
         if any(p.name == "grpc_port" and p.port == 0 for p in spec.ports):
             raise LaunchError(f"{spec.role}.grpc_port is 0: the launcher needs a fixed port to health-check")
     return specs
+
+
+def _registry_spec(config: TesseraConfig) -> RoleSpec:
+    r = config.registry
+    return RoleSpec("registry", f"{_connect_host(r.host)}:{r.grpc_port}", (
+        RolePort("grpc_port", r.host, r.grpc_port), RolePort("admin_port", r.host, r.admin_port),
+        RolePort("metrics_port", r.host, r.metrics_port)))
+
+
+def _gateway_spec(config: TesseraConfig) -> RoleSpec:
+    g = config.gateway
+    return RoleSpec("gateway", f"{_connect_host(g.host)}:{g.grpc_port}", (
+        RolePort("http_port", g.host, g.http_port), RolePort("grpc_port", g.host, g.grpc_port),
+        RolePort("metrics_port", g.host, g.metrics_port)))
+
+
+def served_role_spec(config: TesseraConfig, role: str) -> RoleSpec | None:
+    """The ports `tessera serve <role>` binds (None: a role that binds none, the CPU LoRA sidecar)."""
+    if role == "worker":
+        (spec,) = _worker_specs(config, [config.worker.base_model])
+        return spec
+    return {"registry": _registry_spec, "gateway": _gateway_spec}.get(role, lambda _: None)(config)
 
 
 def _metrics_url(spec: RoleSpec) -> str | None:

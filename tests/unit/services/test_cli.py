@@ -122,6 +122,38 @@ class FakeStore:
         return self.adapters[name]
 
 
+@pytest.mark.parametrize("role, key", [("gateway", "http_port"), ("registry", "admin_port"),
+                                       ("worker", "metrics_port")])
+def test_serve_with_a_taken_port_says_which_in_one_line(tmp_path: Path, monkeypatch, capsys, role: str,
+                                                         key: str) -> None:
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        monkeypatch.setenv(f"TESSERA_{role.upper()}__{key.upper()}", str(port))
+        assert main(["serve", role]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: port {port} ({role}.{key} on 127.0.0.1) is already in use; stop whatever "
+                          f"holds it or change {role}.{key}") and "Traceback" not in err
+
+
+def test_serve_worker_on_cuda_without_a_cuda_device_says_so_in_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the refusal is for one without")
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+    monkeypatch.setenv("TESSERA_TLS__ENABLED", "false")
+    monkeypatch.setenv("TESSERA_WORKER__DEVICE", "cuda")
+    monkeypatch.setenv("TESSERA_WORKER__REGISTRY_ADDRESS", "127.0.0.1:1")  # never asked: it fails first
+    assert main(["serve", "worker"]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("config error:")]  # after the TLS-off warning
+    assert line.startswith("config error: worker.device is 'cuda', but this torch (") and "sees no CUDA device" in line
+    assert "set worker.device: cpu" in line and "Traceback" not in err
+
+
 def make_assets(root: Path) -> DemoAssets:
     adapter_dirs = {}
     for name in ("demo-r8", "demo-r16"):
