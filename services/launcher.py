@@ -77,14 +77,27 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
 
 
-def worker_models(config: TesseraConfig) -> list[str]:
-    """The base model of each worker to start, as launcher.workers and launcher.worker_models say."""
+def worker_models(config: TesseraConfig, registered: Sequence[str]) -> list[str]:
+    """The base model of each worker to start, as launcher.workers and launcher.worker_models say (by
+    default one for each of the `registered` base models)."""
     launcher = config.launcher
     if launcher.workers < 0:
         raise LaunchError(f"launcher.workers must be >= 0, got {launcher.workers}")
     if launcher.workers:
         return [config.worker.base_model] * launcher.workers
-    return list(launcher.worker_models) or registered_base_models(config) or [config.worker.base_model]
+    return list(launcher.worker_models) or list(registered) or [config.worker.base_model]
+
+
+def check_registered(models: Sequence[str], registered: Sequence[str]) -> None:
+    """LaunchError, with the way out, if a worker would serve a base model the registry does not know: it
+    would wait for it for ever (and the launcher give up on it after launcher.health_timeout_s)."""
+    missing = sorted(set(models) - set(registered))
+    if missing:
+        known = f"registered: {', '.join(registered)}" if registered else "none is registered"
+        raise LaunchError(
+            f"base model {', '.join(map(repr, missing))} is not registered ({known}): run `tessera demo-assets` "
+            "to build and register the demo models, or register yours (POST /admin/v1/base-models, README "
+            "'Your own models'), or name registered ones in launcher.worker_models or worker.base_model")
 
 
 def registered_base_models(config: TesseraConfig) -> list[str]:
@@ -397,14 +410,19 @@ def ensure_certs(config: TesseraConfig) -> None:
         raise LaunchError(str(exc)) from exc
 
 
-def launch(config: TesseraConfig, command: CommandBuilder) -> int:
-    """Run the whole system until SIGINT/SIGTERM; 0 on a clean stop, 1 if startup failed."""
+def launch(config: TesseraConfig, command: CommandBuilder,
+           registered: Callable[[TesseraConfig], list[str]] = registered_base_models) -> int:
+    """Run the whole system until SIGINT/SIGTERM; 0 on a clean stop, 1 if startup failed. `registered`:
+    the base models the registry's database holds (launcher tests with fake roles have no database)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        specs = role_specs(config, worker_models(config))
+        known = registered(config)
+        models = worker_models(config, known)
+        specs = role_specs(config, models)
         check_ports_free(specs)
+        check_registered(models, known)
         ensure_certs(config)
     except LaunchError as exc:
         log.error("%s", exc)

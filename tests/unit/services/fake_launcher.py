@@ -26,7 +26,8 @@ def main() -> int:
         port = spec.health_address.rsplit(":", 1)[1]
         return [sys.executable, FAKE_ROLE, *(["--exit", "3"] if spec.role == fail_role else [port, spec.role])]
 
-    return launch(config, command)
+    # Fake roles need no database: the models the config names count as registered.
+    return launch(config, command, lambda c: [*c.launcher.worker_models, c.worker.base_model])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ from services.common.config import LauncherConfig, load_config
 from services.common.grpc_server import check_health
 from services.common.tls import health_probe_credentials, tls_paths
 from tests.ports import free_port_run
-from services.launcher import LaunchError, check_ports_free, restart_delay_s, role_specs, worker_models
+from services.launcher import (LaunchError, check_ports_free, check_registered, registered_base_models, restart_delay_s,
+                               role_specs, worker_models)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 FAKE_LAUNCHER = Path(__file__).with_name("fake_launcher.py")
@@ -175,6 +176,19 @@ def test_a_port_in_use_stops_the_launcher_before_it_starts_anything(tmp_path: Pa
     assert not (tmp_path / "run" / "launcher.json").exists()
 
 
+def test_up_with_an_unregistered_base_model_refuses_at_once_with_the_way_out(tmp_path: Path, monkeypatch,
+                                                                            capfd) -> None:
+    """The README's `TESSERA_HOME=/srv/tessera tessera up` on an empty home: no worker waiting for ever."""
+    from services.cli import main
+
+    for key, value in fake_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    assert main(["up"]) == 1
+    err = capfd.readouterr().err
+    assert "base model 'fake-model' is not registered (none is registered): run `tessera demo-assets`" in err
+    assert not (tmp_path / "run" / "launcher.json").exists(), "nothing was started"
+
+
 def test_restart_delay_doubles_up_to_the_cap() -> None:
     launcher_config = LauncherConfig(restart_backoff_s=1.0, max_restart_backoff_s=5.0)
     assert [restart_delay_s(n, launcher_config) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
@@ -257,18 +271,26 @@ def test_one_worker_per_registered_base_model_unless_configured(tmp_path: Path) 
     from registry.store import RegistryStore
 
     base = {"TESSERA_HOME": str(tmp_path), "TESSERA_WORKER__BASE_MODEL": "fallback"}
-    assert worker_models(load_config(environ=base)) == ["fallback"], "nothing registered: worker.base_model"
     config = load_config(environ=base)
+    assert registered_base_models(config) == []
+    assert worker_models(config, []) == ["fallback"], "nothing registered: worker.base_model"
+    with pytest.raises(LaunchError, match=r"base model 'fallback' is not registered \(none is registered\): run "
+                                          "`tessera demo-assets`"):
+        check_registered(worker_models(config, []), [])
     store = RegistryStore.from_config(config)
     for name in ("model-b", "model-a"):
         LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=2, vocab_size=64)).save_pretrained(tmp_path / name)
         store.register_base_model(name, str(tmp_path / name))
     store.close()
-    assert worker_models(config) == ["model-a", "model-b"]
-    assert worker_models(load_config(environ=base | {"TESSERA_LAUNCHER__WORKER_MODELS": "[model-b]"})) == ["model-b"]
-    assert worker_models(load_config(environ=base | {"TESSERA_LAUNCHER__WORKERS": "2"})) == ["fallback"] * 2
+    registered = registered_base_models(config)
+    assert worker_models(config, registered) == ["model-a", "model-b"]
+    assert worker_models(load_config(environ=base | {"TESSERA_LAUNCHER__WORKER_MODELS": "[model-b]"}),
+                         registered) == ["model-b"]
+    assert worker_models(load_config(environ=base | {"TESSERA_LAUNCHER__WORKERS": "2"}), registered) == ["fallback"] * 2
+    with pytest.raises(LaunchError, match=r"base model 'fallback' is not registered \(registered: model-a, model-b\)"):
+        check_registered(["fallback"] * 2, registered)
     with pytest.raises(LaunchError, match="launcher.workers must be >= 0"):
-        worker_models(load_config(environ=base | {"TESSERA_LAUNCHER__WORKERS": "-1"}))
+        worker_models(load_config(environ=base | {"TESSERA_LAUNCHER__WORKERS": "-1"}), registered)
     with pytest.raises(LaunchError, match="advertise_address names one worker"):
         role_specs(load_config(environ=base | {"TESSERA_WORKER__ADVERTISE_ADDRESS": "w:1"}), ["model-a", "model-b"])
