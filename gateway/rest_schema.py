@@ -121,7 +121,19 @@ def _common_fields(config: GatewayConfig) -> dict[str, Any]:
             "type": "object", "properties": {"include_usage": _optional({"type": "boolean"})},
             "description": "Only with stream: true. include_usage adds a last chunk with the usage."}),
         "tessera_slo": _slo(),
+        # OpenAI's own, taken at the value that changes nothing (what a client sends by default); any other
+        # value is a 400 naming it, never a request served as if it were not there.
+        "presence_penalty": _int(0, 0, "Only 0 (no penalty) for now."),
+        "frequency_penalty": _int(0, 0, "Only 0 (no penalty) for now."),
+        "logit_bias": _optional({"type": "object", "maxProperties": 0, "description": "Only {} (no bias) for now."}),
     }
+
+
+# OpenAI's parameters that Tessera does not serve yet: named as such, not as unrecognized.
+OPENAI_UNSUPPORTED = frozenset({
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "user",
+    "suffix", "echo", "best_of", "service_tier", "store", "metadata", "modalities", "audio", "prediction",
+    "reasoning_effort", "web_search_options"})
 
 
 def _content_part() -> dict[str, Any]:
@@ -153,7 +165,7 @@ def chat_request_schema(config: GatewayConfig) -> dict[str, Any]:
         },
     }
     return {
-        "type": "object", "required": ["model", "messages"],
+        "type": "object", "required": ["model", "messages"], "additionalProperties": False,
         "description": f"All messages together hold at most {config.max_prompt_chars} characters of text and "
                        f"{config.max_images_per_request} images.",
         "properties": {
@@ -171,7 +183,7 @@ def completion_request_schema(config: GatewayConfig) -> dict[str, Any]:
     fields = _common_fields(config)
     text = {"type": "string", "minLength": 1, "maxLength": config.max_prompt_chars}
     return {
-        "type": "object", "required": ["model", "prompt"],
+        "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
         "properties": {
             "model": fields.pop("model"),
             "prompt": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1}],
@@ -247,6 +259,8 @@ def _invalid(error: ValidationError) -> InvalidArgument:
     param = param_name(path)
     if keyword == "additionalProperties":
         unknown = sorted(set(value) - set(schema.get("properties", {})))
+        if not path:  # the body's own fields: OpenAI's wording, the first one named as the param
+            return _unknown_argument(unknown[0], schema)
         return InvalidArgument(f"{param} has unknown fields {unknown}; known: {', '.join(schema['properties'])}",
                                param=param)
     if keyword == "maxLength":
@@ -255,6 +269,14 @@ def _invalid(error: ValidationError) -> InvalidArgument:
     if keyword == "maxItems" and schema.get("minItems") != error.validator_value:
         return InvalidArgument(f"{param} accepts at most {error.validator_value} items, got {len(value)}", param=param)
     return InvalidArgument(f"{param} must be {expected(schema)}, got {_shown(value)}", param=param)
+
+
+def _unknown_argument(name: str, schema: dict[str, Any]) -> InvalidArgument:
+    if name in OPENAI_UNSUPPORTED:
+        return InvalidArgument(f"{name} is an OpenAI parameter that Tessera does not support yet; leave it out",
+                               param=name)
+    return InvalidArgument(f"unrecognized request argument supplied: {name}; the accepted ones are "
+                           f"{', '.join(schema['properties'])} (GET /openapi.json describes them)", param=name)
 
 
 _NOUNS = {"integer": ("an integer", "integers"), "number": ("a number", "numbers"), "string": ("a string", "strings"),

@@ -11,9 +11,12 @@ Two steps, one set of rules:
   default), so the same range checks run only on the fields that are set.
 
 Every failure is an `InvalidArgument` whose `param` names the offending field, so REST
-answers 400 and gRPC INVALID_ARGUMENT with the same message. Unknown JSON fields are
-ignored, as OpenAI does; `tessera_slo` ({"tpot_ms": 50, "ttft_ms": 2000}) is ours: the latency
-objectives routing places the request by (docs/routing.md).
+answers 400 and gRPC INVALID_ARGUMENT with the same message. An unknown JSON field is a 400 naming
+it, as OpenAI answers ("unrecognized request argument supplied"): a typo ("max_token") is never
+served as if it were not there; OpenAI's parameters not served yet are named as such, and those
+taken at their neutral value only (presence_penalty 0, logit_bias {}) are 400s at any other.
+`tessera_slo` ({"tpot_ms": 50, "ttft_ms": 2000}) is ours: the latency objectives routing places the
+request by (docs/routing.md).
 """
 
 from __future__ import annotations

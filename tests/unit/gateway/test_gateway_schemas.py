@@ -22,7 +22,7 @@ def chat_error(**fields) -> InvalidArgument:
 def test_chat_defaults_and_fields() -> None:
     api = parse_chat_request({**CHAT, "temperature": 1, "top_p": 0.5, "top_k": 3, "stop": "x", "seed": 0,
                               "n": 1, "stream": True, "stream_options": {"include_usage": True},
-                              "some_future_field": {"ignored": True}}, CONFIG)
+                              "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}, CONFIG)
     sampling = api.generate.sampling
     assert (api.generate.model, api.stream, api.include_usage) == ("m", True, True)
     assert api.generate.chat.messages[0].content == "hi"
@@ -30,6 +30,25 @@ def test_chat_defaults_and_fields() -> None:
     assert (sampling.temperature, sampling.top_p, sampling.top_k, list(sampling.stop)) == (1.0, 0.5, 3, ["x"])
     assert sampling.HasField("seed") and sampling.seed == 0
     assert not api.generate.request_id, "the REST id is the gateway's (openai_api), not a label made here"
+
+
+@pytest.mark.parametrize("parse, body", [(parse_chat_request, CHAT), (parse_completion_request, {"model": "m",
+                                                                                                  "prompt": "hi"})])
+@pytest.mark.parametrize("extra, param, message", [
+    ({"max_token": 4}, "max_token", "unrecognized request argument supplied: max_token; the accepted ones are model, "),
+    ({"response_format": {"type": "json_object"}}, "response_format",
+     "response_format is an OpenAI parameter that Tessera does not support yet"),
+    ({"tools": []}, "tools", "tools is an OpenAI parameter that Tessera does not support yet"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty must be 0, got 0.5"),
+    ({"frequency_penalty": -1}, "frequency_penalty", "frequency_penalty must be 0, got -1"),
+    ({"logit_bias": {"5": 10}}, "logit_bias", "logit_bias must be"),
+])
+def test_an_argument_not_served_is_a_400_naming_it_never_ignored(parse, body, extra: dict, param: str,
+                                                                 message: str) -> None:
+    """`"max_token": 4` (a typo) once produced 256 tokens: OpenAI answers it with a 400, and so does Tessera."""
+    with pytest.raises(InvalidArgument) as info:
+        parse({**body, **extra}, CONFIG)
+    assert info.value.param == param and info.value.message.startswith(message), info.value.message
 
 
 @pytest.mark.parametrize(("fields", "wanted"), [
