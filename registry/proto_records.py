@@ -29,6 +29,7 @@ def adapter_to_proto(record: AdapterRecord) -> common_pb2.Adapter:
         name=record.name, base_model=record.base_model, rank=record.rank, alpha=record.alpha,
         target_modules=list(record.target_modules), size_bytes=record.size_bytes, sha256=record.sha256,
         storage_path=record.storage_path, created_unix=record.created_unix_ms // 1000,
+        created_unix_ms=record.created_unix_ms,
         task_head_json=json.dumps(record.task_head) if record.task_head is not None else "",
         tpot_slo_ms=record.tpot_slo_ms or 0.0, ttft_slo_ms=record.ttft_slo_ms or 0.0)
 

@@ -170,8 +170,14 @@ class AdapterManager:
 
     def failure(self, ref: AdapterRef) -> AdapterLoadFailed | None:
         """The error to fail a request for `ref` with, if its version's load failed lately."""
-        cause = self._failures.cause(ref.sha256)
+        cause = self._failure_cause(ref)
         return None if cause is None else AdapterLoadFailed(f"adapter {ref.name} could not be loaded: {cause}")
+
+    def _failure_cause(self, ref: AdapterRef) -> str | None:
+        """Why `ref`'s version last failed to load, while its backoff lasts; a registration newer than the one
+        that failed (the operator registered it again, its stored copy replaced) is tried at once."""
+        self._failures.renewed(ref.sha256, ref.registered_ms)
+        return self._failures.cause(ref.sha256)
 
     def depart(self, ref: AdapterRef) -> None:
         key = ref.sha256
@@ -190,7 +196,7 @@ class AdapterManager:
         would displace an adapter its rate does not beat. A no-op if it is usable or on its way; refused
         (False) while a failure of its load is remembered. A plan's preload is background work: declined
         too while another load is in flight or waited for (`_may_place`)."""
-        if self._failures.cause(ref.sha256) is not None:
+        if self._failure_cause(ref) is not None:
             return False
         version = self._version_of(ref)
         if rate > 0:
@@ -210,7 +216,7 @@ class AdapterManager:
         """Read `ref` into host memory without a request, no further (the registry's placement of a warm
         adapter: a later request for it starts from host memory). `rate` as for `preload`. A no-op where it
         is in host memory or on its way; refused (False) while a failure of its load is remembered."""
-        if self._failures.cause(ref.sha256) is not None:
+        if self._failure_cause(ref) is not None:
             return False
         version = self._version_of(ref)
         if rate > 0:
@@ -234,7 +240,7 @@ class AdapterManager:
             self._version_of(ref)  # under this name too
             return True
         pinned = [v.ref.rank for v in self._versions.values() if v.pinned] + [ref.rank]
-        if self._failures.cause(ref.sha256) is not None or len(pinned) > MAX_PINNED_SHARE * self._memory.num_slots or (
+        if self._failure_cause(ref) is not None or len(pinned) > MAX_PINNED_SHARE * self._memory.num_slots or (
                 sum(map(self._memory.bytes_at_rank, pinned)) > MAX_PINNED_SHARE * self._memory.budget_bytes):
             return False
         version = self._version_of(ref)
@@ -486,7 +492,7 @@ class AdapterManager:
     def _fail(self, key: str, version: _Version, error: BaseException) -> None:
         """Remember the failure (requests for `key` fail until its backoff ends) and let go of what the load
         held. One line per failed attempt; a traceback only for an error that is no domain or OS error, once."""
-        failure = self._failures.remember(key, error)
+        failure = self._failures.remember(key, error, version.ref.registered_ms)
         unexpected = not isinstance(error, (TesseraError, OSError)) and failure.attempts == 1
         log.error("adapter %s (%s) could not be loaded (attempt %d; failing its requests, next attempt in %.0f s "
                   "at the earliest): %s", ", ".join(sorted(version.names)), version.ref.storage_path,

@@ -5,7 +5,8 @@ wrong, and the next read waits twice as long as the last, up to a cap:
     ttl 10 s, cap 300 s: attempts at t = 0, 10, 30, 70, 150, 310, 610, 910, ... s
 
 (a tampered adapter that the placement plan kept naming hot was re-read, and a traceback logged, every
-11 s). A load that succeeds forgets the version's failures."""
+11 s). A load that succeeds forgets the version's failures, and so does a newer registration of the same
+content (its stored copy replaced by the registry)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class Failure:
     until: float        # no new load before this (clock time)
     backoff_s: float    # how long this failure is remembered
     cause: str
+    registered_ms: int  # the registration whose files failed (the registry's created_unix_ms)
 
 
 class RecentFailures:
@@ -43,13 +45,21 @@ class RecentFailures:
         self._failures: dict[str, Failure] = {}  # version -> its last failure
         self.count = 0  # failures so far
 
-    def remember(self, key: str, error: BaseException) -> Failure:
-        """A load of `key` failed: the failure, with the backoff before the next attempt."""
+    def remember(self, key: str, error: BaseException, registered_ms: int = 0) -> Failure:
+        """A load of `key` (registered at `registered_ms`) failed: the failure, with the backoff before the
+        next attempt."""
         self.count += 1
         attempts = self._failures[key].attempts + 1 if key in self._failures else 1
         backoff_s = min(self._max_ttl_s, self._ttl_s * 2 ** (attempts - 1))
-        failure = self._failures[key] = Failure(attempts, self._clock() + backoff_s, backoff_s, cause_of(error))
+        failure = self._failures[key] = Failure(attempts, self._clock() + backoff_s, backoff_s, cause_of(error),
+                                                registered_ms)
         return failure
+
+    def renewed(self, key: str, registered_ms: int) -> None:
+        """`key` is asked for under a registration newer than the one that failed: forget the failure."""
+        failure = self._failures.get(key)
+        if failure is not None and registered_ms > failure.registered_ms:
+            del self._failures[key]
 
     def succeeded(self, key: str) -> None:
         """A load of `key` succeeded: its next failure starts the backoff again."""

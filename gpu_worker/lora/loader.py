@@ -36,6 +36,7 @@ class AdapterRef:
     rank: int
     sha256: str         # content digest of adapter_config.json and adapter_model.safetensors
     storage_path: str
+    registered_ms: int = 0  # when the registry registered it (a newer registration retries a failed load)
 
 
 class LoRAModule(NamedTuple):
@@ -113,8 +114,9 @@ def _verified_files(ref: AdapterRef, directory: Path) -> tuple[bytes, torch.Tens
     if digest != ref.sha256.lower():
         raise FailedPrecondition(
             f"checksum mismatch: the stored {CONFIG_FILE} and {WEIGHTS_FILE} hash to "
-            f"{digest[:16]}..., the registry recorded {ref.sha256[:16]}...; the files changed after "
-            "registration: register the adapter again")
+            f"{digest[:16]}..., the registry recorded {ref.sha256[:16]}...; the stored files changed after "
+            f"registration: register it again from good files (DELETE /admin/v1/adapters/{ref.name}, then POST "
+            "/admin/v1/adapters), which replaces the stored copy; workers read it again at once")
     return config, weights
 
 

@@ -1,5 +1,6 @@
 """A stored adapter changed on disk after registration, through the real processes: its requests fail
-at once with a clear "checksum mismatch", and the requests beside them are served as before."""
+at once with a clear "checksum mismatch" that says how to mend it, the requests beside them are served as
+before, and registering it again from good files serves it at once."""
 
 from __future__ import annotations
 
@@ -27,15 +28,16 @@ def _set_alpha(config_path: Path, alpha: float) -> None:
     config_path.write_text(json.dumps(config))
 
 
-def _wait_listed(system, model: str, timeout_s: float = 30.0) -> None:
-    """Until the gateway's adapter metadata (refreshed every 0.5 s here) knows `model`."""
+def _wait_listed(system, model: str, timeout_s: float = 30.0, listed: bool = True) -> None:
+    """Until the gateway's adapter metadata (refreshed every 0.5 s here) knows `model` (or, `listed` False,
+    no longer knows it)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        listed = requests.get(f"{system.http_base}/models", timeout=10).json()["data"]
-        if any(entry["id"] == model for entry in listed):
+        entries = requests.get(f"{system.http_base}/models", timeout=10).json()["data"]
+        if any(entry["id"] == model for entry in entries) == listed:
             return
         time.sleep(0.2)
-    raise TimeoutError(f"the gateway does not list {model} after {timeout_s}s")
+    raise TimeoutError(f"the gateway {'does not list' if listed else 'still lists'} {model} after {timeout_s}s")
 
 
 def _complete(system, model: str, max_tokens: int) -> tuple[requests.Response, float]:
@@ -72,5 +74,18 @@ def test_an_adapter_whose_stored_alpha_changed_fails_at_once_and_others_serve_on
     assert [reply.status_code for reply in served] == [200] * 4, [reply.text for reply in served]
     again, _ = _complete(system, "demo-r16", 4)
     assert again.status_code == 200, again.text
+
+    # Registered again from the good files (DELETE, then POST, as the error says): the registry replaces the
+    # stored copy, and the worker reads it at once under the newer registration, not after its backoff.
+    assert "DELETE /admin/v1/adapters/alpha-tampered, then POST /admin/v1/adapters" in message
+    assert requests.delete(f"{system.admin_base}/adapters/alpha-tampered", headers=_auth(system),
+                           timeout=10).status_code == 200
+    _wait_listed(system, "alpha-tampered", listed=False)
+    recreated = requests.post(f"{system.admin_base}/adapters", headers=_auth(system), timeout=60,
+                              json={"name": "alpha-tampered", "base_model": BASE, "path": str(upload)})
+    assert recreated.status_code == 201 and Path(recreated.json()["storage_path"]) == stored, recreated.text
+    _wait_listed(system, "alpha-tampered")
+    mended, _ = _complete(system, "alpha-tampered", 4)
+    assert mended.status_code == 200, mended.text
     assert requests.delete(f"{system.admin_base}/adapters/alpha-tampered", headers=_auth(system),
                            timeout=10).status_code == 200

@@ -3,6 +3,7 @@ digest, failures that fail only their version (and are remembered a while), the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -175,6 +176,23 @@ def test_a_load_failing_again_and_again_is_retried_with_a_doubling_capped_backof
     del disk.broken[broken.sha256]  # mended: the attempt after the backoff loads it
     clock.now = 1510
     assert _use(adapters, broken) is not None
+
+
+def test_registering_a_failed_adapter_again_retries_it_at_once():
+    """Its stored copy was tampered with; the operator registers the same content again (the registry replaces
+    the copy): requests under the newer registration read it at once, not after the backoff."""
+    disk, clock = Disk(), Clock()
+    adapters, _ = manager(1, disk, clock=clock)
+    broken = dataclasses.replace(ref("broken"), registered_ms=1_000_000)
+    disk.broken[broken.sha256] = FailedPrecondition("checksum mismatch")
+    adapters.arrive(broken)
+    poll_until(adapters, lambda: adapters.failure(broken) is not None)
+    adapters.depart(broken)
+    assert adapters.failure(broken) is not None, "the same registration waits out its backoff"
+    del disk.broken[broken.sha256]
+    again = dataclasses.replace(broken, registered_ms=1_000_400)
+    assert adapters.failure(again) is None
+    assert _use(adapters, again) is not None and disk.reads.count("broken") == 2
 
 
 def test_a_success_starts_the_backoff_again():
