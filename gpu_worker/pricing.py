@@ -2,9 +2,10 @@
 mode policy.
 
 At start a worker takes, for its kind (device × base model: gpu_worker/device_kind.py) and its kernels'
-tiling table: the model committed for its kind (services/common/scheduling/perf_models), else one it fitted
-before (cached as <cache>/<kind>-<kernels>.json, TESSERA_HOME/perf_models by default), else it fits one now
-by a short profile of its own model (SELF_GRID: seconds) and caches it. It reports the model in its state
+tiling table: the operator's profile of this machine (`python -m gpu_worker.profile` writes
+<cache>/<kind>.json, TESSERA_HOME/perf_models by default), else the model committed for its kind
+(services/common/scheduling/perf_models), else one it fitted before (<cache>/<kind>-<kernels>.json), else
+it fits one now by a short profile of its own model (SELF_GRID: seconds) and caches it. It reports the model in its state
 stream (gpu_worker/state_push.py), so that a gateway prices it with its own model, never another kind's.
 """
 
@@ -38,12 +39,12 @@ def kernels_key(model: LlamaForCausalLM) -> str:
 
 def resolve_perf_model(model: LlamaForCausalLM, base_model: str, max_lora_rank: int, lora_targets: list[str],
                        cache_dir: Path, committed_dir: Path = PERF_MODELS_DIR) -> PerfModel:
-    """The model of this worker's kind: committed, cached, or profiled now (and cached)."""
+    """The model of this worker's kind: the operator's, committed, cached, or profiled now (and cached)."""
     kind = perf_model_kind(device_name(model.lm_head.weight.device), base_model)
-    committed = perf_model_path(kind, committed_dir)
-    if committed.exists():
-        log.info("perf model for %s: %s", kind, committed)
-        return PerfModel.load(committed)
+    for chosen in (perf_model_path(kind, cache_dir), perf_model_path(kind, committed_dir)):
+        if chosen.exists():
+            log.info("perf model for %s: %s", kind, chosen)
+            return PerfModel.load(chosen)
     cached = cache_dir / f"{kind}-{kernels_key(model)}.json"
     if cached.exists():
         try:

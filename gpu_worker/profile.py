@@ -41,7 +41,7 @@ from gpu_worker.orchestrator import UNMERGED
 from gpu_worker.sampler import sample
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
-from services.common.config import WorkerConfig
+from services.common.config import WorkerConfig, load_config
 
 
 Adapter = tuple[str, int] | None  # (name, rank); None: the base model
@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                         "7B-shaped model where no checkpoint is at hand")
     p.add_argument("--base-model", help="the name workers serve it under (default: the directory's name)")
     p.add_argument("--device", default="cpu", help='"cpu", "cuda", "cuda:1"')
-    p.add_argument("--out", type=Path, help=f"JSON to write (default: {PERF_MODELS_DIR}/<kind>.json)")
+    p.add_argument("--out", type=Path, help="JSON to write (default: <worker.perf_model_cache>/<kind>.json, which "
+                                             "workers of that kind on this home take first)")
     p.add_argument("--grid", choices=GRIDS, default="full", help="full, quick (under a minute on a CPU) or tiny")
     p.add_argument("--quick", action="store_const", dest="grid", const="quick", help="--grid quick")
     args = p.parse_args(argv)
@@ -257,10 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--device {args.device}: CUDA is not available")
     model = profile(args.model, device, args.base_model or args.model.name, GRIDS[args.grid],
                     lambda line: print(line, file=sys.stderr, flush=True), args.random_weights)
-    out = args.out or perf_model_path(model.kind)
+    out = args.out or perf_model_path(model.kind, load_config().perf_model_cache_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     model.save(out)
     print(f"{model.kind} on {model.device} -> {out}")
+    if args.out is None:  # the committed models are the repository's: shipping this one is a commit of its own
+        print(f"  workers of kind {model.kind} on this home take it at their next start; to ship it, commit it as "
+              f"{perf_model_path(model.kind, PERF_MODELS_DIR)}")
     for phase in (model.prefill, model.decode):
         forms = ", ".join(f"{form} R²={r2:.4f}" for form, r2 in phase.r2_by_form.items())
         print(f"  {phase.phase}: chose {phase.form} (R²={phase.r2:.4f}, {phase.samples} samples); {forms}")

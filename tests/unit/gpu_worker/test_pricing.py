@@ -31,6 +31,15 @@ def test_a_committed_kind_takes_its_committed_model(model, tmp_path: Path) -> No
     assert not (tmp_path / "cache").exists()
 
 
+def test_an_operators_profile_in_the_cache_comes_before_the_committed_model(model, tmp_path: Path) -> None:
+    """`python -m gpu_worker.profile` writes <cache>/<kind>.json: this machine, measured, wins."""
+    committed = PerfModel.load(perf_model_path(f"cpu-{DEMO_BASE_MODEL}"))
+    own = dataclasses.replace(committed, source="an operator's profile of this machine")
+    (tmp_path / "cache").mkdir()
+    own.save(perf_model_path(committed.kind, tmp_path / "cache"))
+    assert pricing.resolve_perf_model(model, DEMO_BASE_MODEL, 64, TARGETS, tmp_path / "cache") == own
+
+
 def test_a_new_kind_profiles_itself_on_a_small_grid_once_then_takes_its_cached_model(model, tmp_path: Path,
                                                                                       monkeypatch) -> None:
     fitted = pricing.resolve_perf_model(model, "tiny-self", 16, TARGETS, tmp_path / "cache")

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from services.common.scheduling.perf_model import FORMS, PerfModel
+from services.common.scheduling.perf_model import FORMS, PERF_MODELS_DIR, PerfModel, perf_model_path
 from gpu_worker.device_kind import perf_model_kind
 from gpu_worker.profile import TINY, adapter_cases, main
 from services.demo_assets import DEMO_BASE_MODEL
@@ -40,6 +40,17 @@ def test_profile_writes_a_fit_with_r2_and_samples(tiny_assets, tmp_path, capsys,
     assert model.decode.samples == compositions["decode"]
     printed = capsys.readouterr().out
     assert "prefill: chose" in printed and "decode: chose" in printed and "R²=" in printed
+
+
+def test_profile_writes_to_the_homes_cache_by_default_never_the_committed_models(tiny_assets, tmp_path, monkeypatch,
+                                                                                  capsys) -> None:
+    committed = perf_model_path("cpu-tessera-demo-llama", PERF_MODELS_DIR)
+    before = committed.read_bytes()
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+    assert main(["--model", str(tiny_assets.base_dir), "--base-model", DEMO_BASE_MODEL, "--grid", "tiny"]) == 0
+    written = tmp_path / "perf_models" / "cpu-tessera-demo-llama.json"
+    assert PerfModel.load(written).kind == "cpu-tessera-demo-llama" and committed.read_bytes() == before
+    assert f"to ship it, commit it as {committed}" in capsys.readouterr().out
 
 
 def test_adapter_cases_cover_base_shared_own_and_mixed() -> None:
