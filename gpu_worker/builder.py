@@ -36,7 +36,7 @@ from kernels import NO_SLOT, AdapterArena
 from services.common.adapter_layout import TEXT_LAYOUT, AdapterLayout
 from services.common.config import ConfigError, WorkerConfig
 from services.common.errors import FailedPrecondition
-from services.common.shm_claims import claim, reclaim_orphans
+from services.common.shm_claims import ShmClaim, claim, reclaim_orphans
 from services.common.scheduling.perf_model import PerfModel
 from services.common.numa import choose_cores, gpu_numa_node, read_topology
 from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
@@ -157,10 +157,9 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
 
     memory = GpuAdapterMemory(layers, arena, worker.max_lora_rank, merge_switch)
     cpu_lora_workers = _cpu_lora_workers(worker, device)
-    shm_files = _shm_files(worker) if cpu_lora_workers is not None else None
-    adapters = adapter_manager(memory, load_checked, worker, shm_files and shm_files[0])
-    cpu_lora = _cpu_lora_pool(worker, adapters, memory, shm_files[1], cpu_lora_workers) \
-        if shm_files and cpu_lora_workers else None
+    shm = _shm_claim(worker) if cpu_lora_workers is not None else None
+    adapters = adapter_manager(memory, load_checked, worker, shm and shm.path("host"))
+    cpu_lora = _cpu_lora_pool(worker, adapters, memory, shm, cpu_lora_workers) if shm and cpu_lora_workers else None
     scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
                           BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters,
                           _cold_start_policy(worker), cpu_lora.extra_step_s if cpu_lora else lambda tokens, packed: None)
@@ -218,22 +217,21 @@ def _cpu_lora_workers(worker: WorkerConfig, device: torch.device) -> LocalWorker
     return LocalWorkers(cores, node)
 
 
-def _shm_files(worker: WorkerConfig) -> tuple[Path, Path]:
-    """(host tier, work area) files for the CPU LoRA workers, under a claim of this process's; the files
-    that workers now gone left in the directory (killed, or a sidecar pod's previous container) are
-    removed first (services/common/shm_claims.py)."""
+def _shm_claim(worker: WorkerConfig) -> ShmClaim:
+    """A claim on new files for the host tier and the CPU LoRA work area (services/common/shm_claims.py);
+    the files that workers now gone left in the directory (killed, or a sidecar pod's previous container)
+    are removed first."""
     directory = Path(worker.cpu_lora_shm_dir)
     if not directory.is_dir():
         raise ConfigError(f"worker.cpu_lora_shm_dir: {directory} is not a directory")
     reclaim_orphans(directory)
-    host, area = claim(directory).new_paths("host", "lora")
-    return host, area
+    return claim(directory)
 
 
-def _cpu_lora_pool(worker: WorkerConfig, adapters: AdapterManager, memory: GpuAdapterMemory, area_path: Path,
+def _cpu_lora_pool(worker: WorkerConfig, adapters: AdapterManager, memory: GpuAdapterMemory, shm: ShmClaim,
                    workers: LocalWorkers | SidecarWorkers) -> CpuLoraPool:
     modules = memory.modules
-    pool = CpuLoraPool(area_path, adapters.host_pages, memory.dtype, workers, max_tokens=worker.max_batch_tokens,
+    pool = CpuLoraPool(shm, adapters.host_pages, memory.dtype, workers, max_tokens=worker.max_batch_tokens,
                        max_in=max(m.in_features for m in modules), max_out=max(m.out_features for m in modules),
                        max_segments=worker.max_num_seqs * max(len(m.out_sizes) for m in modules))
     pool.start()

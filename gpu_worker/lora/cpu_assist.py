@@ -37,6 +37,7 @@ from services.common.lora_shm import (BEAT, KILL, KILLED, PID, RATE_RANKS, RATES
                                       WorkArea, even_shares)
 from services.common.numa import allowed_cpus, format_cpulist, membind_prefix
 from services.common.processes import stop_processes
+from services.common.shm_claims import ShmClaim
 
 log = logging.getLogger(__name__)
 
@@ -163,12 +164,14 @@ class SidecarWorkers:
 
 
 class CpuLoraPool:
-    def __init__(self, area_path: Path, host: HostPages, dtype: torch.dtype, workers: LocalWorkers | SidecarWorkers,
+    def __init__(self, shm: ShmClaim, host: HostPages, dtype: torch.dtype, workers: LocalWorkers | SidecarWorkers,
                  max_tokens: int, max_in: int, max_out: int, max_segments: int) -> None:
-        """A job holds at most `max_tokens` rows of `max_in` features, `max_out` outputs and
-        `max_segments` segments (a step's sequences times a projection's slices)."""
-        assert host.path is not None, "the host tier must be a shared file"
-        self._host, self._dtype, self._workers = host, dtype, workers
+        """The work area is `shm`'s "lora" file, and `host` its "host" file; `close` releases the claim. A job
+        holds at most `max_tokens` rows of `max_in` features, `max_out` outputs and `max_segments` segments (a
+        step's sequences times a projection's slices)."""
+        assert host.path == shm.path("host"), "the host tier must be the claim's shared file"
+        area_path = shm.path("lora")
+        self._shm, self._host, self._dtype, self._workers = shm, host, dtype, workers
         self._page_elems = host.page_bytes // dtype.itemsize
         self._region = host.region.view(dtype)  # what the workers map: the host tier's file
         self.area = WorkArea.create(area_path, Shape(workers.count, max_tokens, max_in, max_out,
@@ -284,6 +287,7 @@ class CpuLoraPool:
         self._workers.stop()
         self.area.close()
         self.area.path.unlink(missing_ok=True)
+        self._shm.release()  # the host tier's file goes with the adapter tiers, right after (Engine.stop)
 
     def _ready(self, index: int) -> bool:
         return self._workers.ready(index, self.area)

@@ -6,9 +6,9 @@ A clean stop removes them; `kill -9`, the OOM killer or a crash cannot, and each
 on `<tag>.claim`, held for the life of the process and dropped by the kernel however the process ends —
 and a worker that starts removes every Tessera file in the directory whose claim nobody holds:
 
-    tessera-4242-9f3a01bc.claim     flock held by worker 4242 while it lives
-    tessera-4242-9f3a01bc-1-host    its host tier (1: its first engine; a test process builds several)
-    tessera-4242-9f3a01bc-1-lora    its CPU LoRA work area
+    tessera-4242-9f3a01bc.claim   flock held by worker 4242 while its engine runs
+    tessera-4242-9f3a01bc-host    its host tier
+    tessera-4242-9f3a01bc-lora    its CPU LoRA work area
 
 An flock, not a pid check: pids are reused, and containers sharing one memory volume (a pod's worker
 and its CPU LoRA sidecar) see different pid namespaces. A claim file is created under a temporary name,
@@ -28,38 +28,37 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-CLAIMED = re.compile(r"(tessera-\d+-[0-9a-f]{8})(?:-\d+-[a-z]+|\.claim)")
+CLAIMED = re.compile(r"(tessera-\d+-[0-9a-f]{8})(?:-[a-z]+|\.claim)")
 
 
 @dataclass
 class ShmClaim:
     directory: Path
     tag: str
-    made: int = 0  # file sets named under it so far
+    _fd: int
 
-    def new_paths(self, *roles: str) -> tuple[Path, ...]:
-        """New file names under this claim, one per role ("host", "lora")."""
-        assert all(re.fullmatch(r"[a-z]+", role) for role in roles), roles
-        self.made += 1
-        return tuple(self.directory / f"{self.tag}-{self.made}-{role}" for role in roles)
+    def __post_init__(self) -> None:
+        # Released at the latest when the claim is dropped or the process exits cleanly.
+        self._finalizer = weakref.finalize(self, _release, self.directory / f"{self.tag}.claim", self._fd)
+
+    def path(self, role: str) -> Path:
+        """The file of `role` ("host", "lora") under this claim."""
+        assert re.fullmatch(r"[a-z]+", role), role
+        return self.directory / f"{self.tag}-{role}"
+
+    def release(self) -> None:
+        """Its files are closed (or about to be): another worker may reclaim what is left of them."""
+        self._finalizer()
 
 
 def claim(directory: Path) -> ShmClaim:
-    """This process's claim in `directory`, made on first use and held until the process ends (its claim
-    file removed on a clean exit); the files under it are removed by their owners when closed."""
-    if (held := _HELD.get(directory)) is not None:
-        return held
+    """A new claim in `directory`, held until `release` (or the process's end, however it ends)."""
     tag = f"tessera-{os.getpid()}-{secrets.token_hex(4)}"
     claiming, claimed = directory / f"{tag}.claiming", directory / f"{tag}.claim"
     fd = os.open(claiming, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.rename(claiming, claimed)
-    held = _HELD[directory] = ShmClaim(directory, tag)
-    weakref.finalize(held, _release, claimed, fd)  # at exit: _HELD keeps every claim alive until then
-    return held
-
-
-_HELD: dict[Path, ShmClaim] = {}
+    return ShmClaim(directory, tag, fd)
 
 
 def _release(path: Path, fd: int) -> None:

@@ -209,10 +209,8 @@ def test_cpu_lora_workers_run_by_a_sidecar_serve_cold_requests_and_follow_a_rest
             assert time.monotonic() < deadline, "the sidecar did not start its worker again"
             time.sleep(0.1)
 
-        # The files of the stopped worker (this process's claim on the volume lives as long as the process).
-        old_files = [p.name for p in shm.iterdir() if p.name.startswith("tessera-") and p.name != SIDECAR_MANIFEST
-                     and not p.name.endswith(".claim")]
-        assert len(old_files) == 2
+        old_files = [p.name for p in shm.iterdir() if p.name.startswith("tessera-") and p.name != SIDECAR_MANIFEST]
+        assert len(old_files) == 3, old_files  # its claim, host tier and work area
         engine.stop()
         restarted = engine_factory(None, **settings)  # the GPU worker started again, same volume
         assert not any((shm / name).exists() for name in old_files)

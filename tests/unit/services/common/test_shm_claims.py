@@ -19,8 +19,9 @@ HOLDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from services.common.shm_claims import claim
-    for path in claim(Path(sys.argv[1])).new_paths("host", "lora"):
-        path.write_bytes(b"x" * 4096)
+    held = claim(Path(sys.argv[1]))
+    for role in ("host", "lora"):
+        held.path(role).write_bytes(b"x" * 4096)
     print("claimed", flush=True)
     time.sleep(600)
 """)
@@ -45,12 +46,12 @@ def test_the_files_of_a_killed_worker_are_reclaimed_and_a_live_ones_kept(tmp_pat
         assert len(alive_files) == len(killed_files) == 3  # a claim and two files each
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait()
-        (tmp_path / "tessera-77-0123abcd-1-host").write_bytes(b"left by a worker older than claims")
+        (tmp_path / "tessera-77-0123abcd-host").write_bytes(b"left by a worker older than claims")
         (tmp_path / "someone-elses-file").write_bytes(b"")
 
         removed = reclaim_orphans(tmp_path)
 
-        assert {p.name for p in removed} == killed_files | {"tessera-77-0123abcd-1-host"}
+        assert {p.name for p in removed} == killed_files | {"tessera-77-0123abcd-host"}
         assert _tessera_files(tmp_path) == alive_files
         assert (tmp_path / "someone-elses-file").exists()
     finally:
@@ -58,10 +59,11 @@ def test_the_files_of_a_killed_worker_are_reclaimed_and_a_live_ones_kept(tmp_pat
         alive.wait()
 
 
-def test_a_process_keeps_one_claim_and_names_new_files_under_it(tmp_path: Path) -> None:
+def test_a_released_claim_leaves_nothing_and_a_held_one_keeps_its_files(tmp_path: Path) -> None:
     held = claim(tmp_path)
-    first, second = held.new_paths("host"), claim(tmp_path).new_paths("host")
-    assert first != second and first[0].name.startswith(held.tag) and second[0].name.startswith(held.tag)
-    second[0].write_bytes(b"")
+    held.path("host").write_bytes(b"")
     assert reclaim_orphans(tmp_path) == []  # this process holds the claim
     assert (tmp_path / f"{held.tag}.claim").stat().st_mode & 0o777 == 0o600
+    held.path("host").unlink()  # its owner closes its files, then lets go
+    held.release()
+    assert _tessera_files(tmp_path) == set()
