@@ -19,7 +19,6 @@ with `stream: true`; images are decoded and measured; a chat's characters are su
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from typing import Any
 
 import jsonschema
@@ -28,7 +27,7 @@ from jsonschema.exceptions import ValidationError
 from services.common import strict_json
 from services.common.config import GatewayConfig
 from services.common.errors import InvalidArgument
-from services.common.text_fields import strings_in
+from services.common.text_fields import param_name, strings_in
 from services.common.slo import MAX_SLO_MS, MIN_SLO_MS
 
 MAX_SHOWN_CHARS = 80  # of a value quoted back in an error message
@@ -221,14 +220,6 @@ def check_body(body: Any, name: str, config: GatewayConfig) -> dict[str, Any]:
 
 
 # Errors, worded from the schema that failed.
-
-def param_name(path: Iterable[str | int]) -> str:
-    """("messages", 0, "content") -> "messages[0].content"."""
-    name = ""
-    for key in path:
-        name += f"[{key}]" if isinstance(key, int) else f".{key}" if name else str(key)
-    return name
-
 
 def _specific(error: ValidationError) -> ValidationError:
     """Into an anyOf only where one alternative has the value's type: a list given for `content`

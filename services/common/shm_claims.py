@@ -3,7 +3,7 @@
 A GPU worker's host tier and CPU LoRA work area are files in worker.cpu_lora_shm_dir (/dev/shm: memory).
 A clean stop removes them; `kill -9`, the OOM killer or a crash cannot, and each restart made new ones
 (185 MB with the demo model) until /dev/shm filled. So each worker holds a claim on its files — an flock
-on `<tag>.claim`, held for the life of the process and dropped by the kernel however the process ends —
+on `<tag>.claim`, held while its engine runs and dropped by the kernel however the process ends —
 and a worker that starts removes every Tessera file in the directory whose claim nobody holds:
 
     tessera-4242-9f3a01bc.claim   flock held by worker 4242 while its engine runs

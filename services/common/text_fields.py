@@ -11,7 +11,7 @@ with InvalidArgument, naming the field:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from services.common.errors import InvalidArgument
@@ -60,4 +60,12 @@ def strings_in(value: Any) -> Iterator[tuple[str, tuple[str | int, ...]]]:
 def check_texts(value: Any, field: str) -> None:
     """check_text on every string in `value` (a parsed JSON value), naming where it sits: "task_head.labels[0]"."""
     for text, path in strings_in(value):
-        check_text(text, field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path))
+        check_text(text, param_name([field, *path]))
+
+
+def param_name(path: Iterable[str | int]) -> str:
+    """("messages", 0, "content") -> "messages[0].content"."""
+    name = ""
+    for key in path:
+        name += f"[{key}]" if isinstance(key, int) else f".{key}" if name else str(key)
+    return name
