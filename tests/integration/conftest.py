@@ -66,10 +66,14 @@ class RunningSystem:
         """A channel to the registry or a worker, presenting the gateway's cluster certificate."""
         return grpc.secure_channel(address, load_role_credentials(self.config, "gateway").channel())
 
-    def wait_healthy(self, address: str, role: str, timeout_s: float = 120.0) -> None:
-        """Until `role` at `address` answers its health check (probed as `tessera health --role` does)."""
+    def wait_healthy(self, address: str, role: str, timeout_s: float = 120.0,
+                     process: subprocess.Popen | None = None) -> None:
+        """Until `role` at `address` answers its health check (probed as `tessera health --role` does).
+        `process`: the role's own process, whose exit fails the wait at once."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"{role} for {address} exited ({process.returncode}) before it was healthy")
             try:
                 credentials = health_probe_credentials(self.config, role)
             except TlsError:  # `tessera up` has not written the certificates yet
@@ -97,6 +101,11 @@ def spawn_role(role: str, env: dict[str, str], log: TextIO) -> subprocess.Popen:
     """One more process of `role` (`tessera serve <role>`) beside the system's, configured by `env`."""
     return subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role], env=env, cwd=REPO_ROOT,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def log_tail(path: Path, lines: int = 80) -> str:
+    """The last `lines` of a log the spawned roles write: what a failed start left for the reader."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def stop_role(process: subprocess.Popen) -> None:

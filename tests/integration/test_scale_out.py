@@ -14,8 +14,8 @@ import pytest
 import requests
 
 from services.demo_assets import DEMO_BASE_MODEL
-from tests.integration.conftest import RunningSystem, spawn_role, stop_role
-from tests.ports import free_port
+from tests.integration.conftest import RunningSystem, log_tail, spawn_role, stop_role
+from tests.ports import free_port_plan
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 
@@ -51,35 +51,44 @@ def scaled_out(system: RunningSystem, postgres_server, tmp_path_factory) -> Iter
     shared = {**system.env, "TESSERA_REGISTRY__DATABASE_URL": postgres_server.new_database(migrated=False),
               "TESSERA_REGISTRY__ADAPTER_STORE": str(store), "TESSERA_GATEWAY__METADATA_REFRESH_S": "30",
               "TESSERA_GATEWAY__MAX_QUEUED_PER_MODEL": str(QUEUE_BOUND)}
-    registries = [{f"TESSERA_REGISTRY__{k}": str(free_port()) for k in ("GRPC_PORT", "ADMIN_PORT", "METRICS_PORT")}
+    free = iter(free_port_plan([str(n) for n in range(14)], [], 0).values())  # 14 distinct ports
+    registries = [{f"TESSERA_REGISTRY__{k}": str(next(free)) for k in ("GRPC_PORT", "ADMIN_PORT", "METRICS_PORT")}
                   for _ in range(2)]
-    gateways = [{f"TESSERA_GATEWAY__{k}": str(free_port()) for k in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT")}
+    gateways = [{f"TESSERA_GATEWAY__{k}": str(next(free)) for k in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT")}
                 for _ in range(2)]
-    worker = {f"TESSERA_WORKER__{k}": str(free_port()) for k in ("GRPC_PORT", "METRICS_PORT")}
+    worker = {f"TESSERA_WORKER__{k}": str(next(free)) for k in ("GRPC_PORT", "METRICS_PORT")}
     processes = []
-    log = open(system.home / "scale-out-test.log", "w")
+    log_path = system.home / "scale-out-test.log"
+    log = open(log_path, "w")
     try:
-        for ports in registries:  # both at once: they migrate the empty database together
-            processes.append(spawn_role("registry", {**shared, **ports}, log))
-        for ports in registries:
-            system.wait_healthy(f"127.0.0.1:{ports['TESSERA_REGISTRY__GRPC_PORT']}", "registry", timeout_s=120)
-        first, second = (f"127.0.0.1:{ports['TESSERA_REGISTRY__GRPC_PORT']}" for ports in registries)
-        cluster = ScaledOut([f"http://127.0.0.1:{p['TESSERA_REGISTRY__ADMIN_PORT']}/admin/v1" for p in registries],
-                            [f"http://127.0.0.1:{p['TESSERA_GATEWAY__HTTP_PORT']}/v1" for p in gateways],
-                            system.admin_key)
-        models = system.home / "models"
-        assert cluster.admin_call(0, "POST", "/base-models", {
-            "name": DEMO_BASE_MODEL, "path": str(models / DEMO_BASE_MODEL)}).status_code == 201
-        assert cluster.admin_call(1, "POST", "/adapters", {   # through the other replica: one catalog
-            "name": ADAPTER, "base_model": DEMO_BASE_MODEL, "path": str(models / "adapters" / ADAPTER)}).status_code == 201
-        processes.append(spawn_role("worker", {**shared, **worker, "TESSERA_WORKER__REGISTRY_ADDRESS": first}, log))
-        system.wait_healthy(f"127.0.0.1:{worker['TESSERA_WORKER__GRPC_PORT']}", "worker", timeout_s=180)
-        for ports, registry in zip(gateways, (first, second)):
-            processes.append(spawn_role("gateway", {**shared, **ports, "TESSERA_GATEWAY__REGISTRY_ADDRESS": registry}, log))
-            system.wait_healthy(f"127.0.0.1:{ports['TESSERA_GATEWAY__GRPC_PORT']}", "gateway", timeout_s=60)
-        for gateway in range(2):
-            _wait(lambda: cluster.complete(gateway, DEMO_BASE_MODEL, 1).status_code == 200, 60,
-                  f"gateway {gateway} routing")
+        try:
+            for ports in registries:  # both at once: they migrate the empty database together
+                processes.append(spawn_role("registry", {**shared, **ports}, log))
+            for ports, process in zip(registries, processes):
+                system.wait_healthy(f"127.0.0.1:{ports['TESSERA_REGISTRY__GRPC_PORT']}", "registry", timeout_s=120,
+                                    process=process)
+            first, second = (f"127.0.0.1:{ports['TESSERA_REGISTRY__GRPC_PORT']}" for ports in registries)
+            cluster = ScaledOut([f"http://127.0.0.1:{p['TESSERA_REGISTRY__ADMIN_PORT']}/admin/v1" for p in registries],
+                                [f"http://127.0.0.1:{p['TESSERA_GATEWAY__HTTP_PORT']}/v1" for p in gateways],
+                                system.admin_key)
+            models = system.home / "models"
+            assert cluster.admin_call(0, "POST", "/base-models", {
+                "name": DEMO_BASE_MODEL, "path": str(models / DEMO_BASE_MODEL)}).status_code == 201
+            assert cluster.admin_call(1, "POST", "/adapters", {   # through the other replica: one catalog
+                "name": ADAPTER, "base_model": DEMO_BASE_MODEL, "path": str(models / "adapters" / ADAPTER)}).status_code == 201
+            processes.append(spawn_role("worker", {**shared, **worker, "TESSERA_WORKER__REGISTRY_ADDRESS": first}, log))
+            system.wait_healthy(f"127.0.0.1:{worker['TESSERA_WORKER__GRPC_PORT']}", "worker", timeout_s=180,
+                                process=processes[-1])
+            for ports, registry in zip(gateways, (first, second)):
+                processes.append(spawn_role("gateway", {**shared, **ports, "TESSERA_GATEWAY__REGISTRY_ADDRESS": registry}, log))
+                system.wait_healthy(f"127.0.0.1:{ports['TESSERA_GATEWAY__GRPC_PORT']}", "gateway", timeout_s=60,
+                                    process=processes[-1])
+            for gateway in range(2):
+                _wait(lambda: cluster.complete(gateway, DEMO_BASE_MODEL, 1).status_code == 200, 60,
+                      f"gateway {gateway} routing")
+        except Exception as exc:  # the roles' log says why, not the timeout
+            log.flush()
+            raise RuntimeError(f"the scaled-out cluster did not start; its log ends:\n{log_tail(log_path)}") from exc
         yield cluster
     finally:
         for process in reversed(processes):
