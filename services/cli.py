@@ -110,7 +110,8 @@ def _config(config: TesseraConfig, args: argparse.Namespace) -> int:
 
 
 def _certs(config: TesseraConfig, args: argparse.Namespace) -> int:
-    from services.common.tls import TlsError, ensure_cluster_certs
+    from services.common.tls import TlsError
+    from services.common.tls_issue import ensure_cluster_certs
 
     try:
         for line in ensure_cluster_certs(config, force=args.force):

@@ -399,7 +399,8 @@ def print_banner(config: TesseraConfig, urls: dict[str, object], state_path: Pat
 
 def ensure_certs(config: TesseraConfig) -> None:
     """The cluster CA and every role's certificate, as `tessera certs` makes them (valid ones kept)."""
-    from services.common.tls import TlsError, ensure_cluster_certs
+    from services.common.tls import TlsError
+    from services.common.tls_issue import ensure_cluster_certs
 
     if not (config.tls.enabled or config.tls.public_grpc_tls):
         return

@@ -1,4 +1,4 @@
-"""Mutual TLS between Tessera's roles: the cluster CA, one certificate per role, gRPC credentials.
+"""Mutual TLS between Tessera's roles: where the cluster's certificates lie, their checks, gRPC credentials.
 
 tls.dir (default {home}/tls; the directory 0700, every file 0600):
   ca.pem                  the cluster CA's certificate: the one CA every role trusts
@@ -16,8 +16,8 @@ presents its role's certificate and checks the server's against the CA and the h
 The gateway's public gRPC port asks for no client certificate (clients use API keys): plaintext
 like the REST port, or server-side TLS with the gateway's certificate (tls.public_grpc_tls).
 
-Issuing never replaces a valid file: `ensure_cluster_certs` keeps what is there, issues what is
-missing, and refuses (TlsError) on anything it would have to overwrite unless `force` is given.
+Issuing them is services/common/tls_issue.py's (`tessera certs`, `tessera up`); this module finds,
+checks and loads them.
 """
 
 from __future__ import annotations
@@ -26,26 +26,20 @@ import dataclasses
 import datetime
 import ipaddress
 import logging
-import os
-import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import NameOID
 
 from services.common.config import ConfigError, TesseraConfig
 
 log = logging.getLogger(__name__)
 
 ROLES = ("registry", "gateway", "worker")
-CA_VALIDITY = datetime.timedelta(days=3650)
-ROLE_VALIDITY = datetime.timedelta(days=730)
-CLOCK_SKEW = datetime.timedelta(minutes=5)  # certificates are valid from a little before issue
 ALWAYS_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 FORCE_HINT = "run `tessera certs --force` to replace the cluster CA and every certificate (then restart every role)"
@@ -106,127 +100,10 @@ def role_names(config: TesseraConfig, role: str) -> list[str]:
     return list(dict.fromkeys(n.lower() for n in names))
 
 
-# ---- issuing -------------------------------------------------------------------------------------
-
-def _new_key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
-def _san(names: Sequence[str]) -> x509.SubjectAlternativeName:
-    entries: list[x509.GeneralName] = []
-    for name in names:
-        try:
-            entries.append(x509.IPAddress(ipaddress.ip_address(name)))
-        except ValueError:
-            entries.append(x509.DNSName(name))
-    return x509.SubjectAlternativeName(entries)
-
-
-def _new_ca(now: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = _new_key()
-    # A random suffix: two clusters' CAs never share a name.
-    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Tessera"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, f"Tessera cluster CA {secrets.token_hex(4)}")])
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - CLOCK_SKEW).not_valid_after(now + CA_VALIDITY)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))
-    return cert, key
-
-
-def _new_role_cert(role: str, names: Sequence[str], ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
-                   now: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = _new_key()
-    subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Tessera"),
-                         x509.NameAttribute(NameOID.COMMON_NAME, role_common_name(role))])
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - CLOCK_SKEW).not_valid_after(min(now + ROLE_VALIDITY, ca_cert.not_valid_after_utc))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            # Every role is a server to some and a client to others (the registry only serves).
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .add_extension(_san(names), critical=False)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    return cert, key
-
-
-def _private_dir(path: Path) -> None:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """0600 from the first byte; readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def _issue_role(paths: TlsPaths, role: str, names: Sequence[str], ca_cert: x509.Certificate,
-                ca_key: ec.EllipticCurvePrivateKey, now: datetime.datetime) -> str:
-    cert, key = _new_role_cert(role, names, ca_cert, ca_key, now)
-    _write_private(paths.key(role), _key_pem(key))
-    _write_private(paths.cert(role), cert.public_bytes(serialization.Encoding.PEM))
-    return f"issued {paths.cert(role)} ({', '.join(names)})"
-
-
-def ensure_cluster_certs(config: TesseraConfig, force: bool = False) -> list[str]:
-    """Create the CA and each role's certificate where missing; keep every valid file.
-
-    Returns one line per file set (created, issued, kept). Raises TlsError where a file is there but
-    unusable (another CA, expired, lacking a name this config needs, unreadable) and `force` is off:
-    replacing it would silently cut off every role holding the old one.
-    """
-    paths = tls_paths(config)
-    _private_dir(paths.dir)
-    paths.ca_key.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    if force or not any(p.exists() for p in paths.all_files()):
-        ca_cert, ca_key = _new_ca(now)
-        _write_private(paths.ca_key, _key_pem(ca_key))
-        _write_private(paths.ca, ca_cert.public_bytes(serialization.Encoding.PEM))
-        report = [f"created the cluster CA {paths.ca} (key {paths.ca_key})"]
-        return report + [_issue_role(paths, role, role_names(config, role), ca_cert, ca_key, now) for role in ROLES]
-
-    ca_cert = _load_ca(paths, now)
-    ca_key = _load_ca_key(paths, ca_cert)
-    report = [f"kept the cluster CA {paths.ca}"]
-    for role in ROLES:
-        names = role_names(config, role)
-        if not paths.cert(role).exists() and not paths.key(role).exists():
-            if ca_key is None:
-                raise TlsError(f"cannot issue {paths.cert(role)}: the CA key {paths.ca_key} is not here "
-                               f"(issue certificates where the CA key is)")
-            report.append(_issue_role(paths, role, names, ca_cert, ca_key, now))
-            continue
-        problem = _role_problem(paths, role, ca_cert, names, now)
-        if problem:
-            raise TlsError(f"{problem}; {FORCE_HINT}")
-        report.append(f"kept {paths.cert(role)}")
-    return report
-
-
 # ---- checking and loading ------------------------------------------------------------------------
 
-def _read(path: Path) -> bytes:
+def read_pem(path: Path) -> bytes:
+    """The file's bytes; TlsError naming it if it cannot be read."""
     try:
         return path.read_bytes()
     except FileNotFoundError:
@@ -235,12 +112,13 @@ def _read(path: Path) -> bytes:
         raise TlsError(f"cannot read {path}: {exc}") from exc
 
 
-def _load_ca(paths: TlsPaths, now: datetime.datetime) -> x509.Certificate:
+def load_ca(paths: TlsPaths, now: datetime.datetime) -> x509.Certificate:
+    """The cluster CA's certificate, valid at `now`; TlsError (with the way out) if it is not."""
     if not paths.ca.exists():
         existing = ", ".join(str(p) for p in paths.all_files() if p.exists())
         raise TlsError(f"{paths.ca} is missing while other TLS files exist ({existing}); {FORCE_HINT}")
     try:
-        ca_cert = x509.load_pem_x509_certificate(_read(paths.ca))
+        ca_cert = x509.load_pem_x509_certificate(read_pem(paths.ca))
     except ValueError as exc:
         raise TlsError(f"{paths.ca} is not a PEM certificate ({exc}); {FORCE_HINT}") from exc
     if not ca_cert.not_valid_before_utc <= now <= ca_cert.not_valid_after_utc:
@@ -249,19 +127,8 @@ def _load_ca(paths: TlsPaths, now: datetime.datetime) -> x509.Certificate:
     return ca_cert
 
 
-def _load_ca_key(paths: TlsPaths, ca_cert: x509.Certificate) -> ec.EllipticCurvePrivateKey | None:
-    if not paths.ca_key.exists():
-        return None
-    try:
-        key = serialization.load_pem_private_key(_read(paths.ca_key), password=None)
-    except (ValueError, TypeError) as exc:
-        raise TlsError(f"{paths.ca_key} is not an unencrypted PEM private key ({exc}); {FORCE_HINT}") from exc
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or not _same_key(key, ca_cert):
-        raise TlsError(f"{paths.ca_key} is not the key of {paths.ca}; {FORCE_HINT}")
-    return key
-
-
-def _same_key(key: object, cert: x509.Certificate) -> bool:
+def same_key(key: object, cert: x509.Certificate) -> bool:
+    """Whether `key` is the private key of `cert`'s public key."""
     public = getattr(key, "public_key", None)
     if public is None:
         return False
@@ -284,16 +151,16 @@ def _covers(cert: x509.Certificate, name: str) -> bool:
     return False
 
 
-def _role_problem(paths: TlsPaths, role: str, ca_cert: x509.Certificate, names: Sequence[str],
-                  now: datetime.datetime) -> str | None:
+def role_problem(paths: TlsPaths, role: str, ca_cert: x509.Certificate, names: Sequence[str],
+                 now: datetime.datetime) -> str | None:
     """Why `role`'s certificate and key cannot serve this config, or None if they can."""
     cert_path, key_path = paths.cert(role), paths.key(role)
     for path in (cert_path, key_path):
         if not path.exists():
             return f"{path} does not exist"
     try:
-        cert = x509.load_pem_x509_certificate(_read(cert_path))
-        key = serialization.load_pem_private_key(_read(key_path), password=None)
+        cert = x509.load_pem_x509_certificate(read_pem(cert_path))
+        key = serialization.load_pem_private_key(read_pem(key_path), password=None)
     except (ValueError, TypeError) as exc:
         return f"{cert_path} or {key_path} is not a PEM certificate / unencrypted key ({exc})"
     try:
@@ -303,7 +170,7 @@ def _role_problem(paths: TlsPaths, role: str, ca_cert: x509.Certificate, names: 
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         return (f"{cert_path} is not valid now (valid {cert.not_valid_before_utc:%Y-%m-%d} "
                 f"to {cert.not_valid_after_utc:%Y-%m-%d})")
-    if not _same_key(key, cert):
+    if not same_key(key, cert):
         return f"{key_path} is not the key of {cert_path}"
     common_names = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
     if common_names != [role_common_name(role)]:
@@ -345,10 +212,10 @@ def load_role_credentials(config: TesseraConfig, role: str) -> RoleCredentials:
                        f"not in {paths.dir}; create the cluster's certificates with `tessera certs` "
                        f"(`tessera up` does it itself), or point tls.dir at them")
     now = datetime.datetime.now(datetime.timezone.utc)
-    problem = _role_problem(paths, role, _load_ca(paths, now), role_names(config, role), now)
+    problem = role_problem(paths, role, load_ca(paths, now), role_names(config, role), now)
     if problem:
         raise TlsError(f"{problem}; {FORCE_HINT}")
-    return RoleCredentials(role, _read(paths.ca), _read(paths.cert(role)), _read(paths.key(role)))
+    return RoleCredentials(role, read_pem(paths.ca), read_pem(paths.cert(role)), read_pem(paths.key(role)))
 
 
 def cluster_credentials(config: TesseraConfig, role: str) -> RoleCredentials | None:
@@ -377,7 +244,7 @@ def health_probe_credentials(config: TesseraConfig, role: str) -> grpc.ChannelCr
     if role == "gateway":
         if not config.tls.public_grpc_tls:
             return None
-        return grpc.ssl_channel_credentials(root_certificates=_read(tls_paths(config).ca))
+        return grpc.ssl_channel_credentials(root_certificates=read_pem(tls_paths(config).ca))
     return load_role_credentials(config, role).channel() if config.tls.enabled else None
 
 

@@ -11,7 +11,8 @@ import yaml
 
 from services.common.config import TesseraConfig, load_config
 from services.common.tls import ROLES as ROLES_WITH_CERTIFICATES
-from services.common.tls import ensure_cluster_certs, load_role_credentials, tls_paths
+from services.common.tls import load_role_credentials, tls_paths
+from services.common.tls_issue import ensure_cluster_certs
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCHEMA = REPO_ROOT / "tests" / "data" / "compose-spec.json"  # provenance: tests/data/README.md

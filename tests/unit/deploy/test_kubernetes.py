@@ -22,7 +22,8 @@ from packaging.version import Version
 
 from services.cli import build_parser
 from services.common.config import TesseraConfig, load_config
-from services.common.tls import ROLES, ensure_cluster_certs, load_role_credentials
+from services.common.tls import ROLES, load_role_credentials
+from services.common.tls_issue import ensure_cluster_certs
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 KUBERNETES = REPO_ROOT / "deploy" / "kubernetes"

@@ -18,7 +18,8 @@ from registry.store import RegistryStore
 from services.common.config import TesseraConfig, load_config
 from services.common.errors import Unavailable
 from services.common.grpc_server import GrpcServer, start_grpc_server
-from services.common.tls import RoleCredentials, ensure_cluster_certs, load_role_credentials, tls_paths
+from services.common.tls import RoleCredentials, load_role_credentials, tls_paths
+from services.common.tls_issue import ensure_cluster_certs
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 REGISTER = registry_pb2.RegisterWorkerRequest(address="127.0.0.1:1", device="cpu", base_model="m", capacity=4)

@@ -14,8 +14,8 @@ from cryptography import x509
 
 from services.cli import main
 from services.common.config import TesseraConfig, load_config
-from services.common.tls import (ROLES, TlsError, cluster_credentials, ensure_cluster_certs, load_role_credentials,
-                                 tls_paths)
+from services.common.tls import ROLES, TlsError, cluster_credentials, load_role_credentials, tls_paths
+from services.common.tls_issue import ensure_cluster_certs
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 
