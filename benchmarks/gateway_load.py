@@ -51,7 +51,7 @@ import grpc
 
 from services.common.config import load_config
 from services.common.tls import load_role_credentials
-from services.launcher import stop_process_group
+from services.launcher.supervisor import stop_process_group
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from benchmarks.http_client import chunks, exchange, post_json, read_body, read_head

@@ -38,7 +38,7 @@ from services.common.config import load_config
 from services.common.scheduling.perf_model import perf_model_path
 from services.common.scheduling.placement import PlanLimits
 from services.demo_assets import DEMO_BASE_MODEL, DemoAdapterSpec, build_llama, build_lora_adapter
-from services.launcher import stop_process_group
+from services.launcher.supervisor import stop_process_group
 from tests.ports import free_port_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

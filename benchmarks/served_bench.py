@@ -68,7 +68,7 @@ from services.common.config import TesseraConfig, load_config
 from services.common.grpc_server import check_health
 from services.common.tls import TlsError, health_probe_credentials
 from services.demo_assets import LlamaShape
-from services.launcher import stop_process_group
+from services.launcher.supervisor import stop_process_group
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASE_MODEL = "bench-llama"

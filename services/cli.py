@@ -62,7 +62,7 @@ def register_demo_assets(store: RegistryStore, assets: DemoAssets, progress: Cal
 
 def _serve(config: TesseraConfig, args: argparse.Namespace) -> int:
     from services.common.logs import setup_logging
-    from services.launcher import LaunchError, check_ports_free, served_role_spec
+    from services.launcher.plan import LaunchError, check_ports_free, served_role_spec
 
     setup_logging(args.role, config.log_level)
     try:
@@ -93,7 +93,8 @@ def _demo_assets(config: TesseraConfig, args: argparse.Namespace) -> int:
 
 
 def _up(config: TesseraConfig, args: argparse.Namespace) -> int:
-    from services.launcher import launch, serve_command
+    from services.launcher.plan import serve_command
+    from services.launcher.supervisor import launch
     from services.common.logs import setup_logging
 
     setup_logging("launcher", config.log_level)

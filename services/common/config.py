@@ -194,7 +194,7 @@ class WorkerConfig:
 
 @dataclasses.dataclass(slots=True)
 class LauncherConfig:
-    # The workers `tessera up` starts (services/launcher.py), the k-th on worker.grpc_port + k and
+    # The workers `tessera up` starts (services/launcher/plan.py), the k-th on worker.grpc_port + k and
     # worker.metrics_port + k. 0: one for each base model in worker_models, or, when that is empty, for
     # each base model registered (the demo's Llama, LLaVA and Qwen2-VL), else for worker.base_model.
     # N > 0: N workers of worker.base_model.

@@ -28,7 +28,7 @@ from services.common.config import TesseraConfig, load_config
 from services.common.grpc_server import check_health
 from services.common.tls import TlsError, health_probe_credentials, load_role_credentials
 from services.demo_assets import DEMO_BASE_MODEL, DEMO_QWEN2VL_BASE_MODEL, DEMO_VISION_BASE_MODEL
-from services.launcher import stop_process_group
+from services.launcher.supervisor import stop_process_group
 from tests.ports import free_port_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

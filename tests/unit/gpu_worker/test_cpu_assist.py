@@ -26,7 +26,7 @@ from gpu_worker.sequence import SamplingParams
 from services.common.lora_shm import PID, REQUEST, SIDECAR_MANIFEST, SidecarManifest
 from services.common.numa import allowed_cpus
 from services.demo_assets import DEMO_BASE_MODEL
-from services.launcher import stop_process_group
+from services.launcher.supervisor import stop_process_group
 from tests.reference import ReferenceModels, assert_same_greedy
 
 from .conftest import idle_stats

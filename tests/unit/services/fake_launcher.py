@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from services.common.config import load_config
-from services.launcher import RoleSpec, launch
+from services.launcher.plan import RoleSpec
+from services.launcher.supervisor import launch
 from services.common.logs import setup_logging
 
 FAKE_ROLE = str(Path(__file__).with_name("fake_role.py"))

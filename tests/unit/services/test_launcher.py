@@ -19,8 +19,9 @@ from services.common.config import LauncherConfig, load_config
 from services.common.grpc_server import check_health
 from services.common.tls import health_probe_credentials, tls_paths
 from tests.ports import free_port_run
-from services.launcher import (LaunchError, check_ports_free, check_registered, registered_base_models, restart_delay_s,
-                               role_specs, worker_models)
+from services.launcher.plan import (LaunchError, check_ports_free, check_registered, registered_base_models, role_specs,
+                                    worker_models)
+from services.launcher.supervisor import restart_delay_s
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 FAKE_LAUNCHER = Path(__file__).with_name("fake_launcher.py")
