@@ -55,7 +55,7 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from benchmarks.adapter_files import (ALL_SEVEN, QKVO, AdapterShape, AdapterStore, StoredAdapter, adapter_bytes,
                                       drop_from_page_cache, filesystem_of)
-from benchmarks.cluster_sim.workload import load_trace
+from policy.simulator.workload import load_trace
 from benchmarks.engine_bench import LLAMA2_7B, e2e_prompt
 from benchmarks.load_stall import StepLog, decode_only_gaps, first_token_s, percentile, stall_window
 from benchmarks.reference_rates import copy_seconds, read_seconds, timed

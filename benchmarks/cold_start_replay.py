@@ -5,7 +5,7 @@ conv trace scaled to 3, 6 and 9 requests/s. Policies, one run each per rate and 
 requests:
   cached     every adapter the run asks for is resident before it starts (a GPU tier that holds them all)
   wait       on-demand loading: a request waits until its whole adapter is on the GPU
-  pipelined  layer-pipelined loading alone (gpu_worker/lora/cold_start.py)
+  pipelined  layer-pipelined loading alone (policy/cold_start.py)
   cpu        CPU assistance alone: the CPU LoRA workers until the adapter is usable on the GPU
   auto       Tessera's policy: the fastest way that keeps running requests within the TPOT objective
 Before a run, the GPU tier holds the 64 most popular adapters (a popularity-driven tier's steady
@@ -39,7 +39,7 @@ import torch
 from transformers import LlamaConfig
 
 from benchmarks.adapter_files import AdapterShape, AdapterStore, adapter_bytes
-from benchmarks.cluster_sim.workload import load_trace
+from policy.simulator.workload import load_trace
 from benchmarks.cold_start_bench import LLAMA2_7B, TINY_LLAMA, Requests, progress
 from benchmarks.cpu_assist_bench import cold_start_arguments, parse_cold_start_arguments
 from benchmarks.load_stall import percentile

@@ -1,4 +1,4 @@
-"""The cold-start ways (issue 40; gpu_worker/lora/cold_start.py) on a 7B-shaped Llama (Llama-2-7B config,
+"""The cold-start ways (issue 40; policy/cold_start.py) on a 7B-shaped Llama (Llama-2-7B config,
 random bf16 weights), one GPU and its host's cores: the TTFT of a request whose adapter is in host memory,
 not on the GPU, started (a) layer-pipelined while its copy onto the GPU runs, (b) with its LoRA on the
 CPU LoRA workers until the adapter is usable on the GPU (CaraServe), (c) once the whole adapter is on
@@ -34,7 +34,7 @@ from benchmarks.serving import BASE_MODEL, bench_tokenizer, running_engine
 from gpu_worker.builder import assemble_parts, async_scheduling_on
 from gpu_worker.engine import Engine
 from gpu_worker.intake import GenerationRequest
-from gpu_worker.lora.cold_start import ColdStartPolicy
+from policy.cold_start import ColdStartPolicy
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
 from services.common.config import WorkerConfig

@@ -40,20 +40,20 @@ import numpy as np
 import torch
 from transformers import LlamaConfig
 
-from benchmarks.cluster_sim.workload import load_trace
+from policy.simulator.workload import load_trace
 from benchmarks.cold_start_bench import LLAMA2_7B, TINY_LLAMA, TRACE, Requests, progress
 from benchmarks.cold_start_replay import replay
 from benchmarks.serving import BASE_MODEL, bench_tokenizer, running_engine
 from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
 from gpu_worker.device_kind import device_name, perf_model_kind
 from gpu_worker.engine import StepRecord
-from gpu_worker.mode_costs import perf_model_cost
-from gpu_worker.mode_policies import StepCost, make_policy
+from policy.mode_costs import perf_model_cost
+from policy.mode_policies import StepCost, make_policy
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.profile import Grid, Profiler, random_adapter_ref, random_adapters, run_grid
 from services.common.config import WorkerConfig
 from services.common.runtime import freeze_startup_heap
-from services.common.scheduling.perf_model import PerfModel
+from policy.perf_model import PerfModel
 
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 POLICIES = ("merged", "unmerged", "dlora", "credit")

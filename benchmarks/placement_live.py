@@ -29,14 +29,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks import simulate_cluster
-from benchmarks.cluster_sim.workload import load_trace
+from policy.simulator import cli as simulator_cli
+from policy.simulator.workload import load_trace
 from benchmarks.served_bench import Request, Result, prompt_text, rest_stream
 from registry.store import RegistryStore
 from services.common.adapter_layout import CONFIG_FILE, WEIGHTS_FILE
 from services.common.config import load_config
-from services.common.scheduling.perf_model import perf_model_path
-from services.common.scheduling.placement import PlanLimits
+from policy.perf_model import perf_model_path
+from policy.placement import PlanLimits
 from services.demo_assets import DEMO_BASE_MODEL, DemoAdapterSpec, build_llama, build_lora_adapter
 from services.launcher.supervisor import stop_process_group
 from tests.ports import free_port_plan
@@ -276,7 +276,7 @@ def run_policy(policy: str, home: Path, load: list[Arrival], args: argparse.Name
 
 
 def simulator_argv(args: argparse.Namespace, sizes: dict[str, int], out: Path) -> list[str]:
-    """benchmarks/simulate_cluster.py's arguments for the same setting: the trace's same first requests at
+    """policy/simulator/cli.py's arguments for the same setting: the trace's same first requests at
     the same rate, prompt and output caps and SLO; the same workers, tiers (in the adapters' own bytes per
     rank), Zipf skew and drift (paced in trace time: the live drift period × the rate scale), the demo
     Llama's CPU performance model, the registry's plan settings (no host copies: CPU workers) and
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
     print(table(outcomes))
     if args.simulate:
         print("\nThe cluster simulator's prediction for the same setting:\n")
-        simulate_cluster.main(simulator_argv(args, sizes, args.home / "simulated"))
+        simulator_cli.main(simulator_argv(args, sizes, args.home / "simulated"))
     return outcomes
 
 

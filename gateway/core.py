@@ -28,7 +28,7 @@ from gateway.images import check_takes_images
 from gateway.metrics import GENERATED_TOKENS, IN_FLIGHT, REQUEST_LATENCY, TIME_TO_FIRST_TOKEN
 from gateway.registry_cache import RegistryCache, ResolvedModel
 from gateway.router import Router
-from gateway.scheduling.policies import RoutingRequest, Slo
+from policy.routing.policies import RoutingRequest, Slo
 from gateway.schemas import chat_text_chars, validate_generate_request
 from gateway.state_feed import StateFeed
 from gateway.worker_client import WorkerClient

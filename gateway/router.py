@@ -3,7 +3,7 @@
 The registry says which workers are healthy and serve the base model; the WorkerStateTable (fed
 by gateway/state_feed.py) says what each is running, queueing and holding, plus what this gateway
 sent it since; the policy — `gateway.routing_policy`, the very classes the cluster simulator runs
-(gateway/scheduling) — picks among the workers with a fresh state. A worker that failed with
+(policy/routing/) — picks among the workers with a fresh state. A worker that failed with
 UNAVAILABLE is skipped for `mark_down_s`; the core then retries on another.
 """
 
@@ -15,14 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 from services.common.config import ConfigError
 from services.common.errors import Unavailable
-from services.common.scheduling.adapter_tiers import LoadCosts
-from services.common.scheduling.perf_model import PerfModel
+from policy.adapter_tiers import LoadCosts
+from policy.perf_model import PerfModel
 from tessera.v1 import common_pb2
 
-from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, Policy, RandomChoice,
-                                         RoundRobin, RoutingRequest)
-from gateway.scheduling.tessera_policy import TesseraPolicy
-from gateway.scheduling.worker_state import WorkerStateTable
+from policy.routing.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, Policy, RandomChoice,
+                                     RoundRobin, RoutingRequest)
+from policy.routing.tessera_policy import TesseraPolicy
+from policy.routing.worker_state import WorkerStateTable
 
 MARK_DOWN_S = 2.0  # a worker that just failed with UNAVAILABLE is skipped this long
 

@@ -19,7 +19,7 @@ from services.common.http_server import LoopHttpServer
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
 from services.common.runtime import run_until_signalled
-from services.common.scheduling.perf_model import PERF_MODELS_DIR, load_perf_models
+from policy.perf_model import PERF_MODELS_DIR, load_perf_models
 from services.common.tls import cluster_credentials, gateway_public_credentials
 from tessera.v1 import inference_pb2_grpc
 
@@ -31,7 +31,7 @@ from gateway.core import GatewayCore
 from gateway.grpc_api import SERVICE_NAME, InferenceServicer
 from gateway.registry_cache import RegistryCache
 from gateway.router import NEEDS_PERF_MODELS, Router, build_policy
-from gateway.scheduling.worker_state import WorkerStateTable
+from policy.routing.worker_state import WorkerStateTable
 from gateway.state_feed import StateFeed
 from gateway.worker_client import WorkerClient
 

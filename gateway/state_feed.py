@@ -26,9 +26,9 @@ from collections.abc import Callable, Collection, Iterable, MutableMapping
 from services.common.errors import TesseraError
 from tessera.v1 import worker_pb2
 
-from services.common.scheduling.batch_summary import BatchEntry
-from services.common.scheduling.perf_model import PerfModel
-from gateway.scheduling.worker_state import WorkerState, WorkerStateTable
+from policy.batch_summary import BatchEntry
+from policy.perf_model import PerfModel
+from policy.routing.worker_state import WorkerState, WorkerStateTable
 from gateway.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)

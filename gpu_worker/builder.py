@@ -16,7 +16,7 @@ from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.kv_cache import CacheShape, PagedKVCache, cuda_blocks_that_fit
 from gpu_worker.lora.adapter_manager import AdapterManager
-from gpu_worker.lora.cold_start import ColdStartPolicy
+from policy.cold_start import ColdStartPolicy
 from gpu_worker.lora.cpu_assist import CpuLoraPool, LocalWorkers, SidecarWorkers
 from gpu_worker.lora.gpu_memory import GpuAdapterMemory
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
@@ -25,8 +25,8 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models.families import ServedModel, load_served_model
 from gpu_worker.models.llama import LORA_TARGETS, LlamaForCausalLM, resolve_dtype
 from gpu_worker.device_kind import device_name, perf_model_kind
-from gpu_worker.mode_costs import load_step_cost, perf_model_cost
-from gpu_worker.mode_policies import make_policy
+from policy.mode_costs import load_step_cost, perf_model_cost
+from policy.mode_policies import make_policy
 from gpu_worker.orchestrator import UNMERGED, Orchestrator, Slos
 from gpu_worker.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from gpu_worker.sequence import SamplingParams, Sequence
@@ -37,9 +37,9 @@ from services.common.adapter_layout import TEXT_LAYOUT, AdapterLayout
 from services.common.config import ConfigError, WorkerConfig
 from services.common.errors import FailedPrecondition
 from services.common.shm_claims import ShmClaim, claim, reclaim_orphans
-from services.common.scheduling.perf_model import PerfModel
+from policy.perf_model import PerfModel
 from services.common.numa import choose_cores, gpu_numa_node, read_topology
-from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
+from policy.eviction import LRU, Eviction, LFUDecay
 
 log = logging.getLogger(__name__)
 

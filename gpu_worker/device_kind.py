@@ -1,6 +1,6 @@
 """Names a worker kind (device × base model): the key of its performance model.
 
-The profiler writes `services/common/scheduling/perf_models/<kind>.json`, the worker reports `<kind>` in its pushed
+The profiler writes `policy/perf_models/<kind>.json`, the worker reports `<kind>` in its pushed
 state, and the gateway prices the worker's steps with that model:
   cpu + tessera-demo-llama                    -> cpu-tessera-demo-llama
   "NVIDIA H100 80GB HBM3" + tessera-demo-llama -> nvidia-h100-80gb-hbm3-tessera-demo-llama

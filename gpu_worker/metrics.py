@@ -90,7 +90,7 @@ class CacheMetrics(Collector):
 class CpuLoraMetrics(Collector):
     """The CPU LoRA workers (gpu_worker/lora/cpu_assist.py) from the engine's stats snapshot: how many answer
     jobs, how many jobs they took, the shares the worker computed itself, restarts, and how cold requests
-    started (on them, layer-pipelined or waiting: lora/cold_start.py)."""
+    started (on them, layer-pipelined or waiting: policy/cold_start.py)."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpu_worker.lora.merge_switch import MergeSwitch
-from gpu_worker.mode_policies import UNMERGED_ALL, Candidate, InferenceMode, ModePolicy, ModeView
+from policy.mode_policies import UNMERGED_ALL, Candidate, InferenceMode, ModePolicy, ModeView
 from gpu_worker.scheduler import ScheduledBatch, Scheduler
 from gpu_worker.sequence import Sequence
 from kernels import NO_SLOT
@@ -92,13 +92,13 @@ class Orchestrator:
         now = self._clock()
         running = [seq for seq in scheduler.running if not seq.sampled_all]
         room = max(0, scheduler.limits.max_num_seqs - len(scheduler.running))
-        candidates = [self._candidate(seq, seq.slot, seq.rank, now) for seq in running]
+        candidates = [self._candidate(seq, None if seq.slot == NO_SLOT else seq.slot, seq.rank, now) for seq in running]
         for seq in itertools.islice(scheduler.waiting, room):
             placed = scheduler.adapters.resident(seq.adapter) if seq.adapter is not None else None
-            candidates.append(self._candidate(seq, *(placed or (NO_SLOT, 0)), now))
+            candidates.append(self._candidate(seq, *(placed or (None, 0)), now))
         return candidates
 
-    def _candidate(self, seq: Sequence, slot: int, rank: int, now: float) -> Candidate:
+    def _candidate(self, seq: Sequence, slot: int | None, rank: int, now: float) -> Candidate:
         first = not seq.output_token_ids
         slo = (seq.ttft_slo_s or self._slos.ttft_s) if first else (seq.tpot_slo_s or self._slos.tpot_s)
         return Candidate(seq.seq_id, seq.adapter.name if seq.adapter else None, slot, rank, max(1, seq.num_pending),

@@ -4,7 +4,7 @@ mode policy.
 At start a worker takes, for its kind (device × base model: gpu_worker/device_kind.py) and its kernels'
 tiling table: the operator's profile of this machine (`python -m gpu_worker.profile` writes
 <cache>/<kind>.json, TESSERA_HOME/perf_models by default), else the model committed for its kind
-(services/common/scheduling/perf_models), else one it fitted before (<cache>/<kind>-<kernels>.json), else
+(policy/perf_models), else one it fitted before (<cache>/<kind>-<kernels>.json), else
 it fits one now by a short profile of its own model (SELF_GRID: seconds) and caches it. It reports the model in its state
 stream (gpu_worker/state_push.py), so that a gateway prices it with its own model, never another kind's.
 """
@@ -22,7 +22,7 @@ from gpu_worker.device_kind import device_name, perf_model_kind
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.profile import Grid, grid_plan, profile_model
 from kernels.tiling import table_for
-from services.common.scheduling.perf_model import PERF_MODELS_DIR, PerfModel, perf_model_path
+from policy.perf_model import PERF_MODELS_DIR, PerfModel, perf_model_path
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ weights of each rank; merged mode is off, so a one-adapter batch is priced unmer
 bound once a worker merges a hot adapter).
 
     python -m gpu_worker.profile --model ~/.tessera/models/tessera-demo-llama --quick
-      -> services/common/scheduling/perf_models/cpu-tessera-demo-llama.json
+      -> policy/perf_models/cpu-tessera-demo-llama.json
     python -m gpu_worker.profile --model DIR_WITH_CONFIG_JSON --random-weights --base-model llama-2-7b --device cuda
-      -> services/common/scheduling/perf_models/<gpu>-llama-2-7b.json
+      -> policy/perf_models/<gpu>-llama-2-7b.json
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from services.common.scheduling.batch_summary import BatchEntry
-from services.common.scheduling.perf_model import PERF_MODELS_DIR, PerfModel, Phase, ProfileSample, perf_model_path
+from policy.batch_summary import BatchEntry
+from policy.perf_model import PERF_MODELS_DIR, PerfModel, Phase, ProfileSample, perf_model_path
 from gpu_worker.builder import EngineParts, assemble_parts
 from gpu_worker.device_kind import device_name, perf_model_kind
 from gpu_worker.lora.loader import AdapterRef, LoRAModule, LoRAWeights

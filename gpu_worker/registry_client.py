@@ -21,7 +21,7 @@ import grpc
 from gpu_worker.lora.adapter_stats import AdapterPlacement
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.lora.placement_orders import PlacementOrders, Preload
-from services.common.scheduling.adapter_tiers import Tier
+from policy.adapter_tiers import Tier
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ one, a prefilling one the rest of its prompt. Running sequences go first, decode
 chunks, so a long prompt never stalls the decodes; then waiting sequences are admitted in FIFO
 order while the step stays within max_batch_tokens and max_num_seqs and the KV cache has blocks;
 a sequence whose adapter is not usable on the GPU yet (lora/adapter_manager.py: the load started when
-the request arrived) starts as lora/cold_start.py decides — layer-pipelined while its copy runs, on
+the request arrived) starts as policy/cold_start.py decides — layer-pipelined while its copy runs, on
 the CPU LoRA workers, or later — and waits while those behind it go ahead; one whose adapter failed to
 load fails at once, wherever it is in the queue. An admitted sequence whose leading blocks are in the prefix cache starts
 its prefill after them. A prompt longer than the remaining budget is prefilled in chunks over
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.lora.adapter_manager import AdapterManager
-from gpu_worker.lora.cold_start import ColdOptions, ColdStart, ColdStartPolicy
+from policy.cold_start import ColdOptions, ColdStart, ColdStartPolicy
 from gpu_worker.lora.gpu_memory import AdapterCopy
 from gpu_worker.lora.host_weights import PackedAdapter
 from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus

@@ -23,7 +23,7 @@ from services.common.config import TesseraConfig
 from services.common.grpc_server import start_grpc_server
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
-from services.common.scheduling.perf_model import PerfModel
+from policy.perf_model import PerfModel
 from services.common.runtime import freeze_startup_heap, run_until_signalled
 from services.common.tls import RoleCredentials, aio_channel, cluster_credentials
 from tessera.v1 import worker_pb2_grpc

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from gpu_worker.engine import Engine
 from gpu_worker.stats import SeqLoad
 from services.common.errors import InvalidArgument
-from services.common.scheduling.perf_model import PerfModel
+from policy.perf_model import PerfModel
 from tessera.v1 import worker_pb2
 
 MIN_INTERVAL_MS, MAX_INTERVAL_MS = 10, 1000

@@ -53,7 +53,7 @@ class EngineStats:
     running_load: tuple[SeqLoad, ...] = ()
     waiting_load: tuple[SeqLoad, ...] = ()
     cpu_lora: CpuLoraStats = CpuLoraStats()  # the CPU LoRA workers (none configured: zeros)
-    # Sequences admitted whose adapter was not usable on the GPU, by how they started (lora/cold_start.py).
+    # Sequences admitted whose adapter was not usable on the GPU, by how they started (policy/cold_start.py).
     cold_starts_total: dict[str, int] = field(default_factory=dict)
     # Requests each adapter brought since the start, by name (the registry places adapters by them).
     adapter_requests_total: dict[str, int] = field(default_factory=dict)

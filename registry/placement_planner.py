@@ -3,7 +3,7 @@ out by the workers as preloads.
 
 Each pass, per base model: the requests each adapter brought every healthy worker since the last pass
 (their heartbeats carry counts since each worker's start) feed a decayed `Popularity`; the plan
-(services/common/scheduling/placement.py) puts hot adapters' replicas on workers' GPUs (as many as their
+(policy/placement.py) puts hot adapters' replicas on workers' GPUs (as many as their
 share of the workers' busy time calls for, decayed with the same half-life), warm adapters in
 host memory and leaves cold ones on disk, within a planned share of each worker's tiers (the budgets its
 heartbeats report), keeping adapters where they are held; it is stored (RegistryStore.
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from registry.records import PlacementInputs
 from registry.store import RegistryStore
-from services.common.scheduling.placement import (BusyTime, PlacementPlan, PlanLimits, Popularity, WorkerRoom,
-                                                  plan_placement)
+from policy.placement import (BusyTime, PlacementPlan, PlanLimits, Popularity, WorkerRoom,
+                              plan_placement)
 
 log = logging.getLogger(__name__)
 

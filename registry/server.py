@@ -18,7 +18,7 @@ from registry.planner_lease import PlannerLease
 from registry.grpc_service import SERVICE_NAME, add_registry_service
 from registry.store import RegistryStore
 from services.common.config import ConfigError, RegistryConfig, TesseraConfig
-from services.common.scheduling.placement import PlanLimits
+from policy.placement import PlanLimits
 from services.common.grpc_server import start_grpc_server
 from services.common.http_server import HttpLimits, LoopHttpServer
 from services.common.logs import setup_logging

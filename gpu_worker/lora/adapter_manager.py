@@ -5,7 +5,7 @@ again with other weights is another version. In-flight requests keep the version
 new ones get the newest; an old version leaves every tier once its last request ends.
 
 A request's adapter, step by step (engine thread unless said):
-  arrive(ref)    the request reached the worker: pin its version in the tiers (services/common/scheduling/
+  arrive(ref)    the request reached the worker: pin its version in the tiers (policy/
                  adapter_tiers.py: byte budgets, eviction by frequency with decay or LRU) until it
                  ends, and start the load it needs. Disk -> host runs on a loader thread: read, verify
                  against the digest (once, here), parse, copy into one page-locked buffer
@@ -14,7 +14,7 @@ A request's adapter, step by step (engine thread unless said):
   poll()         every scheduling pass: take finished reads into the host tier, start GPU copies for
                  the versions requests wait for, make usable those whose copy event has completed.
   resident(ref)  (slot, rank) once usable: the scheduler admits the request then, or already while
-                 its copy runs (`copying_ok`, layer-pipelined loading: lora/cold_start.py decides):
+                 its copy runs (`copying_ok`, layer-pipelined loading: policy/cold_start.py decides):
                  the step's projections then wait on the device for their own bytes of
                  `pending_copy(ref)`, not the engine for the copy, so the copy overlaps the step.
   failure(ref)   the load failed: the scheduler fails the request at once (AdapterLoadFailed). The
@@ -47,11 +47,11 @@ import torch
 from gpu_worker.lora.adapter_stats import AdapterPlacement, AdapterTierStats, LoadClock
 from gpu_worker.lora.gpu_memory import AdapterCopy, GpuAdapterMemory
 from gpu_worker.lora.host_weights import PAGE_BYTES, HostPages, PackedAdapter
-from gpu_worker.lora.load_failures import RecentFailures
+from policy.load_failures import RecentFailures
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights
 from services.common.errors import AdapterLoadFailed, FailedPrecondition, TesseraError
-from services.common.scheduling.adapter_tiers import AdapterTiers, Tier
-from services.common.scheduling.eviction import Eviction
+from policy.adapter_tiers import AdapterTiers, Tier
+from policy.eviction import Eviction
 
 log = logging.getLogger(__name__)
 

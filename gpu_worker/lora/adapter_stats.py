@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from services.common.scheduling.adapter_tiers import Tier
+from policy.adapter_tiers import Tier
 
 # Seconds: a host -> GPU copy takes about a millisecond, a cold read from a slow disk seconds.
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -87,7 +87,7 @@ class GatewayConfig:
     # Routing (docs/routing.md): the policy, the perf models it prices workers with, and the state
     # workers push. tessera | most-idle | round-robin | random | first-fit | least-loaded-lru
     routing_policy: str = "tessera"
-    perf_models_dir: str = ""  # "" -> the repo's services/common/scheduling/perf_models (<kind>.json per worker kind)
+    perf_models_dir: str = ""  # "" -> the repo's policy/perf_models (<kind>.json per worker kind)
     state_interval_ms: int = 50  # how often each worker pushes its state (10..100)
     state_stale_s: float = 1.0  # a worker whose last push is older is out of rotation
     # A request finding no worker with a fresh state, while the registry lists one whose state stream is open
@@ -143,7 +143,7 @@ class WorkerConfig:
     # cpu_lora_worker/sidecar.py) on the cores it was given, both mounting cpu_lora_shm_dir (Kubernetes).
     cpu_lora_launch: str = "process"
     # How a request starts whose adapter is in host memory but not usable on the GPU yet
-    # (gpu_worker/lora/cold_start.py): auto (the fastest way that keeps running requests within their
+    # (policy/cold_start.py): auto (the fastest way that keeps running requests within their
     # TPOT objective, as the gateway sent it), or one way alone: pipelined (layer-pipelined loading), cpu
     # (the CPU LoRA workers), wait (until the whole adapter is on the GPU).
     cold_start_policy: str = "auto"
@@ -174,7 +174,7 @@ class WorkerConfig:
     # Inference modes (gpu_worker/orchestrator.py): each step runs unmerged (LoRA kernels), merged (one
     # adapter folded into the base weights; a saved copy of the weights it touches restores them
     # exactly) or mixture (merged, with other requests beside it), as the policy decides
-    # (gpu_worker/mode_policies.py): credit (VaLoRA's credit-based policy priced with this worker
+    # (policy/mode_policies.py): credit (VaLoRA's credit-based policy priced with this worker
     # kind's profiled step costs), unmerged (never merge), merged (always one adapter merged) or dlora
     # (dLoRA's threshold switching). A request starves once its wait, the next step and a switch reach
     # mode_credit_theta times its objective for its next token.

@@ -11,7 +11,7 @@ import torch
 from gpu_worker.lora.adapter_manager import AdapterManager
 from gpu_worker.lora.host_weights import HostPages, host_buffer
 from gpu_worker.lora.loader import LoRAModule, LoRAWeights
-from services.common.scheduling.eviction import LRU
+from policy.eviction import LRU
 from services.demo_assets import DEMO_BASE_MODEL
 from tests.reference import ReferenceModels, assert_same_greedy
 from tests.unit.gpu_worker.adapter_fakes import IN, OUT, Disk, installed, poll_until, ref, tiny_memory

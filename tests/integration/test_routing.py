@@ -17,9 +17,9 @@ import requests
 
 from gateway.core import routing_request
 from gateway.registry_cache import ResolvedModel
-from services.common.scheduling.perf_model import PERF_MODELS_DIR, load_perf_models
-from services.common.scheduling.adapter_tiers import LoadCosts
-from gateway.scheduling.tessera_policy import TesseraPolicy
+from policy.perf_model import PERF_MODELS_DIR, load_perf_models
+from policy.adapter_tiers import LoadCosts
+from policy.routing.tessera_policy import TesseraPolicy
 from gateway.state_feed import worker_state
 from services.common.config import GatewayConfig
 from tessera.v1 import common_pb2, inference_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc

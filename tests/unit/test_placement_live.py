@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import placement_live, simulate_cluster
+from benchmarks import placement_live
+from policy.simulator import cli as simulator_cli
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "azure_conv_trace_first500.csv"
 
@@ -15,7 +16,7 @@ def test_the_simulator_runs_the_live_setting(tmp_path: Path) -> None:
     args = placement_live.parse_args(["--home", str(tmp_path), "--trace", str(TRACE), "--workers", "4",
                                       "--adapters", "40", "--requests", "120", "--rate-scale", "3"])
     sizes = {f"live-{i:03d}": (8, 16, 32, 64)[i % 4] * 72_000 for i in range(40)}  # 72 kB a rank
-    simulate_cluster.main(placement_live.simulator_argv(args, sizes, tmp_path / "simulated"))
+    simulator_cli.main(placement_live.simulator_argv(args, sizes, tmp_path / "simulated"))
     data = json.loads((tmp_path / "simulated.json").read_text())
     config = data["config"]
     assert (config["workers"], config["adapters"], config["max_requests"], config["rate_scale"]) == (4, 40, 120, 3.0)

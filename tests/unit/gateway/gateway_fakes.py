@@ -24,7 +24,7 @@ T = TypeVar("T")
 BASE = "tiny-llama"
 ADAPTER = "sql-lora"
 OTHER_BASE = "tiny-qwen"  # a base model with no worker
-PERF_MODEL = "cpu-tessera-demo-llama"  # committed in services/common/scheduling/perf_models
+PERF_MODEL = "cpu-tessera-demo-llama"  # committed in policy/perf_models
 
 
 class LoopThread:

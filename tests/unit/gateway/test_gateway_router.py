@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from gateway.router import POLICIES, Router, build_policy
-from services.common.scheduling.perf_model import PERF_MODELS_DIR, load_perf_models
-from services.common.scheduling.batch_summary import BatchEntry
-from gateway.scheduling.policies import MostIdle, RoutingRequest, Slo
-from gateway.scheduling.worker_state import WorkerState, WorkerStateTable
+from policy.perf_model import PERF_MODELS_DIR, load_perf_models
+from policy.batch_summary import BatchEntry
+from policy.routing.policies import MostIdle, RoutingRequest, Slo
+from policy.routing.worker_state import WorkerState, WorkerStateTable
 from services.common.config import ConfigError
 from services.common.errors import Unavailable
 from tessera.v1 import common_pb2

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from services.common.scheduling.perf_model import PerfModel, perf_model_path
+from policy.perf_model import PerfModel, perf_model_path
 
 from .gateway_fakes import BASE, PERF_MODEL, FakeWorker, GatewayEnv
 

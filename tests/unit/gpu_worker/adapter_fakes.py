@@ -14,7 +14,7 @@ from gpu_worker.lora.adapter_manager import AdapterManager
 from gpu_worker.lora.gpu_memory import GpuAdapterMemory
 from gpu_worker.lora.layer import LoRALinear
 from gpu_worker.lora.loader import AdapterRef, LoRAModule, LoRAWeights
-from services.common.scheduling.eviction import LRU, Eviction
+from policy.eviction import LRU, Eviction
 
 IN, OUT, MAX_RANK = 8, 6, 4
 

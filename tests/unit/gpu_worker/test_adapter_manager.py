@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from gpu_worker.lora.adapter_manager import AdapterManager
-from gpu_worker.lora.load_failures import RecentFailures
+from policy.load_failures import RecentFailures
 from gpu_worker.lora.loader import AdapterRef
 from services.common.errors import AdapterLoadFailed, FailedPrecondition
-from services.common.scheduling.eviction import LRU, LFUDecay
+from policy.eviction import LRU, LFUDecay
 
 from .adapter_fakes import Clock, Disk, installed, manager, poll_until, ref
 

@@ -12,7 +12,7 @@ from gpu_worker.lora.adapter_stats import AdapterPlacement
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.lora.placement_orders import OrderBook, PlacementOrders, Preload
 from services.common.errors import FailedPrecondition
-from services.common.scheduling.adapter_tiers import Tier
+from policy.adapter_tiers import Tier
 
 from .adapter_fakes import Clock, Disk, installed, manager, poll_until, ref
 

@@ -23,7 +23,7 @@ from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import SamplingParams
 from gpu_worker.state_push import StateSource
 from services.common.adapter_layout import WEIGHTS_FILE, directory_digest
-from services.common.scheduling.perf_model import PerfModel, perf_model_path
+from policy.perf_model import PerfModel, perf_model_path
 from services.demo_assets import DEMO_BASE_MODEL, DemoAdapterSpec, build_lora_adapter
 from tests.reference import ReferenceModels, assert_same_greedy
 

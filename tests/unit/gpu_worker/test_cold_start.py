@@ -8,7 +8,7 @@ import math
 import pytest
 
 from gpu_worker.builder import _cold_start_policy
-from gpu_worker.lora.cold_start import ColdOptions, ColdStart, ColdStartPolicy
+from policy.cold_start import ColdOptions, ColdStart, ColdStartPolicy
 from services.common.config import ConfigError, WorkerConfig
 
 SLO_S = 0.1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker.block_manager import BlockManager
-from gpu_worker.lora.cold_start import ColdStart, ColdStartPolicy
+from policy.cold_start import ColdStart, ColdStartPolicy
 from gpu_worker.scheduler import Scheduler, SchedulerLimits
 from gpu_worker.sequence import SamplingParams, Sequence
 

@@ -13,7 +13,7 @@ from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.adapter_stats import AdapterTierStats
 from gpu_worker.lora.placement_orders import PlacementOrders
 from gpu_worker.sequence import FinishReason, SamplingParams
-from services.common.scheduling.adapter_tiers import Tier
+from policy.adapter_tiers import Tier
 
 from .conftest import run_all, tokens_of
 

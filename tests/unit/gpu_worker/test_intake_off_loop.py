@@ -39,7 +39,7 @@ from gpu_worker.servicer import WorkerServicer
 from gpu_worker.sequence import SamplingParams
 from gpu_worker.state_push import StateSource
 from services.common.grpc_server import start_grpc_server
-from services.common.scheduling.perf_model import PerfModel, perf_model_path
+from policy.perf_model import PerfModel, perf_model_path
 from services.demo_assets import LlamaShape, build_llama
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpu_worker.lora.loader import AdapterRef
-from gpu_worker.mode_policies import UNMERGED_ALL, InferenceMode, ModeDecision, ModePolicy, ModeView
+from policy.mode_policies import UNMERGED_ALL, InferenceMode, ModeDecision, ModePolicy, ModeView
 from gpu_worker.orchestrator import UNMERGED, Orchestrator, Slos, StepPlan
 from gpu_worker.scheduler import ScheduledBatch, ScheduledSeq
 from gpu_worker.sequence import SamplingParams, Sequence
@@ -63,7 +63,7 @@ def test_the_policy_sees_running_then_waiting_sequences_up_to_the_sequence_limit
     Orchestrator(_switch(), policy, SLOS).shape(_scheduler(running, waiting, max_num_seqs=4))
     (view,) = policy.views
     assert [(c.adapter, c.slot, c.tokens, c.slo_s) for c in view.candidates] == [
-        ("sql", SLOTS["sql"], 1, 0.05), (None, NO_SLOT, 1, SLOS.tpot_s),  # TPOT: their next token is not the first
+        ("sql", SLOTS["sql"], 1, 0.05), (None, None, 1, SLOS.tpot_s),  # TPOT: their next token is not the first
         ("chat", SLOTS["chat"], 3, SLOS.ttft_s), ("sql", SLOTS["sql"], 3, SLOS.ttft_s)]  # the prompt, against TTFT
     assert view.switch_s == 0.004 and view.mixture
 

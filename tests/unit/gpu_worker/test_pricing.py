@@ -13,8 +13,8 @@ import torch
 import gpu_worker.pricing as pricing
 from gpu_worker.profile import QUICK, grid_plan
 from gpu_worker.models.families import load_served_model
-from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
-from services.common.scheduling.perf_model import PerfModel, perf_model_path
+from policy.batch_summary import BatchEntry, BatchSummary
+from policy.perf_model import PerfModel, perf_model_path
 from services.demo_assets import DEMO_BASE_MODEL
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

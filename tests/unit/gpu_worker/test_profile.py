@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from services.common.scheduling.perf_model import FORMS, PERF_MODELS_DIR, PerfModel, perf_model_path
+from policy.perf_model import FORMS, PERF_MODELS_DIR, PerfModel, perf_model_path
 from gpu_worker.device_kind import perf_model_kind
 from gpu_worker.profile import TINY, adapter_cases, main
 from services.demo_assets import DEMO_BASE_MODEL

@@ -12,7 +12,7 @@ from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.lora.placement_orders import PlacementOrders, Preload
 from gpu_worker.registry_client import RegistryClient, WorkerIdentity, fetch_base_model
 from services.common.grpc_server import start_grpc_server
-from services.common.scheduling.adapter_tiers import Tier
+from policy.adapter_tiers import Tier
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 

@@ -20,7 +20,7 @@ from services.demo_assets import DEMO_BASE_MODEL
 from services.common.config import load_config
 from services.common.errors import InvalidArgument
 from services.common.grpc_server import start_grpc_server
-from services.common.scheduling.perf_model import PerfModel, perf_model_path
+from policy.perf_model import PerfModel, perf_model_path
 from services.common.tls import load_role_credentials
 from services.common.tls_issue import ensure_cluster_certs
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc

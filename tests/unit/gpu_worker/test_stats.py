@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpu_worker.block_manager import BlockManager
-from gpu_worker.lora.cold_start import ColdStartPolicy
+from policy.cold_start import ColdStartPolicy
 from gpu_worker.scheduler import Scheduler, SchedulerLimits
 from gpu_worker.sequence import SamplingParams, Sequence
 from gpu_worker.stats import SeqLoad, snapshot

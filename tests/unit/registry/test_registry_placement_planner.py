@@ -15,7 +15,7 @@ from registry.app import create_admin_app
 from registry.placement_planner import PlacementPlanner
 from registry.proto_records import stats_to_dict
 from registry.store import RegistryStore
-from services.common.scheduling.placement import PlanLimits
+from policy.placement import PlanLimits
 from tessera.v1 import common_pb2
 
 from .conftest import BASE_MODEL

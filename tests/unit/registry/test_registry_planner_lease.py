@@ -13,7 +13,7 @@ from registry.placement_planner import PlacementPlanner
 from registry.planner_lease import PlannerLease
 from registry.server import _plan_placements
 from registry.store import RegistryStore
-from services.common.scheduling.placement import PlanLimits
+from policy.placement import PlanLimits
 
 from .conftest import FakeClock
 

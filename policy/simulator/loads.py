@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from services.common.scheduling.adapter_tiers import AdapterTiers, LoadCosts, Tier
+from policy.adapter_tiers import AdapterTiers, LoadCosts, Tier
 
 Schedule = Callable[[float, Callable[[float], None]], None]  # run callback(time) at time
 Changed = Callable[[float], None]                            # a load advanced a stage at this time

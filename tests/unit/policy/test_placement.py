@@ -1,4 +1,4 @@
-"""ROCK's placement plan (services/common/scheduling/placement.py): popularity with a half-life, hot
+"""ROCK's placement plan (policy/placement.py): popularity with a half-life, hot
 adapters replicated on GPUs by their traffic share, warm ones in host memory, cold ones on disk, within
 the planned share of each tier, and plans that keep adapters where they are held."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.scheduling.placement import (BusyTime, PlacementPlan, PlanLimits, Popularity, WorkerRoom,
-                                                  plan_placement, replicas_for)
+from policy.placement import (BusyTime, PlacementPlan, PlanLimits, Popularity, WorkerRoom,
+                              plan_placement, replicas_for)
 
 MB = 1 << 20
 

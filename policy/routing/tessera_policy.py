@@ -41,11 +41,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.common.scheduling.adapter_tiers import LoadCosts, Tier
-from services.common.scheduling.batch_summary import BatchSummary
-from services.common.scheduling.perf_model import PerfModel
-from gateway.scheduling.policies import Rotation, RoutingRequest
-from gateway.scheduling.worker_state import WorkerState
+from policy.adapter_tiers import LoadCosts, Tier
+from policy.batch_summary import BatchSummary
+from policy.perf_model import PerfModel
+from policy.routing.policies import Rotation, RoutingRequest
+from policy.routing.worker_state import WorkerState
 
 PENALTY_S = 1e3  # above any real cost: an SLO-breaking placement loses to every other
 

@@ -1,15 +1,15 @@
 """Simulate a multi-LoRA cluster under each routing policy, driven by a real request trace.
 
 Discrete-event, virtual time, CPU only. The workers' step times come from a perf model JSON
-(services/common/scheduling/perf_model.py; default: a Llama-2-7B on one H200, derived from this repo's
+(policy/perf_model.py; default: a Llama-2-7B on one H200, derived from this repo's
 engine benchmark), the routing from the gateway's own policy objects, each worker's adapter tiers
 from the real worker's bookkeeping (`AdapterTiers`, byte budgets) with its two load stages (disk ->
 host on loader threads, host -> GPU on one copy stream). Prints a markdown table per policy: SLO
 attainment, TPOT and TTFT (mean, p99), GPU adapter cache hit rate, adapters' GPU memory, worker
 utilisation. See docs/benchmarks/routing.md.
 
-    PYTHONPATH=. python benchmarks/simulate_cluster.py --workers 60 --rate-scale 8 --out /tmp/sim --plot
-    PYTHONPATH=. python benchmarks/simulate_cluster.py --sweep load --sweep-values 2,4,8,12 --out /tmp/load
+    PYTHONPATH=. python -m policy.simulator --workers 60 --rate-scale 8 --out /tmp/sim --plot
+    PYTHONPATH=. python -m policy.simulator --sweep load --sweep-values 2,4,8,12 --out /tmp/load
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.cluster_sim import report
-from benchmarks.cluster_sim.cluster import (EVICTIONS, ClusterConfig, PlacementConfig, RunResult, simulate,
-                                            stderr_progress)
-from benchmarks.cluster_sim.worker import WorkerConfig
-from benchmarks.cluster_sim.workload import Popularity, adapter_ranks, build_requests, load_trace, parse_rank_mix
-from services.common.scheduling.adapter_tiers import LoadCosts
-from services.common.scheduling.perf_model import PerfModel
-from services.common.scheduling.placement import PlanLimits
-from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, Policy,
-                                         RandomChoice, RoundRobin, Slo)
-from gateway.scheduling.tessera_policy import TesseraPolicy
+from policy.simulator import report
+from policy.simulator.cluster import (EVICTIONS, ClusterConfig, PlacementConfig, RunResult, simulate,
+                                      stderr_progress)
+from policy.simulator.worker import WorkerConfig
+from policy.simulator.workload import Popularity, adapter_ranks, build_requests, load_trace, parse_rank_mix
+from policy.adapter_tiers import LoadCosts
+from policy.perf_model import PerfModel
+from policy.placement import PlanLimits
+from policy.routing.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, Policy,
+                                     RandomChoice, RoundRobin, Slo)
+from policy.routing.tessera_policy import TesseraPolicy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "AzureLLMInferenceTrace_conv.csv"
 DEFAULT_MODEL = REPO / "benchmarks" / "perf_models" / "h200-llama-2-7b.json"
 GIB = 2**30
@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--affinity-slack", type=int, default=2, help="least-loaded-lru: load slack for affinity")
     p.add_argument("--placement", default="tessera",
                    help="comma list of the policies whose runs also place adapters by popularity (ROCK's "
-                        "placement, services/common/scheduling/placement.py); '' for none")
+                        "placement, policy/placement.py); '' for none")
     p.add_argument("--replan-s", type=float, default=30.0, help="placement: seconds between plans")
     p.add_argument("--popularity-half-life-s", type=float, default=60.0, help="placement: request rates' half-life")
     p.add_argument("--plan-gpu-share", type=float, default=PlanLimits.gpu_share,
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         model = PerfModel.load(args.perf_model)
     except FileNotFoundError:
         raise SystemExit(f"perf model {args.perf_model} not found") from None
-    command = "PYTHONPATH=. python " + shlex.join(["benchmarks/simulate_cluster.py",
+    command = "PYTHONPATH=. python -m " + shlex.join(["policy.simulator",
                                                    *(sys.argv[1:] if argv is None else argv)])
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     config["perf_model_json"] = model.to_json()
@@ -213,6 +213,3 @@ def replace_arg(args: argparse.Namespace, name: str, value: float) -> argparse.N
     setattr(point, name, int(value) if name == "workers" else value)
     return point
 
-
-if __name__ == "__main__":
-    main()

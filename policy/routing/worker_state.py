@@ -15,8 +15,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.scheduling.adapter_tiers import Tier
-from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
+from policy.adapter_tiers import Tier
+from policy.batch_summary import BatchEntry, BatchSummary
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""benchmarks/simulate_cluster.py and benchmarks/cluster_sim: trace reading, the popularity model,
+"""policy/simulator/cli.py and policy/simulator/: trace reading, the popularity model,
 one request's timing worked out by hand, determinism, and Tessera against most-idle when the
 GPU adapter cache is far smaller than the adapter set. Synthetic traces only (no ../shared needed)."""
 
@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import simulate_cluster
-from benchmarks.cluster_sim.cluster import ClusterConfig, PlacementConfig, simulate
-from benchmarks.cluster_sim.worker import WorkerConfig
-from benchmarks.cluster_sim.workload import Popularity, SimRequest, adapter_ranks, build_requests, load_trace
-from services.common.scheduling.adapter_tiers import LoadCosts, Tier
-from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
-from services.common.scheduling.perf_model import PerfModel
-from gateway.scheduling.policies import MostIdle, Slo
-from gateway.scheduling.tessera_policy import TesseraPolicy
+from policy.simulator import cli as simulator_cli
+from policy.simulator.cluster import ClusterConfig, PlacementConfig, simulate
+from policy.simulator.worker import WorkerConfig
+from policy.simulator.workload import Popularity, SimRequest, adapter_ranks, build_requests, load_trace
+from policy.adapter_tiers import LoadCosts, Tier
+from policy.batch_summary import BatchEntry, BatchSummary
+from policy.perf_model import PerfModel
+from policy.routing.policies import MostIdle, Slo
+from policy.routing.tessera_policy import TesseraPolicy
 
-MODEL = PerfModel.load(Path(simulate_cluster.DEFAULT_MODEL))
+MODEL = PerfModel.load(Path(simulator_cli.DEFAULT_MODEL))
 MIB, GIB = 2**20, 2**30
 UNIFORM_RANKS = {8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0, 128: 1.0}
 
@@ -152,14 +152,14 @@ def test_small_run_is_deterministic_and_tessera_beats_most_idle(tmp_path: Path) 
 def test_cli_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     trace = write_trace(tmp_path / "t.csv", 200, per_s=4.0)
     out = tmp_path / "run"
-    simulate_cluster.main(["--trace", str(trace), "--workers", "3", "--adapters", "30", "--gpu-adapter-gib", "0.5",
+    simulator_cli.main(["--trace", str(trace), "--workers", "3", "--adapters", "30", "--gpu-adapter-gib", "0.5",
                            "--host-adapter-gib", "2", "--loader-threads", "1",
                            "--policies", "tessera,most-idle,first-fit", "--quiet", "--out", str(out)])
     printed = capsys.readouterr().out
     for policy in ("tessera", "most-idle", "first-fit"):
         assert f"| {policy} |" in printed
     markdown = Path(f"{out}.md").read_text()
-    assert markdown.startswith("`PYTHONPATH=. python benchmarks/simulate_cluster.py --trace")
+    assert markdown.startswith("`PYTHONPATH=. python -m policy.simulator --trace")
     data = json.loads(Path(f"{out}.json").read_text())
     assert [r["policy"] for r in data["results"]] == ["tessera", "most-idle", "first-fit"]
     assert data["config"]["perf_model_json"]["kind"] == MODEL.kind
@@ -174,16 +174,16 @@ def test_a_live_runs_setting_caps_prompts_and_outputs_fixes_the_slo_and_sizes_ad
     popularity = Popularity(20, 1.1, 0.2, drift_every_min=2.0, rank_mix=UNIFORM_RANKS)
     requests = build_requests(trace, popularity, 4.0, MODEL, 1.5, 5.0, seed=0, fixed_slo=Slo(0.2, 0.5))
     assert {r.slo for r in requests} == {Slo(0.2, 0.5)}
-    args = simulate_cluster.parse_args(["--adapter-mib-per-rank", "0.0707", "--tpot-slo-ms", "200",
+    args = simulator_cli.parse_args(["--adapter-mib-per-rank", "0.0707", "--tpot-slo-ms", "200",
                                         "--ttft-slo-ms", "500"])
-    assert simulate_cluster.load_costs_of(args).adapter_bytes(64) == 64 * round(0.0707 * MIB)
+    assert simulator_cli.load_costs_of(args).adapter_bytes(64) == 64 * round(0.0707 * MIB)
     with pytest.raises(SystemExit):
-        simulate_cluster.parse_args(["--tpot-slo-ms", "200"])  # one without the other
+        simulator_cli.parse_args(["--tpot-slo-ms", "200"])  # one without the other
 
 
 def test_cli_rejects_a_missing_trace(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="not found"):
-        simulate_cluster.main(["--trace", str(tmp_path / "none.csv"), "--quiet"])
+        simulator_cli.main(["--trace", str(tmp_path / "none.csv"), "--quiet"])
 
 
 def test_placement_runs_deterministically_within_the_tiers_and_the_hit_ceiling(tmp_path: Path) -> None:

@@ -1,12 +1,12 @@
-"""services/common/scheduling/adapter_tiers.py: byte-budgeted GPU and host tiers with frequency-driven
+"""policy/adapter_tiers.py: byte-budgeted GPU and host tiers with frequency-driven
 eviction (with decay), LRU for comparison, pins, the inclusive host tier, and load costs by tier."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.common.scheduling.adapter_tiers import AdapterTiers, LoadCosts, Tier
-from services.common.scheduling.eviction import LRU, LFUDecay
+from policy.adapter_tiers import AdapterTiers, LoadCosts, Tier
+from policy.eviction import LRU, LFUDecay
 
 MB = 1 << 20
 

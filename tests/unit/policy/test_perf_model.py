@@ -1,4 +1,4 @@
-"""services/common/scheduling/perf_model.py and batch.py: running sums, least-squares fit and form choice,
+"""policy/perf_model.py and batch.py: running sums, least-squares fit and form choice,
 JSON round trip, and the simulator's default model against the engine benchmark it came from."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
-from services.common.scheduling.perf_model import FORMS, TERMS, PerfModel, PhaseModel, ProfileSample, fit_phase
+from policy.batch_summary import BatchEntry, BatchSummary
+from policy.perf_model import FORMS, TERMS, PerfModel, PhaseModel, ProfileSample, fit_phase
 
-REPO = Path(__file__).resolve().parents[5]
+REPO = Path(__file__).resolve().parents[3]
 RANKS = (8, 16, 32, 64, 128)
 
 

@@ -1,11 +1,11 @@
-"""gateway/scheduling/worker_state.py: freshness on an injected clock, the gateway's own dispatches
+"""policy/routing/worker_state.py: freshness on an injected clock, the gateway's own dispatches
 shown until a newer report, base-model filtering and address order."""
 
 from __future__ import annotations
 
-from services.common.scheduling.adapter_tiers import Tier
-from services.common.scheduling.batch_summary import BatchEntry
-from gateway.scheduling.worker_state import WorkerState, WorkerStateTable
+from policy.adapter_tiers import Tier
+from policy.batch_summary import BatchEntry
+from policy.routing.worker_state import WorkerState, WorkerStateTable
 from gateway.state_feed import worker_state
 from tessera.v1 import worker_pb2
 

@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.cluster_sim.cluster import RunResult
+from policy.simulator.cluster import RunResult
 
 SweepGrid = dict[float, list[RunResult]]  # swept value -> one result per policy, in policy order
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.scheduling.batch_summary import BatchEntry
-from gateway.scheduling.worker_state import WorkerState
+from policy.batch_summary import BatchEntry
+from policy.routing.worker_state import WorkerState
 
 
 @dataclass(frozen=True)

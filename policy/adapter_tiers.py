@@ -1,5 +1,5 @@
 """One worker's adapter tiers: GPU memory, pinned host memory, disk — and which adapter leaves when
-(an `Eviction` policy, services/common/scheduling/eviction.py). The real worker
+(an `Eviction` policy, policy/eviction.py). The real worker
 (gpu_worker/lora/adapter_manager.py) and the cluster simulator's worker keep their tiers with the
 same class. Timing (how long a load takes) is the caller's: `LoadCosts` prices it, the worker (or the
 simulator's worker) schedules it.
@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.scheduling.eviction import Eviction, Record
+from policy.eviction import Eviction, Record
 
 
 class Tier(enum.IntEnum):
@@ -119,7 +119,7 @@ class AdapterTiers:
 
     def gpu_victim_rate(self, now: float) -> float:
         """The requests/s expected here of the adapter that the next GPU placement would evict first: what
-        placing one more adapter on this GPU costs the others (the router weighs it, gateway/scheduling/
+        placing one more adapter on this GPU costs the others (the router weighs it, policy/routing/
         tessera_policy.py). 0 while the tier has a free seat and the bytes of the biggest adapter it holds,
         or holds nothing it could evict."""
         biggest = max((self.gpu_size(a) for a in self._gpu), default=0)

@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 
 from services.common.config import ConfigError
-from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
+from policy.batch_summary import BatchEntry, BatchSummary
 
 # Where a profiled worker kind's model is written (`python -m gpu_worker.profile`) and where the
 # gateway reads every kind by name: `<kind>.json`, in a package neither role owns.

@@ -17,13 +17,13 @@ import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from benchmarks.cluster_sim.loads import Schedule, SimLoads
-from benchmarks.cluster_sim.workload import SimRequest
-from services.common.scheduling.adapter_tiers import AdapterTiers, LoadCosts, Tier
-from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
-from services.common.scheduling.eviction import Eviction
-from services.common.scheduling.perf_model import PerfModel
-from gateway.scheduling.worker_state import WorkerState
+from policy.simulator.loads import Schedule, SimLoads
+from policy.simulator.workload import SimRequest
+from policy.adapter_tiers import AdapterTiers, LoadCosts, Tier
+from policy.batch_summary import BatchEntry, BatchSummary
+from policy.eviction import Eviction
+from policy.perf_model import PerfModel
+from policy.routing.worker_state import WorkerState
 
 Finished = Callable[[SimRequest, float, float], None]        # (request, first token at, finished at)
 
@@ -91,7 +91,7 @@ class SimWorker:
         return self._loads.stage(adapter, rank)
 
     def place(self, gpu: Iterable[tuple[str, int, float]], host: Iterable[tuple[str, int, float]], now: float) -> None:
-        """A new placement plan's share of this worker (services/common/scheduling/placement.py) as (adapter,
+        """A new placement plan's share of this worker (policy/placement.py) as (adapter,
         rank, requests/s expected here); carried out by `answer`, as the real worker takes the registry's
         preload orders (gpu_worker/lora/placement_orders.py). `gpu` loaded onto the GPU (held until
         there), `host` read into host memory only."""

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks.cluster_sim.worker import SimWorker, WorkerConfig
-from benchmarks.cluster_sim.workload import SimRequest
-from services.common.scheduling.adapter_tiers import LoadCosts, Tier
-from services.common.scheduling.eviction import LRU, Eviction, LFUDecay
-from services.common.scheduling.perf_model import PerfModel
-from services.common.scheduling.placement import (BusyTime, PlacementPlan, PlanLimits, Popularity, WorkerRoom,
-                                                  plan_placement)
-from gateway.scheduling.policies import Policy, RoutingRequest
-from gateway.scheduling.worker_state import WorkerStateTable
+from policy.simulator.worker import SimWorker, WorkerConfig
+from policy.simulator.workload import SimRequest
+from policy.adapter_tiers import LoadCosts, Tier
+from policy.eviction import LRU, Eviction, LFUDecay
+from policy.perf_model import PerfModel
+from policy.placement import (BusyTime, PlacementPlan, PlanLimits, Popularity, WorkerRoom,
+                              plan_placement)
+from policy.routing.policies import Policy, RoutingRequest
+from policy.routing.worker_state import WorkerStateTable
 
 OUTPUT_PRIOR_TOKENS = 128
 EVICTIONS = ("lfu", "lru")
@@ -60,7 +60,7 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class PlacementConfig:
-    """ROCK's placement (services/common/scheduling/placement.py), re-planned every `every_s` from the
+    """ROCK's placement (policy/placement.py), re-planned every `every_s` from the
     request rates seen (decayed with `half_life_s`), enacted on the workers as the registry's orders are."""
     every_s: float = 30.0
     half_life_s: float = 60.0

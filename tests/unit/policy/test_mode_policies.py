@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.mode_policies import (DLoRA, Candidate, CreditPolicy, InferenceMode, MergedOnly, ModeView,
-                                      make_policy)
+from policy.mode_policies import (DLoRA, Candidate, CreditPolicy, InferenceMode, MergedOnly, ModeView,
+                                  make_policy)
 
 STEP_S = 0.010
 SLOTS = {"sql": 3, "chat": 5, "vision": 6}
 
 
 def _cands(*adapters: str | None, waited_s: float = 0.0, slo_s: float = 1.0, first_id: int = 0) -> list[Candidate]:
-    return [Candidate(first_id + i, a, SLOTS[a] if a else -1, 8, 1, 100, waited_s, slo_s) for i, a in enumerate(adapters)]
+    return [Candidate(first_id + i, a, SLOTS[a] if a else None, 8, 1, 100, waited_s, slo_s) for i, a in enumerate(adapters)]
 
 
 def _view(candidates, merged: str | None = None, switch_s: float = 2 * STEP_S, mixture: bool = True) -> ModeView:

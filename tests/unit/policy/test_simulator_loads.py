@@ -1,4 +1,4 @@
-"""benchmarks/cluster_sim/loads.py: the simulated worker's two load stages (disk -> host on loader
+"""policy/simulator/loads.py: the simulated worker's two load stages (disk -> host on loader
 threads, host -> GPU on one FIFO copy stream) over `AdapterTiers`, timed by hand from `LoadCosts`."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import pytest
 
-from benchmarks.cluster_sim.loads import SimLoads
-from services.common.scheduling.adapter_tiers import AdapterTiers, LoadCosts, Tier
-from services.common.scheduling.eviction import LFUDecay
+from policy.simulator.loads import SimLoads
+from policy.adapter_tiers import AdapterTiers, LoadCosts, Tier
+from policy.eviction import LFUDecay
 
 MIB = 2**20
 RANK = 16

@@ -1,4 +1,4 @@
-"""gateway/scheduling/policies.py and tessera_policy.py: each baseline's defining behaviour, and the
+"""policy/routing/policies.py and tessera_policy.py: each baseline's defining behaviour, and the
 Tessera policy's cache affinity, SLO protection and rank awareness."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from collections import Counter
 
 import pytest
 
-from services.common.scheduling.adapter_tiers import LoadCosts, Tier
-from services.common.scheduling.batch_summary import BatchEntry
-from services.common.scheduling.perf_model import PerfModel, PhaseModel
-from gateway.scheduling.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, RandomChoice, RoundRobin,
-                                         RoutingRequest, Slo)
-from gateway.scheduling.tessera_policy import TesseraPolicy, adapter_load_s
-from gateway.scheduling.worker_state import WorkerState
+from policy.adapter_tiers import LoadCosts, Tier
+from policy.batch_summary import BatchEntry
+from policy.perf_model import PerfModel, PhaseModel
+from policy.routing.policies import (FirstFit, LeastLoadedLRUAffinity, MostIdle, RandomChoice, RoundRobin,
+                                     RoutingRequest, Slo)
+from policy.routing.tessera_policy import TesseraPolicy, adapter_load_s
+from policy.routing.worker_state import WorkerState
 
 PREFILL = PhaseModel("prefill", "tessera", {"intercept": 5e-3, "tokens": 20e-6, "tokens_sq": 0.0,
                                             "rank_tokens": 0.0, "distinct_rank": 0.0}, None, 0)

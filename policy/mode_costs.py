@@ -1,6 +1,6 @@
 """What a step of given candidates costs in each mode, from this worker kind's performance model.
 
-The model (services/common/scheduling/perf_model.py, fitted by `python -m gpu_worker.profile` on the
+The model (policy/perf_model.py, fitted by `python -m gpu_worker.profile` on the
 device) prices a batch from its requests, tokens and adapter ranks. A mode changes what its LoRA
 kernels run: merged, the merged adapter's requests cost what base-model requests cost; mixture, every
 other request also runs the merged adapter's rank (its negated delta), and the merged adapter's
@@ -14,9 +14,9 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpu_worker.mode_policies import Candidate, StepCost
-from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
-from services.common.scheduling.perf_model import PERF_MODELS_DIR, PerfModel, perf_model_path
+from policy.mode_policies import Candidate, StepCost
+from policy.batch_summary import BatchEntry, BatchSummary
+from policy.perf_model import PERF_MODELS_DIR, PerfModel, perf_model_path
 
 log = logging.getLogger(__name__)
 

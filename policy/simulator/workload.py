@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.scheduling.batch_summary import BatchEntry, BatchSummary
-from services.common.scheduling.perf_model import PerfModel
-from gateway.scheduling.policies import Slo
+from policy.batch_summary import BatchEntry, BatchSummary
+from policy.perf_model import PerfModel
+from policy.routing.policies import Slo
 
 TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 

@@ -31,7 +31,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kernels import NO_SLOT
 
 
 class InferenceMode(enum.Enum):
@@ -45,7 +44,7 @@ class Candidate:
     """A request the next step could run."""
     seq_id: int
     adapter: str | None  # None: the base model
-    slot: int            # its adapter's GPU slot; NO_SLOT while none is usable there (it cannot be merged)
+    slot: int | None     # its adapter's GPU slot; None while none is usable there (it cannot be merged)
     rank: int
     tokens: int          # tokens the step would run for it: a prompt (chunk), or 1 when decoding
     context: int         # tokens before those: what its attention reads
@@ -80,7 +79,7 @@ class ModeDecision:
 
 UNMERGED_ALL = ModeDecision(InferenceMode.UNMERGED)
 
-# (candidates, merged adapter or None, mixture) -> seconds the step takes: gpu_worker/mode_costs.py
+# (candidates, merged adapter or None, mixture) -> seconds the step takes: policy/mode_costs.py
 StepCost = Callable[[Sequence[Candidate], str | None, bool], float]
 
 
@@ -162,7 +161,7 @@ class MergedOnly(ModePolicy):
         self.theta = theta
 
     def decide(self, view: ModeView) -> ModeDecision:
-        mergeable = [c for c in view.candidates if c.adapter is not None and c.slot != NO_SLOT]
+        mergeable = [c for c in view.candidates if c.adapter is not None and c.slot is not None]
         if not mergeable:
             return UNMERGED_ALL  # base-model requests, or adapters still loading
         current = view.merged if view.merged is not None and _count(mergeable, view.merged) else None
@@ -212,7 +211,7 @@ def _hold(view: ModeView) -> ModeDecision:
 
 def _top_adapter(candidates: Sequence[Candidate], merged: tuple[int, str] | None) -> tuple[int, str] | None:
     """(slot, adapter) with the most mergeable candidates (ties: the merged one); None if none is."""
-    counts = Counter((c.slot, c.adapter) for c in candidates if c.adapter is not None and c.slot != NO_SLOT)
+    counts = Counter((c.slot, c.adapter) for c in candidates if c.adapter is not None and c.slot is not None)
     if not counts:
         return None
     return max(counts, key=lambda key: (counts[key], key == merged))
