@@ -156,7 +156,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSystem]:
     try:
         for address, role in ((running.registry_grpc, "registry"), *((w, "worker") for w in running.workers.values()),
                               (running.gateway_grpc, "gateway")):
-            running.wait_healthy(address, role, timeout_s=180)
+            running.wait_healthy(address, role, timeout_s=180, process=process)
         running.admin_key = (home / "admin_api_key").read_text().strip()
         running.wait_worker_registered()
         yield running
