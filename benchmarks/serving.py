@@ -46,7 +46,7 @@ def running_engine(parts: EngineParts, tokenizer: PreTrainedTokenizerFast, max_l
                    on_step: Callable[[StepRecord], None] | None = None) -> Iterator[Engine]:
     """An engine over `parts`, stopped on exit. One at a time: two running engines would share a scheduler."""
     engine = Engine(base_model=BASE_MODEL, runner=parts.runner, scheduler=parts.scheduler,
-                    orchestrator=parts.orchestrator, adapters=parts.adapters, tokenizer=tokenizer,
+                    orchestrator=parts.orchestrator, adapters=parts.adapters, cold_start=parts.cold_start, tokenizer=tokenizer,
                     max_context=parts.model.max_context, max_lora_rank=max_lora_rank,
                     async_scheduling=async_scheduling, on_step=on_step)
     engine.start()

@@ -166,7 +166,7 @@ def start_engine(setup: Setup, worker: WorkerConfig, processor: LlavaProcessor) 
                            load=random_adapters(setup.config.text_config, TARGETS, device, dtype),
                            image_encoder=served.image_encoder, adapter_layout=served.adapter_layout)
     engine = Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
-                    orchestrator=parts.orchestrator, adapters=parts.adapters, tokenizer=processor.tokenizer,
+                    orchestrator=parts.orchestrator, adapters=parts.adapters, cold_start=parts.cold_start, tokenizer=processor.tokenizer,
                     max_context=parts.model.max_context, max_lora_rank=worker.max_lora_rank, processor=processor,
                     async_scheduling=async_scheduling_on(worker.async_scheduling, device))
     engine.start()

@@ -70,6 +70,7 @@ class EngineParts:
     scheduler: Scheduler
     adapters: AdapterManager
     orchestrator: Orchestrator
+    cold_start: ColdStartPolicy  # the scheduler's and the orchestrator's; the engine times its steps
 
 
 def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, worker: WorkerConfig,
@@ -79,7 +80,7 @@ def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, wor
     parts = assemble_parts(served.language_model, worker, adapter_store, image_encoder=served.image_encoder,
                            adapter_layout=served.adapter_layout, perf_model=perf_model)
     return Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
-                  orchestrator=parts.orchestrator, adapters=parts.adapters, tokenizer=tokenizer,
+                  orchestrator=parts.orchestrator, adapters=parts.adapters, cold_start=parts.cold_start, tokenizer=tokenizer,
                   max_context=parts.model.max_context, max_lora_rank=worker.max_lora_rank, on_step=on_step,
                   processor=served.processor, async_scheduling=async_scheduling)
 
@@ -160,9 +161,10 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     shm = _shm_claim(worker) if cpu_lora_workers is not None else None
     adapters = adapter_manager(memory, load_checked, worker, shm and shm.path("host"))
     cpu_lora = _cpu_lora_pool(worker, adapters, memory, shm, cpu_lora_workers) if shm and cpu_lora_workers else None
+    cold_start = _cold_start_policy(worker)
     scheduler = Scheduler(SchedulerLimits(worker.max_num_seqs, worker.max_batch_tokens),
                           BlockManager(num_blocks, worker.kv_block_size, worker.enable_prefix_caching), adapters,
-                          _cold_start_policy(worker), cpu_lora.extra_step_s if cpu_lora else lambda tokens, packed: None)
+                          cold_start, cpu_lora.extra_step_s if cpu_lora else lambda tokens, packed: None)
     if device.type == "cuda" and worker.warm_up_kernels:
         _warm_up_kernels(model, worker, shape, merge_switch)
     graphs = None
@@ -172,7 +174,8 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     images = CachedImageEncoder(image_encoder, ImageFeatureCache(worker.image_cache_bytes)) \
         if image_encoder is not None else None
     runner = ModelRunner(model, kv_cache, device, graphs, merge_switch, images, cpu_lora, memory.modules)
-    return EngineParts(model, runner, scheduler, adapters, _orchestrator(worker, merge_switch, device, perf_model))
+    return EngineParts(model, runner, scheduler, adapters,
+                       _orchestrator(worker, merge_switch, device, perf_model, cold_start), cold_start)
 
 
 def adapter_manager(memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAWeights],
@@ -253,7 +256,7 @@ def _default_slos(worker: WorkerConfig) -> Slos:
 
 
 def _orchestrator(worker: WorkerConfig, merge_switch: MergeSwitch | None, device: torch.device,
-                  perf_model: PerfModel | None) -> Orchestrator:
+                  perf_model: PerfModel | None, cold_start: ColdStartPolicy) -> Orchestrator:
     """The mode policy `worker.mode_policy` names, priced with this worker kind's profiled step costs."""
     if not worker.mode_credit_theta > 0:
         raise ConfigError(f"worker.mode_credit_theta must be positive, got {worker.mode_credit_theta}")
@@ -263,7 +266,7 @@ def _orchestrator(worker: WorkerConfig, merge_switch: MergeSwitch | None, device
         policy = make_policy(worker.mode_policy, worker.mode_credit_theta, cost)
     except ValueError as exc:
         raise ConfigError(f"worker.mode_policy: {exc}") from None
-    return Orchestrator(merge_switch, policy, _default_slos(worker))
+    return Orchestrator(merge_switch, policy, _default_slos(worker), cold_start)
 
 
 def _eviction(worker: WorkerConfig) -> Eviction:

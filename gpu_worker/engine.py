@@ -9,7 +9,7 @@ other threads talk to it through the inbox. A request's adapter starts loading a
 takes the request from the inbox (lora/adapter_manager.py); the load runs beside the steps, and a
 finished load posts to the inbox, so an engine with nothing to run but requests waiting for their
 adapters sleeps on the inbox until one is ready. The registry's orders for the adapter tiers (retire,
-pin, preload: lora/placement_orders.py) come through the inbox too; an engine with no request at all
+pin, preload: policy/placement_orders.py) come through the inbox too; an engine with no request at all
 still advances their loads on each message.
 
 A step's host work is split around the device. What the next schedule needs (token ids, whether
@@ -40,7 +40,8 @@ from gpu_worker.block_manager import BlockManager
 from gpu_worker.delivery import RequestHandle, RequestOutput, Streams, aborted_output, deliver
 from gpu_worker.intake import GenerationRequest, Intake
 from gpu_worker.lora.adapter_manager import AdapterManager
-from gpu_worker.lora.placement_orders import OrderBook, PlacementOrders
+from policy.cold_start import ColdStartPolicy
+from policy.placement_orders import OrderBook, PlacementOrders
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.orchestrator import InferenceMode, Orchestrator, StepPlan
 from gpu_worker.sampler import SampledTokens, sample
@@ -84,7 +85,7 @@ class _LaunchedStep:
 
 class Engine:
     def __init__(self, *, base_model: str, runner: ModelRunner, scheduler: Scheduler, orchestrator: Orchestrator,
-                 adapters: AdapterManager, tokenizer: PreTrainedTokenizerBase, max_context: int, max_lora_rank: int,
+                 adapters: AdapterManager, cold_start: ColdStartPolicy, tokenizer: PreTrainedTokenizerBase, max_context: int, max_lora_rank: int,
                  async_scheduling: bool, on_step: Callable[[StepRecord], None] | None = None,
                  processor: ProcessorMixin | None = None) -> None:
         self.base_model = base_model
@@ -93,8 +94,9 @@ class Engine:
         self._orchestrator = orchestrator
         self._blocks: BlockManager = scheduler.blocks
         self._adapters = adapters
+        self._cold_start = cold_start  # the scheduler's and the orchestrator's too: it learns each step's time here
         adapters.wake = lambda: self._inbox.put(("adapters", None))  # a load finished (loader or copy thread)
-        self._orders = OrderBook(adapters)
+        self._orders = OrderBook(adapters.residency)
         self.max_context = max_context
         self._intake = Intake(base_model=base_model, tokenizer=tokenizer, processor=processor, max_context=max_context,
                               max_lora_rank=max_lora_rank, kv_capacity_tokens=self._blocks.capacity_tokens)
@@ -305,7 +307,7 @@ class Engine:
         duration_s = done - launched.started
         self._busy_s += done - max(launched.started, self._last_step_done)  # the next step launched before this one ended
         self._last_step_done = done
-        self._scheduler.cold_start.observe_step(duration_s)
+        self._cold_start.observe_step(duration_s)
         if self._on_step is not None:
             batch, seqs = launched.batch, [item.seq for item in launched.batch.items]
             self._on_step(StepRecord(

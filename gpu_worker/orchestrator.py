@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpu_worker.lora.merge_switch import MergeSwitch
+from policy.cold_start import ColdStartPolicy
 from policy.mode_policies import UNMERGED_ALL, Candidate, InferenceMode, ModePolicy, ModeView
 from gpu_worker.scheduler import ScheduledBatch, Scheduler
 from gpu_worker.sequence import Sequence
@@ -51,12 +52,14 @@ class Slos:
 
 
 class Orchestrator:
-    def __init__(self, merge_switch: MergeSwitch | None, policy: ModePolicy, slos: Slos,
+    def __init__(self, merge_switch: MergeSwitch | None, policy: ModePolicy, slos: Slos, cold_start: ColdStartPolicy,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        """`merge_switch`: None when merged mode is off."""
+        """`merge_switch`: None when merged mode is off. `cold_start`: the scheduler's, whose smoothing of the
+        engine's step times serves the credits too."""
         self.merge_switch = merge_switch if merge_switch is not None and merge_switch.available else None
         self.policy = policy
         self._slos = slos
+        self._cold_start = cold_start
         self._clock = clock
         self._decision = UNMERGED_ALL
         self.starving = 0  # candidates past their credit threshold at the last decision
@@ -66,9 +69,8 @@ class Orchestrator:
         switch = self.merge_switch
         if switch is None:
             return None
-        # The step time the cold-start policy smooths from the engine's steps serves the credits too.
         view = ModeView(self._candidates(scheduler), switch.merged, switch.mixture_slot >= 0, switch.switch_s,
-                        scheduler.cold_start.step_s)
+                        self._cold_start.step_s)
         decision = self._decision = self.policy.decide(view)
         self.starving = decision.starving
         if decision.merged is None:

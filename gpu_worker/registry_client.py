@@ -18,9 +18,9 @@ from typing import TypeVar
 
 import grpc
 
-from gpu_worker.lora.adapter_stats import AdapterPlacement
+from policy.residency_edge import AdapterPlacement
 from gpu_worker.lora.loader import AdapterRef
-from gpu_worker.lora.placement_orders import PlacementOrders, Preload
+from policy.placement_orders import PlacementOrders, Preload
 from policy.adapter_tiers import Tier
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_worker.block_manager import BlockManager
-from gpu_worker.lora.adapter_manager import AdapterManager
+from gpu_worker.lora.adapter_manager import AdapterManager, AdapterWhere
 from policy.cold_start import ColdOptions, ColdStart, ColdStartPolicy
 from gpu_worker.lora.gpu_memory import AdapterCopy
 from gpu_worker.lora.host_weights import PackedAdapter
@@ -153,7 +153,7 @@ class Scheduler:
     def _fail_unloadable(self, batch: ScheduledBatch) -> None:
         """Fail the waiting sequences whose adapter could not be loaded (AdapterLoadFailed)."""
         failed = [(seq, error) for seq in self.waiting
-                  if seq.adapter is not None and (error := self.adapters.failure(seq.adapter)) is not None]
+                  if seq.adapter is not None and (error := self.adapters.where(seq.adapter).error) is not None]
         for seq, error in failed:
             self.waiting.remove(seq)
             batch.failed.append((seq, error))
@@ -163,19 +163,19 @@ class Scheduler:
         policy says; False while it waits for its adapter."""
         if seq.adapter is None:
             return True
-        placed = self.adapters.resident(seq.adapter)
+        where = self.adapters.where(seq.adapter)
+        placed = (where.slot, where.rank) if where.usable else None
         if placed is None:
             seq.cold = True
-            way = self._cold_start_way(seq, batch, num_new)
+            way = self._cold_start_way(where, batch, num_new)
             if way is ColdStart.WAIT:
                 return False
             if way is ColdStart.CPU:
-                seq.cpu_adapter = self.adapters.host_copy(seq.adapter)
-            else:
-                placed = self.adapters.resident(seq.adapter, copying_ok=True)
-                copy = self.adapters.pending_copy(seq.adapter)
-                if copy is not None and copy not in batch.adapter_copies:
-                    batch.adapter_copies.append(copy)
+                seq.cpu_adapter = where.host
+            else:  # pipelined: the step's kernels wait on the device for the copy's bytes
+                placed = where.slot, where.rank
+                if where.copy is not None and where.copy not in batch.adapter_copies:
+                    batch.adapter_copies.append(where.copy)
         elif seq.cold:
             way = ColdStart.WAIT  # it waited, and its adapter is usable now
         if seq.cold:
@@ -185,12 +185,11 @@ class Scheduler:
             seq.slot, seq.rank = placed
         return True
 
-    def _cold_start_way(self, seq: Sequence, batch: ScheduledBatch, num_new: int) -> ColdStart:
-        host = self.adapters.host_copy(seq.adapter)
-        if host is None:
+    def _cold_start_way(self, where: AdapterWhere, batch: ScheduledBatch, num_new: int) -> ColdStart:
+        if where.host is None:
             return ColdStart.WAIT  # still on its way from disk
         slos = [item.seq.tpot_slo_s for item in batch.items if item.seq.tpot_slo_s]
-        return self.cold_start.choose(ColdOptions(self.adapters.copy_left_s(seq.adapter), self.cpu_extra_s(num_new, host),
+        return self.cold_start.choose(ColdOptions(where.copy_left_s, self.cpu_extra_s(num_new, where.host),
                                                   others=bool(batch.items), tpot_slo_s=min(slos, default=None)))
 
     def _move_to_gpu(self, seq: Sequence) -> None:

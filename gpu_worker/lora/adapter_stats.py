@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from policy.adapter_tiers import Tier
+from policy.residency_edge import AdapterPlacement
 
 # Seconds: a host -> GPU copy takes about a millisecond, a cold read from a slow disk seconds.
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -38,17 +38,6 @@ class LoadClock:
 
     def snapshot(self) -> tuple[LoadTimes, ...]:
         return tuple(LoadTimes(s, tuple(self._counts[s]), self._sums[s]) for s in SOURCES)
-
-
-@dataclass(frozen=True)
-class AdapterPlacement:
-    """One adapter version this worker holds, under one of its names (what the registry is told)."""
-    name: str
-    sha256: str
-    tier: Tier      # GPU: usable there; HOST: its host copy is read; DISK: neither yet (it is loading or waits for room)
-    loading: bool   # on its way to the GPU: disk -> host, or host -> GPU
-    pinned: bool    # by an operator's order (the admin API), not by requests
-    newest: bool    # the version a new request for `name` gets (an older one serves its in-flight requests)
 
 
 @dataclass(frozen=True)

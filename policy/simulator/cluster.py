@@ -144,7 +144,7 @@ def simulate(requests: Sequence[SimRequest], adapters: Mapping[str, int], policy
     workers = {}
     for i in range(config.workers):
         worker = SimWorker(f"w{i:03d}", config.base_model, model, load_costs, config.eviction_policy(), config.worker,
-                           schedule, metrics.finished)
+                           schedule, metrics.finished, clock=lambda: now)
         workers[worker.address] = worker
     _stage(adapters, list(workers.values()), config)
     for worker in workers.values():

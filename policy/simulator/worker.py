@@ -5,9 +5,9 @@ start (not chunked), and takes decode(batch) + prefill(admitted) by the perf mod
 first come first served among requests whose adapter is ready, within `max_batch`, the KV budget
 (prompt + output tokens reserved at admission) and `max_prefill_tokens` per step; a request whose
 adapter is still loading is skipped, not blocking those behind it. Adapter memory and loads are the
-real worker's: byte budgets in the shared `AdapterTiers` (frequency-driven eviction; an adapter a
-request holds is never evicted) and two load stages beside serving (loads.py), so a load delays only
-the requests that need its adapter.
+real worker's own residency (policy/residency.py: byte budgets, eviction, an adapter a request holds is
+never evicted) and its placement orders (policy/placement_orders.py), with the two load stages beside
+serving timed on the simulated clock (loads.py), so a load delays only the requests that need its adapter.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from policy.simulator.loads import Schedule, SimLoads
+from policy.adapter_tiers import LoadCosts, Tier
+from policy.placement_orders import OrderBook, PlacementOrders, Preload
+from policy.simulator.loads import Schedule, SimAdapter, SimLoads
 from policy.simulator.workload import SimRequest
-from policy.adapter_tiers import AdapterTiers, LoadCosts, Tier
 from policy.batch_summary import BatchEntry, BatchSummary
 from policy.eviction import Eviction
 from policy.perf_model import PerfModel
@@ -59,12 +60,16 @@ class _Live:
 
 class SimWorker:
     def __init__(self, address: str, base_model: str, model: PerfModel, load_costs: LoadCosts, eviction: Eviction,
-                 config: WorkerConfig, schedule: Schedule, finished: Finished) -> None:
+                 config: WorkerConfig, schedule: Schedule, finished: Finished, clock: Callable[[], float]) -> None:
         self.address = address
         self._base_model = base_model
         self._model = model
-        self._tiers = AdapterTiers(config.gpu_adapter_bytes, config.host_adapter_bytes, eviction)
-        self._loads = SimLoads(self._tiers, load_costs, config.loader_threads, schedule, self._load_advanced)
+        self._loads = SimLoads(config.gpu_adapter_bytes, config.host_adapter_bytes, eviction, load_costs,
+                               config.loader_threads, schedule, self._load_advanced, clock)
+        self._residency = self._loads.residency
+        self._tiers = self._residency.tiers
+        self._orders = OrderBook(self._residency)
+        self._plan = PlacementOrders()
         # The wire still counts GPU adapter slots (nothing routes on it): report rank-64 adapters' worth.
         self._gpu_adapter_slots = config.gpu_adapter_bytes // load_costs.adapter_bytes(64)
         self._config = config
@@ -80,57 +85,33 @@ class SimWorker:
         self._kv_free = config.kv_tokens
         self._events = 0                      # arrivals, step ends and load ends so far: every change is one
         self._last_report: tuple[int, WorkerState] | None = None
-        self._preloading: set[str] = set()    # a placement's GPU loads under way
-        self._orders: dict[tuple[str, str], tuple[int, float]] = {}  # the plan's: (adapter, "gpu" | "host") ->
-        # (rank, requests/s expected here)
-        self._placed: set[tuple[str, str]] = set()  # those carried out
         self.busy_s = 0.0
 
     def stage(self, adapter: str, rank: int) -> bool:
         """Initial placement: `adapter` into host memory, if it fits in what is free."""
-        return self._loads.stage(adapter, rank)
+        return self._loads.stage(SimAdapter(adapter, rank))
 
     def place(self, gpu: Iterable[tuple[str, int, float]], host: Iterable[tuple[str, int, float]], now: float) -> None:
-        """A new placement plan's share of this worker (policy/placement.py) as (adapter,
-        rank, requests/s expected here); carried out by `answer`, as the real worker takes the registry's
-        preload orders (gpu_worker/lora/placement_orders.py). `gpu` loaded onto the GPU (held until
-        there), `host` read into host memory only."""
-        self._orders = {(adapter, "gpu"): (rank, rate) for adapter, rank, rate in gpu}
-        self._orders |= {(adapter, "host"): (rank, rate) for adapter, rank, rate in host}
-        self._placed &= self._orders.keys()
+        """A new placement plan's share of this worker (policy/placement.py) as (adapter, rank, requests/s
+        expected here): `gpu` loaded onto the GPU, `host` read into host memory only. The orders are carried
+        out at each heartbeat's `answer`, as the real worker takes the registry's."""
+        self._plan = PlacementOrders(preloads=tuple(Preload(SimAdapter(a, rank), rate) for a, rank, rate in gpu),
+                                     host_preloads=tuple(Preload(SimAdapter(a, rank), rate) for a, rank, rate in host))
         self.answer(now)
 
     def answer(self, now: float) -> None:
-        """A heartbeat's answer: the plan's orders not yet carried out, each held as an adapter requested at
-        its expected rate, carried out once, and declined (tried at the next answer) while another load is
-        in flight or waited for, or while it would displace hotter adapters (gpu_worker/lora/
-        adapter_manager.py: `_may_place`)."""
-        for (adapter, tier), (rank, rate) in self._orders.items():
-            if (adapter, tier) in self._placed:
-                continue
-            self._tiers.expect(adapter, rate, now)
-            if tier == "gpu" and (self._loads.ready(adapter) or adapter in self._preloading):
-                self._placed.add((adapter, tier))
-            elif self._loads.idle() and self._loads.room_below(adapter, rank, Tier.GPU if tier == "gpu" else Tier.HOST):
-                self._placed.add((adapter, tier))
-                if tier == "gpu":
-                    self._preloading.add(adapter)
-                    self._loads.acquire(adapter, rank, now, access=False)
-                else:
-                    self._loads.preload_host(adapter, rank, now)
-        self._release_preloaded(now)
-
-    def _release_preloaded(self, now: float) -> None:
-        for adapter in [a for a in self._preloading if self._loads.ready(a)]:
-            self._preloading.discard(adapter)
-            self._loads.release(adapter, now)
+        """A heartbeat's answer: the plan's orders, applied as the real worker applies them (each carried out
+        once, declined while another load is in flight or waited for, or while it would displace hotter
+        adapters; a declined one is offered again at the next answer)."""
+        self._orders.apply(self._plan)
+        self._residency.advance()
 
     # ---- requests in ----------------------------------------------------------------------
 
     def receive(self, req: SimRequest, now: float) -> bool:
         """A request arrives; returns whether its adapter was ready on the GPU (a cache hit)."""
         self._events += 1
-        hit = self._loads.acquire(req.adapter, req.rank, now)
+        hit = self._residency.arrive(SimAdapter(req.adapter, req.rank))
         self._queue.append(_Live(req))
         self._kick(now)
         return hit
@@ -138,8 +119,6 @@ class SimWorker:
     def _load_advanced(self, now: float) -> None:
         """SimLoads' callback: an adapter finished a stage (a copy's end makes its requests admissible)."""
         self._events += 1
-        if self._preloading:
-            self._release_preloaded(now)
         self._kick(now)
 
     # ---- steps ------------------------------------------------------------------------------
@@ -169,7 +148,7 @@ class SimWorker:
         blocked = False
         for live in self._queue:
             req = live.req
-            if not blocked and self._loads.ready(req.adapter):
+            if not blocked and self._loads.ready(SimAdapter(req.adapter, req.rank)):
                 need = req.prompt + req.output
                 if room > 0 and need <= self._kv_free and (req.prompt <= budget or not admitted):
                     admitted.append(live)
@@ -205,7 +184,8 @@ class SimWorker:
         req = live.req
         self._batch.remove(BatchEntry(req.adapter, req.rank, req.prompt + self._step - live.admitted_step))
         self._kv_free += req.prompt + req.output
-        self._loads.release(req.adapter, now)
+        self._residency.depart(SimAdapter(req.adapter, req.rank))
+        self._residency.advance()
         self._finished(req, live.first_token_s, now)
 
     # ---- reporting --------------------------------------------------------------------------

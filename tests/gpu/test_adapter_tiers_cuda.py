@@ -81,16 +81,18 @@ def test_an_adapter_taken_while_its_copy_runs_is_read_only_after_the_copy():
     with torch.cuda.stream(adapters._stream):  # the manager's side stream: its copies queue behind this
         torch.cuda._sleep(int(5e8))
     disk.release(sql)
-    poll_until(adapters, lambda: adapters.pending_copy(sql) is not None)
-    copy = adapters.pending_copy(sql)
+    poll_until(adapters, lambda: adapters.where(sql).copy is not None)
+    copy = adapters.where(sql).copy
     assert not copy.done.query(), "the copy finished before the test could read ahead of it"
     assert adapters.resident(sql) is None  # not usable yet...
-    slot, rank = adapters.resident(sql, copying_ok=True)  # ...but may be taken into a step that waits
+    where = adapters.where(sql)  # ...but placed: it may be taken into a step that waits for the copy
+    assert not where.usable and where.slot is not None and where.copy is copy
+    slot, rank = where.slot, where.rank
     copy.by_module[module].wait()  # what the projection does before its LoRA kernels (layer.py)
     a, b, _ = disk.weights[sql.sha256].modules[(0, "q_proj")]
     assert rank == a.shape[0]
     assert all(torch.equal(have.cpu(), want) for have, want in zip(installed(module, slot), (a, b)))
-    poll_until(adapters, lambda: adapters.pending_copy(sql) is None)
+    poll_until(adapters, lambda: adapters.where(sql).copy is None)
     assert adapters.resident(sql) == (slot, rank)
     adapters.close()
 

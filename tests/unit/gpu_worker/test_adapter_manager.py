@@ -164,7 +164,7 @@ def test_a_load_failing_again_and_again_is_retried_with_a_doubling_capped_backof
     attempts_at = []
     with caplog.at_level(logging.INFO, logger="gpu_worker.lora.adapter_manager"):
         while clock.now < 1300:
-            if adapters.preload(broken, rate=1.0):  # the plan's order, at every heartbeat answer
+            if adapters.residency.preload(broken, rate=1.0):  # the plan's order, at every heartbeat answer
                 attempts_at.append(clock.now)
                 poll_until(adapters, lambda: adapters.failure(broken) is not None)
             clock.now += 1.0

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.lora.adapter_manager import AdapterManager
-from gpu_worker.lora.adapter_stats import AdapterPlacement
+from policy.residency_edge import AdapterPlacement
 from gpu_worker.lora.loader import AdapterRef
-from gpu_worker.lora.placement_orders import OrderBook, PlacementOrders, Preload
+from policy.placement_orders import OrderBook, PlacementOrders, Preload
 from services.common.errors import FailedPrecondition
 from policy.adapter_tiers import Tier
 
@@ -35,7 +35,7 @@ def test_a_retired_version_serves_its_in_flight_requests_then_leaves_every_tier(
     adapters.arrive(sql)                  # in flight when the DELETE comes
     poll_until(adapters, lambda: adapters.resident(sql) is not None)
     _use(adapters, other)
-    adapters.retire("sql", sql.sha256)
+    adapters.residency.retire("sql", sql.sha256)
     slot, _ = adapters.resident(sql)      # the request in flight keeps its weights
     assert torch.equal(installed(module, slot)[0], disk.weights[sql.sha256].modules[(0, "q_proj")][0])
     stats = adapters.stats()
@@ -45,8 +45,8 @@ def test_a_retired_version_serves_its_in_flight_requests_then_leaves_every_tier(
     stats = adapters.stats()
     assert adapters.resident(sql) is None and (stats.gpu_versions, stats.host_versions) == (1, 1)
     assert [p.name for p in stats.placements] == ["other"]
-    adapters.retire("sql", sql.sha256)    # the registry repeats its answer until the worker stops listing it
-    adapters.retire("never-held", "0" * 64)
+    adapters.residency.retire("sql", sql.sha256)    # the registry repeats its answer until the worker stops listing it
+    adapters.residency.retire("never-held", "0" * 64)
     assert adapters.stats().placements == stats.placements
 
 
@@ -57,10 +57,10 @@ def test_retiring_one_name_of_a_shared_version_keeps_it_for_the_other():
     twin = AdapterRef("twin", a.base_model, a.rank, a.sha256, a.storage_path)  # the same files, registered twice
     _use(adapters, a)
     _use(adapters, twin)
-    adapters.retire("a", a.sha256)
+    adapters.residency.retire("a", a.sha256)
     stats = adapters.stats()
     assert stats.gpu_adapters == ("twin",) and stats.gpu_versions == 1 and disk.reads == ["a"]
-    adapters.retire("twin", a.sha256)
+    adapters.residency.retire("twin", a.sha256)
     assert adapters.stats().gpu_versions == adapters.stats().host_versions == 0
 
 
@@ -69,12 +69,12 @@ def test_a_pin_loads_without_a_request_and_is_never_evicted_until_lifted():
     adapters, _ = manager(2, disk)
     pinned, a, b = ref("pinned"), ref("a"), ref("b")
     disk.hold(pinned)
-    assert adapters.pin(pinned)
+    assert adapters.residency.pin(pinned)
     assert _placed(adapters) == {"pinned": (Tier.DISK, True, True)}  # on its way from disk
     disk.release(pinned)
     poll_until(adapters, lambda: adapters.resident(pinned) is not None)
     assert _placed(adapters) == {"pinned": (Tier.GPU, False, True)}
-    assert adapters.operator_pins == {pinned.sha256}
+    assert adapters.residency.operator_pins == {pinned.sha256}
     _use(adapters, a)                     # the other slot
     _use(adapters, b)                     # a leaves the GPU, not the pinned adapter
     assert adapters.stats().gpu_adapters == ("b", "pinned")
@@ -83,22 +83,22 @@ def test_a_pin_loads_without_a_request_and_is_never_evicted_until_lifted():
     for _ in range(3):
         adapters.poll()
     assert adapters.resident(a) is None and _placed(adapters)["a"] == (Tier.HOST, True, False)
-    adapters.unpin(pinned.sha256)
+    adapters.residency.unpin(pinned.sha256)
     adapters.poll()
     assert adapters.resident(a) is not None and adapters.resident(pinned) is None
     assert _placed(adapters)["pinned"] == (Tier.HOST, False, False)  # unpinned, evictable, still cached
-    adapters.unpin(pinned.sha256)         # lifting a lifted pin is a no-op
+    adapters.residency.unpin(pinned.sha256)         # lifting a lifted pin is a no-op
 
 
 def test_pins_may_hold_at_most_half_of_the_gpu_adapter_memory():
     disk = Disk()
     adapters, _ = manager(4, disk)
     a, b, c = ref("a"), ref("b"), ref("c")
-    assert adapters.pin(a) and adapters.pin(b) and adapters.pin(a)
-    assert not adapters.pin(c)            # a third would leave requests one slot in four
-    assert adapters.operator_pins == {a.sha256, b.sha256} and "c" not in _placed(adapters)
-    adapters.unpin(a.sha256)
-    assert adapters.pin(c)
+    assert adapters.residency.pin(a) and adapters.residency.pin(b) and adapters.residency.pin(a)
+    assert not adapters.residency.pin(c)            # a third would leave requests one slot in four
+    assert adapters.residency.operator_pins == {a.sha256, b.sha256} and "c" not in _placed(adapters)
+    adapters.residency.unpin(a.sha256)
+    assert adapters.residency.pin(c)
 
 
 def test_a_preload_records_no_access_and_leaves_first_when_room_is_needed():
@@ -108,10 +108,10 @@ def test_a_preload_records_no_access_and_leaves_first_when_room_is_needed():
     a, pre, b = ref("a"), ref("pre"), ref("b")
     _use(adapters, a)
     clock.now += 1
-    adapters.preload(pre)
+    adapters.residency.preload(pre)
     poll_until(adapters, lambda: adapters.resident(pre) is not None)
     assert adapters.stats().gpu_adapters == ("a", "pre") and adapters.stats().pinned == 0
-    adapters.preload(pre)                 # there already: nothing to do
+    adapters.residency.preload(pre)                 # there already: nothing to do
     clock.now += 1
     _use(adapters, b)                     # the GPU is full: the never-requested preload goes, not a
     assert adapters.stats().gpu_adapters == ("a", "b") and disk.reads == ["a", "pre", "b"]
@@ -123,22 +123,22 @@ def test_a_failed_pin_is_lifted_and_retried_once_the_failure_expires():
     adapters, _ = manager(2, disk, clock=clock)
     broken = ref("broken")
     disk.broken[broken.sha256] = FailedPrecondition("checksum mismatch")
-    adapters.pin(broken)
+    adapters.residency.pin(broken)
     poll_until(adapters, lambda: adapters.failure(broken) is not None)
-    assert adapters.operator_pins == frozenset() and adapters.stats().placements == ()
-    assert not adapters.pin(broken)       # the registry's next answer: refused while the failure is remembered
+    assert adapters.residency.operator_pins == frozenset() and adapters.stats().placements == ()
+    assert not adapters.residency.pin(broken)       # the registry's next answer: refused while the failure is remembered
     assert disk.reads == ["broken"]
     del disk.broken[broken.sha256]
     clock.now += 11
-    assert adapters.pin(broken)
+    assert adapters.residency.pin(broken)
     poll_until(adapters, lambda: adapters.resident(broken) is not None)
-    assert adapters.operator_pins == {broken.sha256}
+    assert adapters.residency.operator_pins == {broken.sha256}
 
 
 def test_the_order_book_follows_pins_exactly_and_preloads_once_per_order():
     disk = Disk()
     adapters, _ = manager(2, disk, host_slots=2)
-    book = OrderBook(adapters)
+    book = OrderBook(adapters.residency)
     a, b, c = ref("a"), ref("b"), ref("c")
     book.apply(PlacementOrders(pins=(a,), preloads=(Preload(b),)))
     poll_until(adapters, lambda: adapters.stats().gpu_adapters == ("a", "b"))
@@ -149,7 +149,7 @@ def test_the_order_book_follows_pins_exactly_and_preloads_once_per_order():
     book.apply(PlacementOrders(pins=(a,), preloads=(Preload(b),)))
     assert disk.reads == ["a", "b", "c"]  # carried out once: not loaded again
     book.apply(PlacementOrders(preloads=(Preload(b),)))  # the pin's order was lifted
-    assert adapters.operator_pins == frozenset() and _placed(adapters)["a"] == (Tier.GPU, False, False)
+    assert adapters.residency.operator_pins == frozenset() and _placed(adapters)["a"] == (Tier.GPU, False, False)
     book.apply(PlacementOrders(retire=(("c", c.sha256),)))
     assert "c" not in _placed(adapters)
 
@@ -158,7 +158,7 @@ def test_a_preload_refused_after_a_failed_load_is_carried_out_once_the_failure_e
     clock = Clock()
     disk = Disk()
     adapters, _ = manager(2, disk, clock=clock)
-    book = OrderBook(adapters)
+    book = OrderBook(adapters.residency)
     flaky = ref("flaky")
     disk.broken[flaky.sha256] = FailedPrecondition("checksum mismatch")
     book.apply(PlacementOrders(preloads=(Preload(flaky),)))
@@ -176,13 +176,13 @@ def test_a_preload_refused_after_a_failed_load_is_carried_out_once_the_failure_e
 def test_the_order_book_retires_a_pinned_deleted_adapter():
     disk = Disk()
     adapters, _ = manager(2, disk)
-    book = OrderBook(adapters)
+    book = OrderBook(adapters.residency)
     a = ref("a")
     book.apply(PlacementOrders(pins=(a,)))
     poll_until(adapters, lambda: adapters.resident(a) is not None)
     adapters.arrive(a)                    # a request in flight as the adapter is deleted
     book.apply(PlacementOrders(retire=(("a", a.sha256),)))  # the order went with the adapter
-    assert adapters.operator_pins == frozenset() and adapters.resident(a) is not None
+    assert adapters.residency.operator_pins == frozenset() and adapters.resident(a) is not None
     adapters.depart(a)
     stats = adapters.stats()
     assert stats.placements == () and (stats.gpu_versions, stats.host_versions) == (0, 0)
@@ -209,14 +209,14 @@ def test_a_host_preload_reads_into_host_memory_only_and_a_request_takes_it_on_to
     adapters, _ = manager(2, disk)
     warm = ref("warm")
     disk.hold(warm)
-    assert adapters.preload_host(warm)
+    assert adapters.residency.preload_host(warm)
     assert _placed(adapters) == {"warm": (Tier.DISK, True, False)}  # on its way from disk
     disk.release(warm)
     poll_until(adapters, lambda: _placed(adapters)["warm"] == (Tier.HOST, False, False))
     for _ in range(5):
         adapters.poll()
     assert adapters.resident(warm) is None and adapters.stats().gpu_versions == 0  # never copied to the GPU
-    assert adapters.preload_host(warm) and disk.reads == ["warm"]  # again: a no-op, no second read
+    assert adapters.residency.preload_host(warm) and disk.reads == ["warm"]  # again: a no-op, no second read
     _use(adapters, warm)  # a request copies it from host memory, no disk read
     assert disk.reads == ["warm"] and _placed(adapters)["warm"][0] is Tier.GPU
 
@@ -224,7 +224,7 @@ def test_a_host_preload_reads_into_host_memory_only_and_a_request_takes_it_on_to
 def test_the_order_book_carries_out_host_preloads_and_a_gpu_preload_of_the_same_version_wins():
     disk = Disk()
     adapters, _ = manager(2, disk)
-    book = OrderBook(adapters)
+    book = OrderBook(adapters.residency)
     warm, hot = ref("warm"), ref("hot")
     book.apply(PlacementOrders(host_preloads=(Preload(warm), Preload(hot)), preloads=(Preload(hot),)))
     poll_until(adapters, lambda: adapters.resident(hot) is not None and _placed(adapters)["warm"][1] is False)
@@ -238,7 +238,7 @@ def test_a_planned_preload_is_declined_while_every_adapter_it_would_displace_is_
     clock = Clock()
     disk = Disk()
     adapters, _ = manager(2, disk, host_slots=2, clock=clock)
-    book = OrderBook(adapters)
+    book = OrderBook(adapters.residency)
     a, b, planned = ref("a"), ref("b"), ref("planned")
     _use(adapters, a)
     clock.now = 8.0
@@ -260,7 +260,7 @@ def test_an_operators_preload_still_displaces_whatever_is_coldest():
     adapters, _ = manager(1, disk, host_slots=1)
     a, pre = ref("a"), ref("pre")
     _use(adapters, a)
-    assert adapters.preload(pre)  # rate 0: no comparison
+    assert adapters.residency.preload(pre)  # rate 0: no comparison
     poll_until(adapters, lambda: adapters.resident(pre) is not None)
     assert adapters.stats().gpu_adapters == ("pre",)
 
@@ -270,7 +270,7 @@ def test_a_planned_preload_waits_while_a_requests_load_is_in_flight_and_runs_one
     waited for, so it never delays a request's adapter and never runs beside another preload."""
     disk = Disk()
     adapters, _ = manager(4, disk)
-    book = OrderBook(adapters)
+    book = OrderBook(adapters.residency)
     wanted, first, second = ref("wanted"), ref("first"), ref("second")
     disk.hold(wanted)
     adapters.arrive(wanted)               # a request's load, held on disk

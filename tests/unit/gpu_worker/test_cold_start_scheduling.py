@@ -31,7 +31,7 @@ def test_cpu_assistance_is_taken_only_within_the_running_requests_tpot(running_s
     scheduler.schedule()
     cold = Sequence("cold", [1] * 3, SamplingParams(), chat, None)
     scheduler.add(cold)
-    poll_until(adapters, lambda: adapters.host_copy(chat) is not None)  # read; no GPU room for it
+    poll_until(adapters, lambda: adapters.where(chat).host is not None)  # read; no GPU room for it
 
     batch = scheduler.schedule()
     assert (cold in [item.seq for item in batch.items]) is admitted

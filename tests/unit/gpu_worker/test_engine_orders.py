@@ -11,7 +11,7 @@ from collections.abc import Callable
 from gpu_worker.engine import Engine
 from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.adapter_stats import AdapterTierStats
-from gpu_worker.lora.placement_orders import PlacementOrders
+from policy.placement_orders import PlacementOrders
 from gpu_worker.sequence import FinishReason, SamplingParams
 from policy.adapter_tiers import Tier
 

@@ -17,6 +17,7 @@ from kernels import NO_SLOT
 
 SLOTS = {"sql": 3, "chat": 5}
 SLOS = Slos(ttft_s=2.0, tpot_s=0.2)
+COLD_START = SimpleNamespace(step_s=0.01)  # the smoothed step time is all the orchestrator reads of it
 
 
 class _Policy(ModePolicy):
@@ -49,7 +50,7 @@ def _seq(name: str | None, outputs: int = 0, tpot_slo_s: float | None = None) ->
 def _scheduler(running: list[Sequence], waiting: list[Sequence], max_num_seqs: int = 8):
     adapters = SimpleNamespace(resident=lambda ref: (SLOTS[ref.name], 8))
     return SimpleNamespace(running=running, waiting=deque(waiting), adapters=adapters,
-                           limits=SimpleNamespace(max_num_seqs=max_num_seqs), cold_start=SimpleNamespace(step_s=0.01))
+                           limits=SimpleNamespace(max_num_seqs=max_num_seqs))
 
 
 def _batch(*seqs: Sequence) -> ScheduledBatch:
@@ -60,7 +61,7 @@ def test_the_policy_sees_running_then_waiting_sequences_up_to_the_sequence_limit
     policy = _Policy(UNMERGED_ALL)
     running = [_seq("sql", outputs=2, tpot_slo_s=0.05), _seq(None, outputs=1)]
     waiting = [_seq("chat"), _seq("sql"), _seq("chat")]
-    Orchestrator(_switch(), policy, SLOS).shape(_scheduler(running, waiting, max_num_seqs=4))
+    Orchestrator(_switch(), policy, SLOS, COLD_START).shape(_scheduler(running, waiting, max_num_seqs=4))
     (view,) = policy.views
     assert [(c.adapter, c.slot, c.tokens, c.slo_s) for c in view.candidates] == [
         ("sql", SLOTS["sql"], 1, 0.05), (None, None, 1, SLOS.tpot_s),  # TPOT: their next token is not the first
@@ -71,7 +72,7 @@ def test_the_policy_sees_running_then_waiting_sequences_up_to_the_sequence_limit
 def test_a_merged_decision_lets_its_adapters_requests_run_and_those_it_names():
     sql, chat, other_chat = _seq("sql", outputs=1), _seq("chat", outputs=1), _seq("chat", outputs=1)
     decision = ModeDecision(InferenceMode.MERGED, (SLOTS["sql"], "sql"), frozenset({chat.seq_id}), starving=1)
-    orchestrator = Orchestrator(_switch(), _Policy(decision), SLOS)
+    orchestrator = Orchestrator(_switch(), _Policy(decision), SLOS, COLD_START)
     may_run = orchestrator.shape(_scheduler([sql, chat, other_chat], []))
     assert [may_run(s) for s in (sql, chat, other_chat)] == [True, True, False]
     assert orchestrator.starving == 1
@@ -80,7 +81,7 @@ def test_a_merged_decision_lets_its_adapters_requests_run_and_those_it_names():
 
 
 def test_an_unmerged_decision_lets_everything_run():
-    orchestrator = Orchestrator(_switch("sql"), _Policy(UNMERGED_ALL), SLOS)
+    orchestrator = Orchestrator(_switch("sql"), _Policy(UNMERGED_ALL), SLOS, COLD_START)
     assert orchestrator.shape(_scheduler([_seq("sql", outputs=1)], [])) is None
     assert orchestrator.plan(_batch(_seq("sql", outputs=1))) == UNMERGED
 
@@ -89,7 +90,7 @@ def test_without_a_merge_switch_or_its_backups_nothing_is_held_back_and_every_st
     decision = ModeDecision(InferenceMode.MERGED, (SLOTS["sql"], "sql"))
     for switch in (None, SimpleNamespace(**{**vars(_switch()), "available": False})):
         policy = _Policy(decision)
-        orchestrator = Orchestrator(switch, policy, SLOS)
+        orchestrator = Orchestrator(switch, policy, SLOS, COLD_START)
         sql = _seq("sql", outputs=1)
         assert orchestrator.shape(_scheduler([sql], [])) is None
         assert orchestrator.plan(_batch(sql)) == UNMERGED and not policy.views

@@ -7,9 +7,9 @@ import asyncio
 
 import grpc
 
-from gpu_worker.lora.adapter_stats import AdapterPlacement
+from policy.residency_edge import AdapterPlacement
 from gpu_worker.lora.loader import AdapterRef
-from gpu_worker.lora.placement_orders import PlacementOrders, Preload
+from policy.placement_orders import PlacementOrders, Preload
 from gpu_worker.registry_client import RegistryClient, WorkerIdentity, fetch_base_model
 from services.common.grpc_server import start_grpc_server
 from policy.adapter_tiers import Tier

@@ -1,8 +1,9 @@
-"""What the registry asks of this worker's adapter tiers, and the engine thread's bookkeeping of it.
+"""What the registry asks of a worker's adapter tiers, and the bookkeeping of it.
 
 Every heartbeat answer (gpu_worker/registry_client.py) carries the versions to retire and the
-operators' orders for this worker, all of them; the engine thread applies each answer to the adapter
-manager (`OrderBook.apply`). Pins follow the orders exactly: a pin missing from an answer is lifted.
+operators' and the placement plan's orders for this worker, all of them; the worker's engine thread (or
+the simulated worker) applies each answer to its residency (`OrderBook.apply`, residency.py).
+Pins follow the orders exactly: a pin missing from an answer is lifted.
 A preload happens once per order: an adapter preloaded, then evicted for lack of room, is not loaded
 again at the next heartbeat, only if the operator orders it again (or the worker restarts). A preload
 refused because its load failed lately is tried again at the first answer after the failure expires.
@@ -13,30 +14,30 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from gpu_worker.lora.adapter_manager import MAX_PINNED_SHARE, AdapterManager
-from gpu_worker.lora.loader import AdapterRef
+from policy.residency import MAX_PINNED_SHARE, Residency
+from policy.residency_edge import VersionRef
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Preload:
-    ref: AdapterRef
+    ref: VersionRef
     rate: float = 0.0  # requests/s a placement plan expects of it here; 0: an operator's order
 
 
 @dataclass(frozen=True)
 class PlacementOrders:
     retire: tuple[tuple[str, str], ...] = ()  # (name, digest) the registry no longer serves under that name
-    pins: tuple[AdapterRef, ...] = ()
+    pins: tuple[VersionRef, ...] = ()
     preloads: tuple[Preload, ...] = ()
     host_preloads: tuple[Preload, ...] = ()  # into host memory only (the placement's warm adapters)
 
 
 class OrderBook:
-    """Engine thread only."""
+    """The worker's engine thread only."""
 
-    def __init__(self, adapters: AdapterManager) -> None:
+    def __init__(self, adapters: Residency) -> None:
         self._adapters = adapters
         self._preloaded: set[tuple[str, str]] = set()  # (name, digest) of the preload orders carried out
         self._refused: set[str] = set()  # digests of the pins refused (logged once each)
@@ -56,6 +57,6 @@ class OrderBook:
         ordered |= {(p.ref.name, p.ref.sha256): (p, adapters.preload) for p in orders.preloads}  # the GPU wins
         # Carried out once; one refused (a failure remembered, or declined for hotter adapters) next time again.
         self._preloaded = {key for key, (p, preload) in ordered.items()
-                           if (key in self._preloaded and adapters.failure(p.ref) is None) or preload(p.ref, p.rate)}
+                           if (key in self._preloaded and adapters.status(p.ref).failure is None) or preload(p.ref, p.rate)}
         for name, digest in orders.retire:
             adapters.retire(name, digest)
