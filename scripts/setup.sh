@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install Tessera into it (idempotent: a second run changes nothing).
-#   TORCH_SPEC       torch requirement installed first (default torch==2.13.0, the CPU build)
-#   TORCH_INDEX_URL  optional index for torch, e.g. https://download.pytorch.org/whl/cpu
+#   TORCH_SPEC       torch requirement installed first (default torch==2.13.0)
+#   TORCH_INDEX_URL  optional index for torch, e.g. https://download.pytorch.org/whl/cu128; without it, a
+#                    machine with no NVIDIA driver takes the CPU build from PyTorch's CPU index (if reachable)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -13,6 +14,21 @@ say() { echo "[setup] $*"; }
 if [ ! -x "$PY" ]; then
   say "creating $VENV with $(python3 --version)"
   python3 -m venv "$VENV"
+fi
+
+# Without an NVIDIA driver, PyPI's torch (the CUDA build: gigabytes of nvidia-* wheels) is of no use: take the
+# CPU build from PyTorch's CPU index, whose `+cpu` release outranks PyPI's of the same version.
+CPU_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_ARGS=()
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+  TORCH_INDEX_ARGS=(--index-url "$TORCH_INDEX_URL")
+elif [ ! -e /proc/driver/nvidia/version ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  if timeout 5 python3 -c 'import socket; socket.getaddrinfo("download.pytorch.org", 443)' 2>/dev/null; then
+    TORCH_INDEX_ARGS=(--extra-index-url "$CPU_INDEX")
+    say "no NVIDIA driver: torch's CPU build from $CPU_INDEX"
+  else
+    say "no NVIDIA driver, and $CPU_INDEX cannot be reached: torch from pip's configured indexes"
+  fi
 fi
 
 # torch goes in first and alone, so the project install below cannot pick another build.
@@ -27,7 +43,7 @@ then
   say "torch already satisfies $TORCH_SPEC"
 else
   say "installing $TORCH_SPEC (a large download the first time)"
-  "$PY" -m pip install --disable-pip-version-check ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+  "$PY" -m pip install --disable-pip-version-check "${TORCH_INDEX_ARGS[@]}" "$TORCH_SPEC"
 fi
 
 # Pin the installed torch for every later pip run in this venv.
@@ -44,4 +60,4 @@ else
   "$PY" -m pip install --disable-pip-version-check --constraint "$CONSTRAINT" -e ".[test]"
   echo "$WANT" > "$STAMP"
 fi
-say "ready: $("$PY" -c 'import torch; print("torch", torch.__version__)'), $VENV/bin/tessera"
+say "ready: $("$PY" -c 'import torch; print("torch", torch.__version__, "(CUDA " + torch.version.cuda + " build)" if torch.version.cuda else "(CPU build)")'), $VENV/bin/tessera"
