@@ -38,7 +38,7 @@ from policy.cold_start import ColdStartPolicy
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
 from services.common.config import WorkerConfig
-from services.common.lora_shm import RATE_RANKS, RATES
+from services.common.cpu_lora.shm import RATE_RANKS, RATES
 from services.common.runtime import freeze_startup_heap
 
 QKV = ("q_proj", "k_proj", "v_proj")

@@ -1,9 +1,9 @@
 """`python -m cpu_lora_worker --work-area PATH --weights PATH --index I [--cores 2-3] [--dtype bfloat16]
 [--parent PID]`:
-one CPU LoRA worker, pinned to `--cores` (the launcher chooses them on the GPU's NUMA node and checks
-the pinning from /proc after start), serving the work area of its GPU worker until SIGTERM or until
-its GPU worker (`--parent`) is gone (killed, it could not stop its children: they would spin on for
-nothing)."""
+one CPU LoRA worker, pinned to `--cores` (cores of the GPU's NUMA node, or a sidecar's share of its own:
+services/common/cpu_lora/supervisor.py starts it), serving the work area of its GPU worker until SIGTERM
+or until the process that started it (`--parent`) is gone (killed, it could not stop its children: they
+would spin on for nothing)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from cpu_lora_worker.worker import serve
-from services.common.lora_shm import WorkArea
-from services.common.numa import parse_cpulist
+from services.common.cpu_lora.numa import parse_cpulist
+from services.common.cpu_lora.shm import WorkArea
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

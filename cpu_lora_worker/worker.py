@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 import torch
 
-from services.common.lora_delta import lora_delta
-from services.common.lora_shm import DONE, PID, RATE_RANKS, RATES, REQUEST, STATUS, STATUS_FAILED, STATUS_OK, WorkArea
+from services.common.cpu_lora.delta import lora_delta
+from services.common.cpu_lora.shm import (DONE, PID, RATE_RANKS, RATES, REQUEST, STATUS, STATUS_FAILED, STATUS_OK,
+                                       WorkArea)
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.kv_cache import CacheShape, PagedKVCache, cuda_blocks_that_fit
 from gpu_worker.lora.adapter_manager import AdapterManager
 from policy.cold_start import ColdStartPolicy
-from gpu_worker.lora.cpu_assist import CpuLoraPool, LocalWorkers, SidecarWorkers
+from gpu_worker.lora.cpu_assist import CpuLoraPool
 from gpu_worker.lora.gpu_memory import GpuAdapterMemory
 from gpu_worker.lora.loader import AdapterRef, LoRAWeights, load_adapter
 from gpu_worker.lora.merge_switch import MergeSwitch
@@ -38,7 +38,9 @@ from services.common.config import ConfigError, WorkerConfig
 from services.common.errors import FailedPrecondition
 from services.common.shm_claims import ShmClaim, claim, reclaim_orphans
 from policy.perf_model import PerfModel
-from services.common.numa import choose_cores, gpu_numa_node, read_topology
+from services.common.cpu_lora.numa import choose_cores, gpu_numa_node, read_topology
+from services.common.cpu_lora.sidecar import SidecarWorkers
+from services.common.cpu_lora.supervisor import CpuLoraSupervisor
 from policy.eviction import LRU, Eviction, LFUDecay
 
 log = logging.getLogger(__name__)
@@ -196,7 +198,7 @@ def adapter_manager(memory: GpuAdapterMemory, read: Callable[[AdapterRef], LoRAW
                           failure_max_ttl_s=worker.adapter_failure_max_ttl_s, synchronous=worker.adapter_synchronous_loads, host_path=host_path)
 
 
-def _cpu_lora_workers(worker: WorkerConfig, device: torch.device) -> LocalWorkers | SidecarWorkers | None:
+def _cpu_lora_workers(worker: WorkerConfig, device: torch.device) -> CpuLoraSupervisor | SidecarWorkers | None:
     """The CPU LoRA workers as worker.cpu_lora_launch says: processes this worker starts on cores of the GPU's
     NUMA node (any node on a CPU device), or a sidecar's. None without them, or when this machine has too
     few cores for local ones beside the worker (logged: the worker serves without CPU assistance, as on a
@@ -217,7 +219,7 @@ def _cpu_lora_workers(worker: WorkerConfig, device: torch.device) -> LocalWorker
         log.warning("no CPU LoRA workers: %s (worker.cpu_lora_workers, worker.cpu_lora_cores_each)", exc)
         return None
     log.info("CPU LoRA workers on cores %s (NUMA node %s)", cores, node)
-    return LocalWorkers(cores, node)
+    return CpuLoraSupervisor(cores, node)
 
 
 def _shm_claim(worker: WorkerConfig) -> ShmClaim:
@@ -232,7 +234,7 @@ def _shm_claim(worker: WorkerConfig) -> ShmClaim:
 
 
 def _cpu_lora_pool(worker: WorkerConfig, adapters: AdapterManager, memory: GpuAdapterMemory, shm: ShmClaim,
-                   workers: LocalWorkers | SidecarWorkers) -> CpuLoraPool:
+                   workers: CpuLoraSupervisor | SidecarWorkers) -> CpuLoraPool:
     modules = memory.modules
     pool = CpuLoraPool(shm, adapters.host_pages, memory.dtype, workers, max_tokens=worker.max_batch_tokens,
                        max_in=max(m.in_features for m in modules), max_out=max(m.out_features for m in modules),

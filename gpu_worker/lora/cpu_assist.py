@@ -1,47 +1,40 @@
 """CPU-assisted prefill (CaraServe): a request whose adapter is in the host tier but not usable on the
 GPU yet (cold_start.py decides when this way is the fastest) starts at once, its LoRA deltas
 computed by the worker's CPU LoRA workers from the host copy, layer by layer, over shared memory
-(services/common/lora_shm.py); it switches to the GPU kernels at the first step after its adapter
+(services/common/cpu_lora/shm.py); it switches to the GPU kernels at the first step after its adapter
 becomes usable there (scheduler.py).
 
-`CpuLoraPool` runs the CPU LoRA workers through `LocalWorkers` (processes it starts, each pinned to its own
-cores: services/common/numa.py; the pinning is read back from /proc) or `SidecarWorkers` (processes a
-sidecar container runs on the cores it was given: cpu_lora_worker/sidecar.py), has one that died started
-again (a watcher thread looks every second, and every job looks first), and computes a job's
-share itself when a worker dies or fails mid-job (the same arithmetic, services/common/lora_delta.py),
-so that no output changes and nothing is lost. `CpuLoraStep` is one step's CPU-assisted rows: every
-LoRA projection sends them to the pool before its own kernels and adds the deltas after (layer.py).
+`CpuLoraPool` sends jobs to the CPU LoRA workers that a `CpuLoraSupervisor` runs as this process's
+children, pinned to their cores, or that a sidecar container runs (`SidecarWorkers`; both in
+services/common/cpu_lora/), has one that died started again (a watcher thread looks every second, and
+every job looks first), and computes a job's share itself when a worker dies or fails mid-job (the same
+arithmetic, services/common/cpu_lora/delta.py), so that no output changes and nothing is lost.
+`CpuLoraStep` is one step's CPU-assisted rows: every LoRA projection sends them to the pool before its
+own kernels and adds the deltas after (layer.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-import services
 from gpu_worker.lora.host_weights import HostPages, PackedAdapter
 from gpu_worker.lora.layer import LoRALinear
 from kernels.lora_stack import packed_layout
-from services.common.lora_delta import lora_delta
-from services.common.lora_shm import (BEAT, KILL, KILLED, PID, RATE_RANKS, RATES, Job, Segment, Shape, SidecarManifest,
-                                      WorkArea, even_shares)
-from services.common.numa import allowed_cpus, format_cpulist, membind_prefix
-from services.common.processes import stop_processes
+from services.common.cpu_lora.delta import lora_delta
+from services.common.cpu_lora.shm import RATE_RANKS, RATES, Job, Segment, Shape, WorkArea, even_shares
+from services.common.cpu_lora.sidecar import SidecarWorkers
+from services.common.cpu_lora.supervisor import CpuLoraSupervisor
 from services.common.shm_claims import ShmClaim
 
 log = logging.getLogger(__name__)
 
-START_S = 120.0     # a worker imports torch and measures its rates before it answers
 JOB_TIMEOUT_S = 30.0  # a live worker that has not answered by then is stuck: killed, its share done here
 MIN_SHARE_S = 1e-3    # a share smaller than this much of a core's work is not worth waking another worker
 
@@ -64,107 +57,8 @@ class CpuLoraStats:
     restarts: int = 0
 
 
-class LocalWorkers:
-    """CPU LoRA workers this process starts, each pinned to its cores (memory bound to `node` where numactl
-    can), and waits for at start."""
-
-    wait_at_start = True
-
-    def __init__(self, cores: Sequence[tuple[int, ...]], node: int | None = None) -> None:
-        assert cores, "one worker at least"
-        self._cores = list(cores)
-        self._procs: list[subprocess.Popen | None] = [None] * len(cores)
-        self._membind = membind_prefix(node) if node is not None else []
-
-    @property
-    def count(self) -> int:
-        return len(self._cores)
-
-    def spawn(self, index: int, area: WorkArea, weights: Path, dtype: torch.dtype) -> None:
-        area.control[index, PID] = 0
-        root = str(Path(services.__file__).resolve().parent.parent)  # where the roles' packages are
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self._procs[index] = subprocess.Popen(
-            [*self._membind, sys.executable, "-m", "cpu_lora_worker", "--work-area", str(area.path),
-             "--weights", str(weights), "--index", str(index), "--cores", format_cpulist(self._cores[index]),
-             "--dtype", str(dtype).removeprefix("torch."), "--parent", str(os.getpid())], env=env)
-
-    def running(self, index: int, area: WorkArea) -> bool:
-        proc = self._procs[index]
-        return proc is not None and proc.poll() is None
-
-    def exited(self, index: int) -> int | None:
-        """The exit code of a worker that was started and has died (it is to be started again)."""
-        proc = self._procs[index]
-        return None if proc is None else proc.poll()
-
-    def ready(self, index: int, area: WorkArea) -> bool:
-        """Running, and answering: the process wrote its pid once it measured its rates."""
-        return self.running(index, area) and int(area.control[index, PID]) == self._procs[index].pid
-
-    def check_pinning(self) -> None:
-        for index, proc in enumerate(self._procs):
-            if allowed_cpus(proc.pid) != sorted(self._cores[index]):
-                raise RuntimeError(f"CPU LoRA worker {index} runs on CPUs {allowed_cpus(proc.pid)}, "
-                                   f"not the {sorted(self._cores[index])} it was given")
-
-    def kill(self, index: int, area: WorkArea) -> None:
-        """A stuck worker: gone before this returns, so that it cannot write into a later job's rows."""
-        proc = self._procs[index]
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-    def stop(self) -> None:
-        stop_processes(self._procs)
-
-
-class SidecarWorkers:
-    """CPU LoRA workers that a sidecar container runs (cpu_lora_worker/sidecar.py) on the cores it was given,
-    found through the manifest this worker writes in the directory both mount. The sidecar starts them again
-    when they die and marks each one it watches alive every BEAT_S; a worker whose mark is older than
-    STALE_S (the sidecar is gone) takes no jobs. The GPU worker serves without them until they are ready."""
-
-    wait_at_start = False
-    STALE_S = 2.0
-
-    def __init__(self, count: int) -> None:
-        assert count > 0, "one worker at least"
-        self.count = count
-
-    def spawn(self, index: int, area: WorkArea, weights: Path, dtype: torch.dtype) -> None:
-        if index == 0:  # once, for all of them: the sidecar follows the manifest
-            SidecarManifest(area.path.name, weights.name, str(dtype).removeprefix("torch."),
-                            self.count).write(area.path.parent)
-
-    def running(self, index: int, area: WorkArea) -> bool:
-        return time.time() * 1e3 - int(area.control[index, BEAT]) < self.STALE_S * 1e3
-
-    def exited(self, index: int) -> int | None:
-        return None  # the sidecar starts its own again
-
-    def ready(self, index: int, area: WorkArea) -> bool:
-        return self.running(index, area) and int(area.control[index, PID]) != 0
-
-    def check_pinning(self) -> None:
-        """The sidecar checks its own (it sees their /proc; this container may not)."""
-
-    def kill(self, index: int, area: WorkArea) -> None:
-        """Ask the sidecar to kill a stuck worker and wait (up to STALE_S) until it has: a worker still running
-        must not write into a later job's rows. Until its replacement answers it takes no jobs."""
-        area.control[index, PID] = 0
-        asked = int(area.control[index, KILL]) + 1
-        area.control[index, KILL] = asked
-        deadline = time.monotonic() + self.STALE_S
-        while int(area.control[index, KILLED]) < asked and time.monotonic() < deadline:
-            time.sleep(1e-3)
-
-    def stop(self) -> None:
-        """The sidecar's workers outlive this process: a new GPU worker's manifest moves them to its files."""
-
-
 class CpuLoraPool:
-    def __init__(self, shm: ShmClaim, host: HostPages, dtype: torch.dtype, workers: LocalWorkers | SidecarWorkers,
+    def __init__(self, shm: ShmClaim, host: HostPages, dtype: torch.dtype, workers: CpuLoraSupervisor | SidecarWorkers,
                  max_tokens: int, max_in: int, max_out: int, max_segments: int) -> None:
         """The work area is `shm`'s "lora" file, and `host` its "host" file; `close` releases the claim. A job
         holds at most `max_tokens` rows of `max_in` features, `max_out` outputs and `max_segments` segments (a
@@ -176,7 +70,7 @@ class CpuLoraPool:
         self._region = host.region.view(dtype)  # what the workers map: the host tier's file
         self.area = WorkArea.create(area_path, Shape(workers.count, max_tokens, max_in, max_out,
                                                      max_segments, max_pages=host.num_pages))
-        self.restarts = self._jobs = self._local_shares = 0
+        self._jobs = self._local_shares = 0
         self._job_overhead_s = 0.0  # what a job costs the engine beyond the workers' arithmetic, as measured
         self._job_workers = 0       # how many workers the last job went to
         # Jobs (engine thread) and the watcher's restarts take turns on the workers and the work area.
@@ -185,35 +79,27 @@ class CpuLoraPool:
         self._watcher = threading.Thread(target=self._watch, name="cpu-lora-watcher", daemon=True)
 
     def start(self) -> None:
-        """Start every worker; local ones are waited for until each answers (its rates measured) pinned
-        where it was put."""
-        for index in range(self._workers.count):
-            self._spawn(index)
-        if self._workers.wait_at_start:
-            deadline = time.monotonic() + START_S
-            while not all(self._ready(i) for i in range(self._workers.count)):
-                if time.monotonic() > deadline or any(self._workers.exited(i) is not None
-                                                      for i in range(self._workers.count)):
-                    self.close()
-                    raise RuntimeError("CPU LoRA workers did not start (see their logs)")
-                time.sleep(0.02)
-            try:
-                self._workers.check_pinning()
-            except RuntimeError:
-                self.close()
-                raise
+        """Have the workers serve the work area and the host tier; this process's own are waited for until
+        each answers (its rates measured) pinned where it was put."""
+        assert self._host.path is not None
+        self._workers.serve(self.area, self._host.path, str(self._dtype).removeprefix("torch."))
+        try:
+            self._workers.wait_ready()
+        except RuntimeError:
+            self.close()
+            raise
         self._watcher.start()
+
+    @property
+    def restarts(self) -> int:
+        return self._workers.restarts
 
     def live(self) -> list[int]:
         """Workers ready for a job; a dead one is started again (ready a few seconds later)."""
         with self._lock:
-            for index in range(self._workers.count):
-                code = self._workers.exited(index)
-                if code is not None and not self._closing.is_set():
-                    log.warning("CPU LoRA worker %d exited with %s; starting it again", index, code)
-                    self.restarts += 1
-                    self._spawn(index)
-            return [i for i in range(self._workers.count) if self._ready(i)]
+            if not self._closing.is_set():
+                self._workers.restart_exited()
+            return [i for i in range(self._workers.count) if self._workers.ready(i)]
 
     def _watch(self) -> None:
         while not self._closing.wait(1.0):
@@ -236,12 +122,12 @@ class CpuLoraPool:
         self.area.post(x, out_features, segments, shares, pages, self._page_elems)
         self._jobs += 1
         try:
-            self.area.wait(JOB_TIMEOUT_S, alive=self._running)
+            self.area.wait(JOB_TIMEOUT_S, alive=self._workers.running)
         except (TimeoutError, RuntimeError) as exc:
             log.warning("%s; computing their share here", exc)
         pending = self.area.pending()
         for index in pending:
-            self._workers.kill(index, self.area)  # stuck: it must not write into a later job's rows
+            self._workers.kill(index)  # stuck: it must not write into a later job's rows
         left = [shares[index] for index in pending + self.area.failed()] if live else [(0, tokens)]
         self._local_shares += len(left)
         for share in left:  # the same arithmetic the workers run: the outputs do not change
@@ -278,7 +164,8 @@ class CpuLoraPool:
 
     def stats(self) -> CpuLoraStats:
         count = self._workers.count
-        return CpuLoraStats(count, sum(map(self._ready, range(count))), self._jobs, self._local_shares, self.restarts)
+        return CpuLoraStats(count, sum(map(self._workers.ready, range(count))), self._jobs, self._local_shares,
+                            self.restarts)
 
     def close(self) -> None:
         self._closing.set()
@@ -288,16 +175,6 @@ class CpuLoraPool:
         self.area.close()
         self.area.path.unlink(missing_ok=True)
         self._shm.release()  # the host tier's file goes with the adapter tiers, right after (Engine.stop)
-
-    def _ready(self, index: int) -> bool:
-        return self._workers.ready(index, self.area)
-
-    def _running(self, index: int) -> bool:
-        return self._workers.running(index, self.area)
-
-    def _spawn(self, index: int) -> None:
-        assert self._host.path is not None
-        self._workers.spawn(index, self.area, self._host.path, self._dtype)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ holds up every other thread's kernel launches while it pins pages, and a load th
 own buffer raised the running streams' step p99 about 10x (docs/benchmarks/adapters.md). Fixed-size
 pages leave no fragmentation to compact. With a `path`, the region is a file mapping there (in
 /dev/shm: memory, not disk), private to this user, that the CPU LoRA workers map read-only: one copy
-of every host adapter, read by all of them (services/common/lora_shm.py).
+of every host adapter, read by all of them (services/common/cpu_lora/shm.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.lora_shm import create_mapping
+from services.common.cpu_lora.shm import create_mapping
 
 PAGE_BYTES = 2 << 20  # an adapter wastes at most one page minus its last block; 16 MB adapters none
 

@@ -10,7 +10,7 @@ import pytest
 
 from gpu_worker.server import CPU_LORA_HEALTH_SERVICE
 from services.common.grpc_server import check_health
-from services.common.numa import allowed_cpus
+from services.common.cpu_lora.numa import allowed_cpus
 from services.common.tls import health_probe_credentials
 
 pytestmark = pytest.mark.integration

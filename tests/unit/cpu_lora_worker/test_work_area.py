@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.lora_shm import PID, RATE_RANKS, RATES, Segment, Shape, WorkArea, even_shares
-from services.common.numa import allowed_cpus, format_cpulist
+from services.common.cpu_lora.numa import allowed_cpus, format_cpulist
+from services.common.cpu_lora.shm import PID, RATE_RANKS, RATES, Segment, Shape, WorkArea, even_shares
 
 IN, OUT = 48, 40
 PAGE = 100  # elements: blocks straddle pages

@@ -23,8 +23,9 @@ from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.cpu_assist import workers_for
 from gpu_worker.metrics import CpuLoraMetrics
 from gpu_worker.sequence import SamplingParams
-from services.common.lora_shm import PID, REQUEST, SIDECAR_MANIFEST, SidecarManifest
-from services.common.numa import allowed_cpus
+from services.common.cpu_lora.numa import allowed_cpus
+from services.common.cpu_lora.shm import PID, REQUEST
+from services.common.cpu_lora.sidecar import SIDECAR_MANIFEST, SidecarManifest
 from services.demo_assets import DEMO_BASE_MODEL
 from services.launcher.supervisor import stop_process_group
 from tests.reference import ReferenceModels, assert_same_greedy

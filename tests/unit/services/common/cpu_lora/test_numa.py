@@ -1,4 +1,4 @@
-"""services.common.numa: cpulists, topology from a fake sysfs tree, GPU nodes, core choice, pinning."""
+"""services.common.cpu_lora.numa: cpulists, topology from a fake sysfs tree, GPU nodes, core choice, pinning."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common import numa
-from services.common.numa import (
+from services.common.cpu_lora import numa
+from services.common.cpu_lora.numa import (
     NumaNode,
     allowed_cpus,
     choose_cores,

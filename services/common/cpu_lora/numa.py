@@ -2,7 +2,7 @@
 disjoint core sets for the workers, and pinning (CaraServe-style: each CPU worker is pinned to cores
 of the node its GPU worker hangs off, so LoRA activations cross no socket link).
 
-Standard library only: the launcher calls it before any role (or torch) is imported.
+Standard library only.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The arithmetic of a LoRA work-area job (services/common/lora_shm.py): the LoRA delta of a share of its
-tokens, in float32. The CPU LoRA workers run it; the GPU worker runs it itself when a worker fails a job."""
+"""The arithmetic of a LoRA work-area job (shm.py): the LoRA delta of a share of its tokens, in float32.
+The CPU LoRA workers run it; the GPU worker runs it itself when a worker fails a job."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from services.common.lora_shm import Job
+from services.common.cpu_lora.shm import Job
 
 
 def block(region: torch.Tensor, pages: np.ndarray, page_elems: int, table: int, offset: int, count: int

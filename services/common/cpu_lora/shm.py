@@ -25,13 +25,12 @@ A [rank, in] and Bt [rank, size] lie in the adapter's packed copy (the adapter a
 kernels/lora_stack.py) at those element offsets; the copy is spread over pages of the weights region
 (the worker's host tier), listed from the segment's page-table entry on.
 The file is created by the GPU worker, private to its user (0600); the CPU workers map it read-write,
-the weights read-only. Where a sidecar container runs the CPU workers (cpu_lora_worker/sidecar.py), the GPU
-worker names both files in a manifest in the shared directory (`SidecarManifest`).
+the weights read-only. Where a sidecar container runs the CPU workers, the GPU worker names both files
+in a manifest in the shared directory, and the last three control words are their handshake (sidecar.py).
 """
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import struct
@@ -51,7 +50,6 @@ SEGMENT = 9
 RATE_RANKS = (8, 16, 32, 64, 128)
 REQUEST, DONE, STATUS, PID, FIRST, LAST, RATES = range(7)
 BEAT, KILL, KILLED = range(RATES + len(RATE_RANKS), RATES + len(RATE_RANKS) + 3)
-SIDECAR_MANIFEST = "tessera-cpu-lora.json"
 STATUS_OK, STATUS_FAILED = 0, 1
 
 
@@ -93,34 +91,6 @@ def create_mapping(path: Path, nbytes: int) -> mmap.mmap:
         return mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
-
-
-@dataclass(frozen=True)
-class SidecarManifest:
-    """What a GPU worker tells the sidecar that runs its CPU LoRA workers: the files to serve, in `directory`
-    (a volume both containers mount), rewritten whenever the GPU worker starts again."""
-    work_area: str  # file names in the directory, not paths: neither side trusts the other's paths
-    weights: str
-    dtype: str      # the weights region's, as cpu_lora_worker's --dtype takes it
-    workers: int
-
-    def write(self, directory: Path) -> None:
-        """Atomically: the sidecar never reads half a manifest."""
-        tmp = directory / f".{SIDECAR_MANIFEST}.{os.getpid()}"
-        tmp.write_text(json.dumps(self.__dict__))
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, directory / SIDECAR_MANIFEST)
-
-    @classmethod
-    def read(cls, directory: Path) -> SidecarManifest | None:
-        """The manifest in `directory`; None if there is none (yet) or it is not one."""
-        try:
-            fields = json.loads((directory / SIDECAR_MANIFEST).read_text())
-            manifest = cls(**fields)
-        except (OSError, ValueError, TypeError):
-            return None
-        names_ok = all(n and "/" not in n and n not in (".", "..") for n in (manifest.work_area, manifest.weights))
-        return manifest if names_ok and isinstance(manifest.workers, int) and manifest.workers > 0 else None
 
 
 def even_shares(tokens: int, workers: int) -> list[tuple[int, int]]:
