@@ -1,6 +1,6 @@
 """Cold-start benchmark of the worker's adapter tiers (GPU memory, host memory, disk) on a 7B-shaped
 Llama (Llama-2-7B config, random bf16 weights), one GPU. Adapters are real PEFT files in an adapter
-store (benchmarks/adapter_files.py) that the worker's loader reads, verifies and parses. In one run:
+store (benchmarks/harness/adapter_files.py) that the worker's loader reads, verifies and parses. In one run:
 
   1. no stall: S streams (rank-64 q,k,v,o adapters, pinned) decode long outputs; over a window in
      which a request (a short prompt, one token) arrives every 100 ms, their TPOT (each stream's mean
@@ -9,7 +9,7 @@ store (benchmarks/adapter_files.py) that the worker's loader reads, verifies and
      turn, q,k,v,o and all seven projections alternating), loads asynchronous, (c) the same new
      adapters with worker.adapter_synchronous_loads (every load stalls the engine: the baseline, on
      its own engine beside its own no-load window). (a) and (b) alternate for `stall_rounds` rounds
-     (medians; one 3 s window's p99 is the third-slowest of ~250 steps, and two no-load windows differ
+     (medians; one 3 s window's p99 is about the third-slowest of ~250 steps, and two no-load windows differ
      by up to 2x). Ratios (b)/(a) [target <= 1.05] and (c)/(a). The
      engine's steps launched in the window tell slow steps (decode-only, with prefills) from late tokens.
   2. cold TTFT: over prompt lengths from the shared conv trace (quantiles, capped at 2048), the TTFT
@@ -40,10 +40,8 @@ import dataclasses
 import datetime
 import gc
 import itertools
-import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,33 +51,28 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-from benchmarks.adapter_files import (ALL_SEVEN, QKVO, AdapterShape, AdapterStore, StoredAdapter, adapter_bytes,
-                                      drop_from_page_cache, filesystem_of)
-from policy.simulator.workload import load_trace
-from benchmarks.engine_bench import LLAMA2_7B, e2e_prompt
-from benchmarks.load_stall import StepLog, decode_only_gaps, first_token_s, percentile, stall_window
-from benchmarks.reference_rates import copy_seconds, read_seconds, timed
-from benchmarks.serving import BASE_MODEL, BENCH_TOKEN_PREFIX, bench_tokenizer, running_engine
+from benchmarks.harness.adapter_files import (AdapterShape, AdapterStore, StoredAdapter, adapter_bytes,
+                                              drop_from_page_cache, filesystem_of)
+from benchmarks.harness.cli import add_tiny_run_options, command_line, parse_tiny_run_args, suite_parser
+from benchmarks.harness.load_stall import StepLog, decode_only_gaps, stall_window
+from benchmarks.harness.prompts import Requests
+from benchmarks.harness.reference_rates import copy_seconds, read_seconds, timed
+from benchmarks.harness.report import percentile, progress, write_json
+from benchmarks.harness.serving import BASE_MODEL, bench_tokenizer, first_token_s, running_engine
+from benchmarks.harness.shapes import ALL_SEVEN, LLAMA2_7B, QKVO, TINY_LLAMA
+from benchmarks.harness.traces import LENGTH_CAP, prompt_lengths
 from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
 from gpu_worker.engine import Engine, StepRecord
-from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.adapter_stats import AdapterTierStats
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
-from gpu_worker.sequence import SamplingParams
 from services.common.config import WorkerConfig
 from services.common.runtime import freeze_startup_heap
 
-TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=4096 + 2048, max_position_embeddings=1024, rms_norm_eps=1e-5)
 RANKS = (8, 16, 32, 64, 128)
 # Arrival k's adapter: RANKS cycle while the target sets alternate (5 and 2 are coprime: 10 shapes).
 SHAPES = tuple(AdapterShape(RANKS[k % len(RANKS)], (QKVO, ALL_SEVEN)[k % 2]) for k in range(2 * len(RANKS)))
 STREAM_SHAPE = AdapterShape(64, QKVO)
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "AzureLLMInferenceTrace_conv.csv"
-LENGTH_CAP = 2048
-# The conv trace's ContextTokens at quantiles (i + 0.5) / 16, capped at 2048: used where the trace is absent.
-TRACE_LENGTHS = (165, 206, 374, 391, 401, 412, 818, 1001, 1037, 1067, 1100, 1147, 1312, 1770, 2048, 2048)
 
 
 @dataclass(frozen=True)
@@ -102,35 +95,6 @@ class Plan:
 PLANS = {"full": Plan(), "quick": Plan(window_s=3.0, lengths=8, repeats=2),
          "tiny": Plan(streams=4, stream_adapters=2, load_room=2, stream_prompt=16, stream_tokens=600, warm_tokens=4,
                       window_s=1.0, arrival_prompt=8, lengths=4, max_length=128, repeats=2)}
-
-
-def progress(line: str, _started: float = time.perf_counter()) -> None:
-    print(f"[{time.perf_counter() - _started:6.1f} s] {line}", flush=True)
-
-
-def prompt_lengths(trace: Path, plan: Plan) -> tuple[list[int], str]:
-    """plan.lengths prompt lengths at evenly spaced quantiles of the trace's ContextTokens, capped at
-    LENGTH_CAP and scaled to plan.max_length; -> (lengths, where they came from)."""
-    if trace.is_file():
-        values, source = sorted(load_trace(trace).prompt.tolist()), str(trace)
-    else:
-        values, source = list(TRACE_LENGTHS), f"built-in quantiles of the conv trace ({trace} not found)"
-    picked = [values[int((i + 0.5) / plan.lengths * len(values))] for i in range(plan.lengths)]
-    return [max(2, round(min(n, LENGTH_CAP) * plan.max_length / LENGTH_CAP)) for n in picked], source
-
-
-class Requests:
-    """Requests with random prompts of exact token counts (no prefix-cache hits between them)."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
-        self._tokenizer = tokenizer
-        self._fillers = [t for t in tokenizer.get_added_vocab() if t.startswith(BENCH_TOKEN_PREFIX)]
-        self._gen = torch.Generator().manual_seed(0)
-        self._ids = itertools.count()
-
-    def make(self, adapter: AdapterRef | None, prompt_tokens: int, max_tokens: int) -> GenerationRequest:
-        prompt = e2e_prompt(self._tokenizer, self._fillers, self._gen, prompt_tokens)
-        return GenerationRequest(f"cold-{next(self._ids)}", prompt, SamplingParams(max_tokens=max_tokens), adapter)
 
 
 def worker_config(plan: Plan, device: torch.device, config: LlamaConfig, gpu_bytes: int | None,
@@ -351,7 +315,7 @@ def run(args: argparse.Namespace) -> dict:
     device, plan = torch.device(args.device), PLANS["tiny" if args.tiny else "quick" if args.quick else "full"]
     config = LlamaConfig(**(TINY_LLAMA if args.tiny else LLAMA2_7B))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    lengths, source = prompt_lengths(args.trace, plan)
+    lengths, source = prompt_lengths(args.trace, plan.lengths, plan.max_length)
     report: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "date": datetime.date.today().isoformat(), "plan": dataclasses.asdict(plan),
                     "lengths_source": source}
@@ -433,27 +397,21 @@ TARGETS = {"no_stall_tpot_p99_b_over_a": 1.05, "no_stall_itl_p99_b_over_a": 1.05
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = suite_parser(__doc__)
+    add_tiny_run_options(parser)
     parser.add_argument("--quick", action="store_true", help="shorter windows, 8 prompt lengths")
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model (with --device cpu: a smoke run)")
-    parser.add_argument("--device", default="cuda", help='"cuda", "cuda:1" or "cpu" (with --tiny)')
-    parser.add_argument("--trace", type=Path, default=TRACE, help=f"the conv trace's CSV (default {TRACE})")
     parser.add_argument("--store-dir", type=Path, help="where the adapter store is made (default: the system's temp)")
     parser.add_argument("--adapter-gpu-bytes", type=int,
                         help="worker.adapter_gpu_bytes, where the worker has it (default: not set)")
-    parser.add_argument("--json", type=Path, help="write the report here")
-    args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("CUDA is not available: use --device cpu --tiny")
+    args = parse_tiny_run_args(parser, argv)
     if args.adapter_gpu_bytes is not None and "adapter_gpu_bytes" not in WorkerConfig.__dataclass_fields__:
         parser.error("--adapter-gpu-bytes: this worker's config has no adapter_gpu_bytes")
     report = run(args)
-    report["command"] = " ".join(["python -m benchmarks.cold_start_bench", *(sys.argv[1:] if argv is None else argv)])
+    report["command"] = command_line("benchmarks.cold_start_bench", argv)
     for key, value in report["ratios"].items():
         target = f"  (target <= {TARGETS[key]})" if key in TARGETS else ""
         print(f"{key}: {value:.3f}{target}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    write_json(args.json, report)
     return report
 
 

@@ -26,11 +26,8 @@ import argparse
 import asyncio
 import datetime
 import gc
-import json
 import statistics
-import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,21 +35,21 @@ import numpy as np
 import torch
 from transformers import LlamaConfig
 
-from benchmarks.adapter_files import AdapterShape, AdapterStore, adapter_bytes
-from policy.simulator.workload import load_trace
-from benchmarks.cold_start_bench import LLAMA2_7B, TINY_LLAMA, Requests, progress
-from benchmarks.cpu_assist_bench import cold_start_arguments, parse_cold_start_arguments
-from benchmarks.load_stall import percentile
-from benchmarks.serving import BASE_MODEL, bench_tokenizer, running_engine
+from benchmarks.harness.adapter_files import AdapterShape, AdapterStore, adapter_bytes
+from benchmarks.harness.cli import (add_cpu_lora_options, add_tiny_run_options, command_line, parse_tiny_run_args,
+                                    suite_parser)
+from benchmarks.harness.prompts import Requests
+from benchmarks.harness.report import percentile, progress, write_json
+from benchmarks.harness.serving import BASE_MODEL, bench_tokenizer, replay, running_engine
+from benchmarks.harness.shapes import LLAMA2_7B, QKV, TINY_LLAMA
+from benchmarks.harness.traces import Arrival, arrivals_at_rate
 from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
 from gpu_worker.engine import Engine
-from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
 from services.common.config import WorkerConfig
 from services.common.runtime import freeze_startup_heap
 
-QKV = ("q_proj", "k_proj", "v_proj")
 WAYS = ("wait", "pipelined", "cpu", "auto")  # the worker's cold_start_policy values, on one engine
 TARGETS = {"ttft": 1.07, "tpot": 1.03}        # auto over cached (issue 40)
 
@@ -70,45 +67,12 @@ class Setting:
 SETTINGS = {"full": Setting(), "tiny": Setting(adapters=32, gpu_adapters=4, rank=8, max_prompt=96, max_output=8)}
 
 
-@dataclass(frozen=True)
-class Arrival:
-    at_s: float
-    adapter: int  # popularity rank
-    prompt: int
-    output: int
-
-
 def arrivals(trace: Path, rate: float, duration_s: float, setting: Setting, seed: int) -> list[Arrival]:
-    """The conv trace's first requests, their times scaled to `rate` per second, for `duration_s`; each
-    request's adapter drawn by Zipf popularity."""
-    count = round(rate * duration_s)
-    source = load_trace(trace, max_requests=count + 1)
-    if len(source) <= count:
-        raise ValueError(f"{trace} has {len(source)} requests; a run at {rate:g}/s for {duration_s:g} s needs {count + 1}")
-    times = source.arrival_s * duration_s / source.arrival_s[count]  # the trace's pattern, at `rate` on average
+    """The conv trace's first requests at `rate` per second for `duration_s`; each request's adapter drawn
+    by Zipf popularity (Arrival.adapter: its popularity rank)."""
     weights = 1.0 / np.arange(1, setting.adapters + 1) ** setting.skew
-    picks = np.random.default_rng(seed).choice(setting.adapters, size=count, p=weights / weights.sum())
-    return [Arrival(float(times[i]), int(picks[i]), int(min(source.prompt[i], setting.max_prompt)),
-                    int(min(source.output[i], setting.max_output))) for i in range(count)]
-
-
-async def replay(engine: Engine, requests: list[tuple[float, GenerationRequest]]) -> list[dict]:
-    """Submit each request at its time; -> per request: TTFT, TPOT (s; None with one token), tokens."""
-    loop = asyncio.get_running_loop()
-    start = time.perf_counter()
-
-    async def one(at_s: float, request: GenerationRequest) -> dict:
-        await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
-        submitted, first, last, tokens = time.perf_counter(), None, None, 0
-        async for out in engine.submit(request, loop):
-            if out.token_ids:
-                last = time.perf_counter()
-                first = first or last
-                tokens += len(out.token_ids)
-        assert first is not None, f"{request.request_id} ended without a token"
-        return dict(ttft_s=first - submitted, tpot_s=(last - first) / (tokens - 1) if tokens > 1 else None,
-                    tokens=tokens)
-    return await asyncio.gather(*(one(at_s, request) for at_s, request in requests))
+    return arrivals_at_rate(trace, rate, duration_s, setting.max_prompt, setting.max_output, lambda count: (
+        np.random.default_rng(seed).choice(setting.adapters, size=count, p=weights / weights.sum())))
 
 
 def summary(results: list[dict], started: dict[str, int], hits: int, misses: int) -> dict:
@@ -211,8 +175,7 @@ def run(args: argparse.Namespace) -> dict:
                             key = f"{way}/{source}/{rate:g}"
                             runs[key] = runner.run(plans[rate], "auto" if way == "cached" else way, source)
                             row = runs[key]
-                            if args.json:  # so far: a run cut short keeps what it measured
-                                args.json.write_text(json.dumps(report | {"runs": runs}, indent=1))
+                            write_json(args.json, report | {"runs": runs})  # so far: a run cut short keeps it
                             progress(f"{key}: TTFT mean {row['ttft_mean_ms']:.1f} ms (p99 {row['ttft_p99_ms']:.1f}), "
                                      f"TPOT mean {row['tpot_mean_ms']:.2f} ms; started {row['cold_starts']}; GPU "
                                      f"hits {row['gpu_hits']}, misses {row['gpu_misses']}")
@@ -242,19 +205,20 @@ def ratios(runs: dict[str, dict], rates: list[float], sources: list[str]) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = cold_start_arguments(__doc__)
+    parser = suite_parser(__doc__)
+    add_tiny_run_options(parser)
+    add_cpu_lora_options(parser)
     parser.add_argument("--sources", nargs="+", choices=("host", "disk"), default=["host", "disk"])
     parser.add_argument("--rates", nargs="+", type=float, default=[3.0, 6.0, 9.0], help="requests per second")
     parser.add_argument("--duration-s", type=float, default=15.0, help="seconds of arrivals per run")
-    args = parse_cold_start_arguments(parser, argv)
+    args = parse_tiny_run_args(parser, argv)
     report = run(args)
-    report["command"] = " ".join(["python -m benchmarks.cold_start_replay", *(sys.argv[1:] if argv is None else argv)])
+    report["command"] = command_line("benchmarks.cold_start_replay", argv)
     print("mean TTFT / mean TPOT over cached (mean over the rates; per rate in the JSON):")
     for key, value in report["ratios"].items():
         marks = f" (targets <= {TARGETS['ttft']} / <= {TARGETS['tpot']})" if key.startswith("auto/") else ""
         print(f"  {key:<16} {value['ttft']:.3f} / {value['tpot']:.3f}{marks}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    write_json(args.json, report)
     return report
 
 

@@ -7,7 +7,7 @@ resident; a base-model stream runs beside it throughout. Over prompt lengths fro
 trace and ranks 8-128 on q,k,v (CaraServe's targets): the map of which way wins by (length, rank) is
 the policy's evidence. The GPU adapter tier holds one adapter of the largest size: a 1-token request
 on a blocker adapter of that size puts the measured adapter back in host memory before each cold
-request. Adapters are real PEFT files (benchmarks/adapter_files.py).
+request. Adapters are real PEFT files (benchmarks/harness/adapter_files.py).
 
     PYTHONPATH=.:protos python3 -m benchmarks.cpu_assist_bench [--workers 4] [--cores-each 3] [--json OUT.json]
     PYTHONPATH=.:protos python3 -m benchmarks.cpu_assist_bench --device cpu --tiny   # CPU smoke run
@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -27,21 +26,23 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from benchmarks.adapter_files import ALL_SEVEN, AdapterShape, AdapterStore, adapter_bytes
-from benchmarks.cold_start_bench import LLAMA2_7B, PLANS, TINY_LLAMA, TRACE, Requests, progress, prompt_lengths
-from benchmarks.load_stall import first_token_s
-from benchmarks.serving import BASE_MODEL, bench_tokenizer, running_engine
+from benchmarks.harness.adapter_files import AdapterShape, AdapterStore, adapter_bytes
+from benchmarks.harness.cli import add_cpu_lora_options, add_tiny_run_options, parse_tiny_run_args, suite_parser
+from benchmarks.harness.prompts import Requests
+from benchmarks.harness.report import progress, write_json
+from benchmarks.harness.serving import BASE_MODEL, bench_tokenizer, first_token_s, running_engine
+from benchmarks.harness.shapes import ALL_SEVEN, LLAMA2_7B, QKV, TINY_LLAMA
+from benchmarks.harness.traces import LENGTH_CAP, prompt_lengths
 from gpu_worker.builder import assemble_parts, async_scheduling_on
 from gpu_worker.engine import Engine
 from gpu_worker.intake import GenerationRequest
-from policy.cold_start import ColdStartPolicy
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.random_weights import random_llama
+from policy.cold_start import ColdStartPolicy
 from services.common.config import WorkerConfig
 from services.common.cpu_lora.shm import RATE_RANKS, RATES
 from services.common.runtime import freeze_startup_heap
 
-QKV = ("q_proj", "k_proj", "v_proj")
 RANKS = (8, 32, 128)
 REPEATS = 3
 HOLD_TOKENS = 2048  # the holding streams decode this long at most (the model's context allowing): longer than a cell
@@ -93,8 +94,8 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     config = LlamaConfig(**(TINY_LLAMA if args.tiny else LLAMA2_7B))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    plan = PLANS["tiny" if args.tiny else "quick"]
-    lengths, source = prompt_lengths(args.trace, dataclasses.replace(plan, lengths=4))
+    max_length = 128 if args.tiny else LENGTH_CAP  # the longest prompt
+    lengths, source = prompt_lengths(args.trace, 4, max_length)
     report: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "date": datetime.date.today().isoformat(), "lengths": lengths, "lengths_source": source,
                     "workers": args.workers, "cores_each": args.cores_each}
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
             device=str(device), base_model=BASE_MODEL, max_num_seqs=8, adapter_gpu_bytes=adapter_bytes(
                 config, largest, itemsize), adapter_host_bytes=64 * adapter_bytes(config, largest, itemsize),
             max_lora_rank=max(RANKS), lora_targets=list(ALL_SEVEN), mode_policy="unmerged",
-            max_batch_tokens=max(4096, 2 * plan.max_length), kv_cache_tokens=4 * (HOLD_TOKENS + plan.max_length),
+            max_batch_tokens=max(4096, 2 * max_length), kv_cache_tokens=4 * (HOLD_TOKENS + max_length),
             cpu_lora_workers=args.workers, cpu_lora_cores_each=args.cores_each, cpu_lora_shm_dir=args.shm_dir)
         parts = assemble_parts(model, worker, store.root)
         pool = parts.runner.cpu_lora
@@ -142,28 +143,11 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def cold_start_arguments(description: str) -> argparse.ArgumentParser:
-    """The options of the cold-start benchmarks that run CPU LoRA workers beside a GPU engine."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model (with --device cpu: a smoke run)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--workers", type=int, default=4, help="CPU LoRA workers")
-    parser.add_argument("--cores-each", type=int, default=3)
-    parser.add_argument("--shm-dir", default="/dev/shm", help="where the host tier and the work area are mapped")
-    parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--json", type=Path)
-    return parser
-
-
-def parse_cold_start_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("CUDA is not available: use --device cpu --tiny")
-    return args
-
-
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_cold_start_arguments(cold_start_arguments(__doc__), argv)
+    parser = suite_parser(__doc__)
+    add_tiny_run_options(parser)
+    add_cpu_lora_options(parser)
+    args = parse_tiny_run_args(parser, argv)
     report = run(args)
     print("The fastest way from host memory, and each way's TTFT over resident, by rank (rows) and prompt length "
           "(columns):", flush=True)
@@ -173,8 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{row['fastest']:>10} " + "/".join(f"{row[f'{way}_ms'] / row['resident_ms']:.2f}" for way in WAYS)
             for row in report["rows"] if row["rank"] == rank))
     print(f"(each cell: the fastest, then {' / '.join(WAYS)} over resident)")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    write_json(args.json, report)
     return report
 
 

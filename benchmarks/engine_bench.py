@@ -20,51 +20,35 @@ Measures in one run, on the device it names:
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import LlamaConfig
 
-from benchmarks.serving import BASE_MODEL, BENCH_TOKEN_PREFIX, bench_request, bench_tokenizer, running_engine, serve
-from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
+from benchmarks.harness.adapter_files import AdapterShape, adapter_bytes
+from benchmarks.harness.bare_steps import WARM_UP_STEPS, decode_step_seconds, new_sequences, prefill, release, run_step
+from benchmarks.harness.cli import suite_parser
+from benchmarks.harness.prompts import exact_prompt, fillers
+from benchmarks.harness.report import Report, write_json
+from benchmarks.harness.serving import bench_request, bench_tokenizer, running_engine, serve
+from benchmarks.harness.shapes import LLAMA2_7B, QKVO, RANK, TARGETS
+from gpu_worker.builder import assemble_parts, async_scheduling_on
 from gpu_worker.engine import StepRecord
 from gpu_worker.models.random_weights import random_llama
-from gpu_worker.profile import random_adapter_ref, random_adapters
-from gpu_worker.sampler import sample
-from gpu_worker.orchestrator import UNMERGED, InferenceMode, StepPlan
-from gpu_worker.scheduler import ScheduledSeq
-from gpu_worker.sequence import SamplingParams, Sequence
+from gpu_worker.profile import random_adapters
 from kernels import tiling
+from kernels.tuner.timing import copy_bandwidth
 from services.common.config import WorkerConfig
 
-LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-RANK = 64
 DECODE_BATCHES = (1, 8, 32, 64)
 DECODE_CONTEXT = 128       # prompt tokens cached before the timed decode steps
 PREFILL_LEN = 2048
-WARM_UP_STEPS = 3          # decode steps before the timed ones
 E2E_BATCH, E2E_PROMPT, E2E_NEW = 32, 128, 32
 E2E_CASES = (("distinct", [f"own-{i}" for i in range(E2E_BATCH)]), ("one", ["shared"]))
-
-
-@dataclass
-class Report:
-    device: str
-    rows: list[dict] = field(default_factory=list)
-
-    def add(self, **row) -> None:
-        self.rows.append(row)
-        print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-              flush=True)
 
 
 # --- ceilings ---------------------------------------------------------------------------------
@@ -83,14 +67,6 @@ def cuda_time_s(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.randn(2**29, device="cuda")  # 2 GiB of float32
-    dst = torch.empty_like(src)
-    seconds = cuda_time_s(lambda: dst.copy_(src), repeats=10)
-    return 2 * src.numel() * src.element_size() / seconds
-
-
 def matmul_flops() -> float:
     """FLOP/s of an 8192^3 bf16 matmul on random data."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -100,95 +76,6 @@ def matmul_flops() -> float:
 
 
 # --- Tessera ----------------------------------------------------------------------------------
-
-def adapter_bytes(config: LlamaConfig) -> int:
-    """One rank-64 q,k,v,o adapter at its true size, bf16."""
-    h, kv = config.hidden_size, config.num_key_value_heads * config.hidden_size // config.num_attention_heads
-    per_layer = RANK * (h + h) + RANK * (h + kv) * 2 + RANK * (h + h)
-    return 2 * per_layer * config.num_hidden_layers
-
-
-def new_sequences(parts: EngineParts, count: int, prompt_len: int, adapters: list[str | None],
-                  generator: torch.Generator) -> list[Sequence]:
-    seqs = []
-    for i in range(count):
-        ids = torch.randint(0, parts.model.config.vocab_size, (prompt_len,), generator=generator).tolist()
-        seq = Sequence(f"bench-{i}", ids, SamplingParams(max_tokens=4096), None, None)
-        name = adapters[i % len(adapters)]
-        if name is not None:
-            seq.adapter = random_adapter_ref(name, BASE_MODEL, RANK)
-            seq.slot, seq.rank = parts.adapters.load_now(seq.adapter)
-        seqs.append(seq)
-    return seqs
-
-
-def release(parts: EngineParts, seqs: list[Sequence]) -> None:
-    for seq in seqs:
-        parts.scheduler.blocks.free(seq)
-        if seq.adapter is not None:
-            parts.adapters.depart(seq.adapter)
-
-
-def run_step(parts: EngineParts, seqs: list[Sequence], num_new: list[int]) -> None:
-    """One engine step without the engine thread: grow blocks, run, sample, append."""
-    items = []
-    for seq, n in zip(seqs, num_new):
-        parts.scheduler.blocks.grow(seq, n)
-        items.append(ScheduledSeq(seq, n, seq.num_cached + n == seq.num_tokens))
-    sampling, logits = parts.runner.run(items, step_plan(parts, seqs))
-    tokens, _ = sample(logits, sampling).result()
-    for seq, token in zip(sampling, tokens):
-        seq.output_token_ids.append(token)
-
-
-def step_plan(parts: EngineParts, seqs: list[Sequence]) -> StepPlan:
-    """Merged when merged mode is on and every sequence uses one adapter (what the worker's policy does
-    for such a batch once the switch has paid off), else unmerged."""
-    slots = {(seq.slot, seq.adapter.name if seq.adapter else None) for seq in seqs}
-    if parts.orchestrator.merge_switch is None or len(slots) != 1:
-        return UNMERGED
-    slot, name = slots.pop()
-    return StepPlan(InferenceMode.MERGED, name, slot) if name is not None else UNMERGED
-
-
-def prefill(parts: EngineParts, seqs: list[Sequence], budget: int) -> None:
-    """Prefill `seqs` in steps of at most `budget` tokens."""
-    pending = list(seqs)
-    while pending:
-        batch, counts, room = [], [], budget
-        for seq in pending:
-            n = min(seq.num_pending, room)
-            if n:
-                batch.append(seq)
-                counts.append(n)
-                room -= n
-        run_step(parts, batch, counts)
-        pending = [s for s in pending if s.num_pending > 1 or not s.output_token_ids]
-
-
-def decode_step_seconds(parts: EngineParts, seqs: list[Sequence], steps: int) -> float:
-    """Median wall-clock decode step, in steady state (after merged mode, if on, has merged)."""
-    for _ in range(WARM_UP_STEPS):
-        run_step(parts, seqs, [1] * len(seqs))
-    times = []
-    for _ in range(steps):
-        if parts.model.lm_head.weight.is_cuda:
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        run_step(parts, seqs, [1] * len(seqs))  # sampling syncs: the tokens are on the host
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def e2e_prompt(tokenizer: PreTrainedTokenizerFast, fillers: list[str], generator: torch.Generator,
-               tokens: int = E2E_PROMPT) -> str:
-    """A random prompt of exactly `tokens` tokens: BOS, then `fillers` (the bench tokenizer's added
-    tokens, one token each) drawn at random."""
-    picks = torch.randint(0, len(fillers), (tokens - 1,), generator=generator).tolist()
-    text = "".join(fillers[i] for i in picks)
-    assert len(tokenizer(text)["input_ids"]) == tokens, text[:80]
-    return text
-
 
 def kv_bytes_per_token(config: LlamaConfig) -> int:
     """Bytes of K and V one cached token holds over all layers, bf16: what decode attention reads."""
@@ -208,7 +95,7 @@ def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_fl
     parts = assemble_parts(model, worker, Path("/nonexistent"), load=load)
     print(f"engine ready in {time.perf_counter() - started:.1f} s (CUDA graphs captured)", flush=True)
     base_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    one_adapter = adapter_bytes(config)
+    one_adapter = adapter_bytes(config, AdapterShape(RANK, QKVO), 2)  # bf16, at its true size
     gen = torch.Generator().manual_seed(0)
     results: dict = {"decode": {}}
 
@@ -261,12 +148,12 @@ def bench_tessera(report: Report, config: LlamaConfig, bandwidth: float, peak_fl
     print(f"end to end: {E2E_BATCH} requests x ({E2E_PROMPT} prompt + {E2E_NEW} new tokens):", flush=True)
     results["e2e"] = {}
     tokenizer = bench_tokenizer(config.vocab_size)
-    fillers = [token for token in tokenizer.get_added_vocab() if token.startswith(BENCH_TOKEN_PREFIX)]
+    padding = fillers(tokenizer)
     served_async = async_scheduling_on(WorkerConfig().async_scheduling, torch.device("cuda"))
     steps: list[StepRecord] = []
     with running_engine(parts, tokenizer, RANK, served_async, on_step=steps.append) as engine:
         for case, adapters in E2E_CASES:
-            requests = [bench_request(f"e2e-{case}-{i}", e2e_prompt(tokenizer, fillers, gen), E2E_NEW,
+            requests = [bench_request(f"e2e-{case}-{i}", exact_prompt(tokenizer, padding, gen, E2E_PROMPT), E2E_NEW,
                                       adapters[i % len(adapters)], RANK) for i in range(E2E_BATCH)]
             steps.clear()
             results["e2e"][case] = E2E_BATCH * E2E_NEW / serve(engine, requests)
@@ -325,14 +212,14 @@ def bench_peft(report: Report, config: LlamaConfig, tessera: dict, quick: bool) 
                    tessera_over_peft=tessera["e2e"][case] / throughput)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> dict:
+    parser = suite_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     parser.add_argument("--skip-peft", action="store_true", help="skip the transformers + PEFT baseline")
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--context", type=int, default=DECODE_CONTEXT,
                         help=f"prompt tokens cached before the timed decode steps (default {DECODE_CONTEXT})")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     report = Report(device=torch.cuda.get_device_name())
     tables = tiling.table_for(torch.device("cuda"))["sources"]  # where the LoRA kernels' tiles come from
@@ -344,9 +231,9 @@ def main() -> None:
     tessera = bench_tessera(report, config, bandwidth, peak, args.quick, args.context)
     if not args.skip_peft:
         bench_peft(report, config, tessera, args.quick)
-    if args.json:
-        args.json.write_text(json.dumps({"device": report.device, "lora_tables": tables, "rows": report.rows},
-                                        indent=1))
+    result = {"device": report.device, "lora_tables": tables, "rows": report.rows}
+    write_json(args.json, result)
+    return result
 
 
 if __name__ == "__main__":

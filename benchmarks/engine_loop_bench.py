@@ -2,8 +2,9 @@
 each token to the caller's asyncio loop, stats. One device, one run.
 
 For each batch size and adapter case it measures, on one model:
-  - bare step: engine_bench's `run_step` (grow blocks, forward, sample, append the token ids), the
-    median wall clock of a decode step: the device's work and the least host work a step needs;
+  - bare step: `run_step` (benchmarks/harness/bare_steps.py, as engine_bench runs it: grow blocks,
+    forward, sample, append the token ids), the median wall clock of a decode step: the device's work
+    and the least host work a step needs;
   - engine loop: the same batch submitted as requests to a running Engine (its thread; outputs drained
     by an asyncio loop in this thread, as the gRPC servicer does), the median time between the ends of
     two consecutive decode steps that ran the whole batch (StepRecord), once with async scheduling
@@ -16,7 +17,7 @@ five thirds of --new-tokens), at most the largest batch running: requests finish
 admitted (their prefills joining the decodes) in most steps. It prints generated tokens per second
 through each engine, async and one step at a time.
 
-On CUDA the model is 7B-shaped (engine_bench's Llama-2-7B config, random bf16 weights, CUDA graphs on),
+On CUDA the model is 7B-shaped (the Llama-2-7B config, random bf16 weights, CUDA graphs on),
 with the locally trained demo tokenizer (its vocabulary replaces Llama-2's 32000, so that every sampled
 id decodes). On CPU it is a tiny Llama of the same tokenizer (float32): there the step is host work too.
 
@@ -25,8 +26,6 @@ id decodes). On CPU it is a tiny Llama of the same tokenizer (float32): there th
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import time
@@ -38,18 +37,19 @@ from typing import TypeVar
 import torch
 from transformers import LlamaConfig, PreTrainedTokenizerBase
 
-from benchmarks.engine_bench import LLAMA2_7B, RANK, TARGETS, decode_step_seconds, new_sequences, prefill, release
-from benchmarks.serving import BASE_MODEL, bench_request, bench_tokenizer, running_engine, serve
+from benchmarks.harness.bare_steps import decode_step_seconds, new_sequences, prefill, release
+from benchmarks.harness.cli import suite_parser
+from benchmarks.harness.prompts import word_prompt
+from benchmarks.harness.report import write_json
+from benchmarks.harness.serving import BASE_MODEL, bench_request, bench_tokenizer, running_engine, serve
+from benchmarks.harness.shapes import LLAMA2_7B, RANK, TARGETS, TINY_LLAMA
 from gpu_worker.builder import EngineParts, assemble_parts
 from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.profile import random_adapters
 from services.common.config import WorkerConfig
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=4096, rms_norm_eps=1e-5)
 PROMPT_TOKENS = 128
-PROMPT_WORDS = "the engine schedules every request on its adapter and streams each token as it comes".split()
 CASES = ("a_base", "c_own_adapters")  # engine_bench's names: no adapter; each request its own rank-64 adapter
 T = TypeVar("T")
 
@@ -99,7 +99,7 @@ def adapter_names(case: str, batch: int) -> list[str | None]:
 
 
 def build(device: torch.device, max_batch: int, tokenizer: PreTrainedTokenizerBase) -> EngineParts:
-    shape = LLAMA2_7B if device.type == "cuda" else TINY
+    shape = LLAMA2_7B if device.type == "cuda" else {**TINY_LLAMA, "max_position_embeddings": 4096}
     config = LlamaConfig(**{**shape, "vocab_size": len(tokenizer)})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_llama(config, device=device, dtype=dtype)
@@ -108,11 +108,6 @@ def build(device: torch.device, max_batch: int, tokenizer: PreTrainedTokenizerBa
                           adapter_slots=max_batch, max_lora_rank=RANK, lora_targets=TARGETS,
                           kv_cache_tokens=max_batch * 512 + 64, enable_prefix_caching=False)
     return assemble_parts(model, worker, Path("/nonexistent"), load=random_adapters(config, TARGETS, device, dtype))
-
-
-def prompt_text(i: int) -> str:
-    """A distinct prompt of about PROMPT_TOKENS tokens (the demo tokenizer's words run 1-3 tokens)."""
-    return f"request {i}: " + " ".join(PROMPT_WORDS[(i + k) % len(PROMPT_WORDS)] for k in range(PROMPT_TOKENS // 2))
 
 
 def bare_step_ms(parts: EngineParts, batch: int, case: str, steps: int) -> float:
@@ -129,8 +124,8 @@ def loop_step_ms(engine: Engine, records: list[tuple[float, StepRecord]], batch:
     """Runs `batch` requests of `new_tokens` through the engine; (median full-batch step period, steps timed)."""
     names = adapter_names(case, batch)
     records.clear()
-    serve(engine, [bench_request(f"{case}-{batch}-{i}", prompt_text(i), new_tokens, names[i % len(names)], RANK)
-                   for i in range(batch)])
+    serve(engine, [bench_request(f"{case}-{batch}-{i}", word_prompt(i, PROMPT_TOKENS), new_tokens,
+                                 names[i % len(names)], RANK) for i in range(batch)])
     periods = [later - earlier for (earlier, a), (later, b) in zip(records, records[1:])
                if a.num_prefills == b.num_prefills == 0 and len(a.request_ids) == len(b.request_ids) == batch]
     periods = periods[2:]  # the first steps after the prefill settle allocations
@@ -147,24 +142,24 @@ def churn_tokens_per_s(engine: Engine, case: str, running: int, new_tokens: int)
     (generated tokens per second, tokens)."""
     lengths = churn_lengths(4 * running, new_tokens)
     names = adapter_names(case, running)
-    seconds = serve(engine, [bench_request(f"churn-{case}-{i}", prompt_text(i), length, names[i % len(names)], RANK)
-                             for i, length in enumerate(lengths)])
+    seconds = serve(engine, [bench_request(f"churn-{case}-{i}", word_prompt(i, PROMPT_TOKENS), length,
+                                           names[i % len(names)], RANK) for i, length in enumerate(lengths)])
     return sum(lengths) / seconds, sum(lengths)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> dict:
+    parser = suite_parser(__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--cases", choices=CASES, nargs="+", default=list(CASES))
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens each request generates in the loop")
     parser.add_argument("--steps", type=int, default=30, help="timed bare steps")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows, churn = run(torch.device(args.device), args.batches, args.cases, args.new_tokens, args.steps)
-    if args.json:
-        args.json.write_text(json.dumps({"steps": [{**vars(row), "host_ms": row.host_ms} for row in rows],
-                                         "churn": [vars(row) for row in churn]}, indent=1))
+    report = {"steps": [{**vars(row), "host_ms": row.host_ms} for row in rows], "churn": [vars(row) for row in churn]}
+    write_json(args.json, report)
+    return report
 
 
 def run(device: torch.device, batches: list[int], cases: list[str], new_tokens: int,

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import shlex
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -44,7 +42,9 @@ from kernels.adapter_arena import AdapterArena
 from kernels.lora_stack import LoRAStack, packed_elems, packed_layout
 from kernels.tuner import timing
 
-from benchmarks.lora_impls import IMPLS, OPS, Impl
+from benchmarks.harness.cli import command_line, suite_parser
+from benchmarks.harness.lora_impls import IMPLS, OPS, Impl
+from benchmarks.harness.report import write_json
 
 RANK_SETS = {"u16": (16,), "u64": (64,), "mixed": (8, 16, 32, 64, 128)}  # adapter j: set[j % len]
 LAYOUTS = ("decode", "prefill")
@@ -392,19 +392,18 @@ def format_target(t: Target) -> str:
     return f"{t.status:<4} {t.op:<6} {t.what}: {value} (goal {goal}){'  ' + t.detail if t.detail else ''}"
 
 
-def write_json(path: Path, header: dict, rows: list[Row], targets: list[Target] | None, bandwidth: float) -> None:
-    """Rewritten after every case: a run cut short keeps what it measured (complete: false)."""
+def payload(header: dict, rows: list[Row], targets: list[Target] | None, bandwidth: float) -> dict:
+    """The JSON report, rewritten after every case: a run cut short keeps what it measured (complete: false)."""
     pairs = pair_speedups(rows)
-    payload = {**header, "complete": targets is not None, "rows": [r.to_json(bandwidth) for r in rows],
-               "summary": [t.to_json() for t in targets or []],
-               "pair_static_over_tuned": {"median": _median(pairs), "cases": len(pairs)}}
-    path.write_text(json.dumps(payload, indent=1))
+    return {**header, "complete": targets is not None, "rows": [r.to_json(bandwidth) for r in rows],
+            "summary": [t.to_json() for t in targets or []],
+            "pair_static_over_tuned": {"median": _median(pairs), "cases": len(pairs)}}
 
 
 # ---- main ----------------------------------------------------------------------------------
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = suite_parser(__doc__)
     parser.add_argument("--hidden", type=int, nargs="+", help=f"hidden sizes (default {FULL['hidden']})")
     parser.add_argument("--ranks", nargs="+", choices=list(RANK_SETS), help="rank sets (default all)")
     parser.add_argument("--adapters", type=int, nargs="+", help=f"distinct adapters (default {FULL['adapters']})")
@@ -419,15 +418,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("kernel_bench needs a CUDA GPU")
     cases = make_cases(args.hidden, args.ranks, args.adapters, args.tokens, args.layouts)
     bandwidth = timing.copy_bandwidth()
     header = {"device": torch.cuda.get_device_name(), "date": datetime.now().isoformat(timespec="seconds"),
-              "command": shlex.join(sys.orig_argv), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bandwidth_Bps": bandwidth, "tables": tiling.table_for(torch.device(DEVICE))["sources"]}
+              "command": command_line("benchmarks.kernel_bench", argv), "torch": torch.__version__,
+              "triton": triton.__version__, "copy_bandwidth_Bps": bandwidth,
+              "tables": tiling.table_for(torch.device(DEVICE))["sources"]}
     print(f"{header['device']}  {header['date']}  torch {torch.__version__}  triton {triton.__version__}  "
           f"tables: {', '.join(header['tables']) or 'none (heuristics)'}")
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); {len(cases)} cases x {len(OPS)} ops")
@@ -443,15 +443,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(format_row(row, bandwidth), flush=True)
             rows.append(row)
         torch.cuda.empty_cache()  # the case's stack and inputs are gone: give their blocks back
-        if args.json:
-            write_json(args.json, header, rows, None, bandwidth)
+        write_json(args.json, payload(header, rows, None, bandwidth))
     targets = summarize(rows, bandwidth)
     print("\nsummary")
     for target in targets:
         print(format_target(target))
     print(format_pairs(pair_speedups(rows)))
-    if args.json:
-        write_json(args.json, header, rows, targets, bandwidth)
+    report = payload(header, rows, targets, bandwidth)
+    write_json(args.json, report)
+    return report
 
 
 if __name__ == "__main__":

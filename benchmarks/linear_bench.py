@@ -15,8 +15,6 @@ between the kernels of an engine step.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness.cli import suite_parser
+from benchmarks.harness.report import write_json
 from kernels.triton import pdl
 from kernels.triton.linear import LinearConfig, linear_config, row_tile, skinny_linear
 from kernels.tuner.timing import copies_needed, copy_bandwidth, graph_time_s
@@ -91,8 +91,8 @@ def sweep(rows: int, out_features: int, in_features: int) -> list[tuple[float, L
     return sorted(timed, key=lambda t: t[0])
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = suite_parser(__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--shapes", nargs="+", choices=[name for name, _, _ in SHAPES],
                         default=[name for name, _, _ in SHAPES])
@@ -134,9 +134,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"  rows {rows:>3}: floor {totals['floor_us']:.3f}  cublas {totals['cublas_us']:.3f}  "
               f"triton {totals['triton_us']:.3f} (no PDL {totals['triton_no_pdl_us']:.3f})  "
               f"cublas/triton {totals['cublas_us'] / totals['triton_us']:.3f}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"device": device, "torch": torch.__version__,
-                                         "copy_bandwidth_Bps": bandwidth, "rows": rows_out}, indent=1))
+    report = {"device": device, "torch": torch.__version__, "copy_bandwidth_Bps": bandwidth, "rows": rows_out}
+    write_json(args.json, report)
+    return report
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ kernels/triton/merge.py's defaults.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.harness.cli import suite_parser
 from kernels.adapter_arena import AdapterArena
 from kernels.lora_stack import LoRAStack, packed_elems
 from kernels import merge_weights, restore_weights
@@ -146,11 +146,11 @@ def sweep(targets: list[MergeTarget], bandwidth: float, weight_bytes: int) -> No
         print(f"best restore: {tag}: {ms:.2f} ms, ratio {ms / restore_floor:.2f}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = suite_parser(__doc__)
     parser.add_argument("--sweep", action="store_true",
                         help="check and time every candidate launch shape of the merge and restore kernels")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("merge_bench needs a CUDA device")
     targets = build_targets()

@@ -29,9 +29,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
-import json
 import statistics
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,22 +38,23 @@ import numpy as np
 import torch
 from transformers import LlamaConfig
 
-from policy.simulator.workload import load_trace
-from benchmarks.cold_start_bench import LLAMA2_7B, TINY_LLAMA, TRACE, Requests, progress
-from benchmarks.cold_start_replay import replay
-from benchmarks.serving import BASE_MODEL, bench_tokenizer, running_engine
+from benchmarks.harness.cli import add_tiny_run_options, command_line, parse_tiny_run_args, suite_parser
+from benchmarks.harness.prompts import Requests
+from benchmarks.harness.report import progress, write_json
+from benchmarks.harness.serving import BASE_MODEL, bench_tokenizer, replay, running_engine
+from benchmarks.harness.shapes import LLAMA2_7B, TARGETS, TINY_LLAMA
+from benchmarks.harness.traces import Arrival, arrivals_at_rate
 from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
 from gpu_worker.device_kind import device_name, perf_model_kind
 from gpu_worker.engine import StepRecord
-from policy.mode_costs import perf_model_cost
-from policy.mode_policies import StepCost, make_policy
 from gpu_worker.models.random_weights import random_llama
 from gpu_worker.profile import Grid, Profiler, random_adapter_ref, random_adapters, run_grid
+from policy.mode_costs import perf_model_cost
+from policy.mode_policies import StepCost, make_policy
+from policy.perf_model import PerfModel
 from services.common.config import WorkerConfig
 from services.common.runtime import freeze_startup_heap
-from policy.perf_model import PerfModel
 
-QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 POLICIES = ("merged", "unmerged", "dlora", "credit")
 VALORA_MARGINS = {"merged": -0.33, "unmerged": -0.59, "dlora": -0.21}  # VaLoRA's token latency against each
 THROUGHPUT_TARGET = 0.97  # credit over merge-only at skew >= 0.7
@@ -76,28 +75,15 @@ SETTINGS = {"full": Setting(),
                             grid=Grid((1, 2), (8, 32), (1, 4), (16, 64), (8,), 1))}
 
 
-@dataclass(frozen=True)
-class Arrival:
-    at_s: float
-    adapter: int  # 0: the top adapter
-    prompt: int
-    output: int
-
-
 def skewed_arrivals(trace: Path, rate: float, duration_s: float, skew: float, setting: Setting,
                     seed: int) -> list[Arrival]:
-    """The conv trace's first requests at `rate` per second for `duration_s`; adapter 0 with probability
-    `skew`, else one of the others, evenly."""
-    count = round(rate * duration_s)
-    source = load_trace(trace, max_requests=count + 1)
-    if len(source) <= count:
-        raise ValueError(f"{trace} has {len(source)} requests; {rate:g}/s for {duration_s:g} s needs {count + 1}")
-    times = source.arrival_s * duration_s / source.arrival_s[count]
-    rng = np.random.default_rng(seed)
-    top = rng.random(count) < skew
-    others = rng.integers(1, setting.adapters, size=count)
-    return [Arrival(float(times[i]), 0 if top[i] else int(others[i]), int(min(source.prompt[i], setting.max_prompt)),
-                    int(min(source.output[i], setting.max_output))) for i in range(count)]
+    """The conv trace's first requests at `rate` per second for `duration_s`; adapter 0 (the top one)
+    with probability `skew`, else one of the others, evenly."""
+    def adapters(count: int) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        top = rng.random(count) < skew
+        return np.where(top, 0, rng.integers(1, setting.adapters, size=count))
+    return arrivals_at_rate(trace, rate, duration_s, setting.max_prompt, setting.max_output, adapters)
 
 
 def profiled_cost(parts: EngineParts, device: torch.device, setting: Setting) -> tuple[StepCost, PerfModel]:
@@ -135,10 +121,10 @@ def run(args: argparse.Namespace) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     worker = WorkerConfig(device=args.device, base_model=BASE_MODEL, max_num_seqs=setting.max_num_seqs,
                           adapter_slots=setting.adapters + max(setting.grid.decode_batches), max_lora_rank=setting.rank,
-                          lora_targets=QKVO, mode_policy="credit", cpu_lora_workers=0,
+                          lora_targets=TARGETS, mode_policy="credit", cpu_lora_workers=0,
                           max_batch_tokens=max(4096, 2 * setting.max_prompt))
     model = random_llama(config, device=device, dtype=dtype)
-    parts = assemble_parts(model, worker, Path("/nonexistent"), load=random_adapters(config, QKVO, device, dtype))
+    parts = assemble_parts(model, worker, Path("/nonexistent"), load=random_adapters(config, TARGETS, device, dtype))
     cost, perf_model = profiled_cost(parts, device, setting)
     report: dict = {"device": device_name(device), "date": datetime.date.today().isoformat(),
                     "setting": {k: v for k, v in dataclasses.asdict(setting).items() if k != "grid"},
@@ -175,8 +161,7 @@ def run(args: argparse.Namespace) -> dict:
                     runs[key] = averaged(runs.get(key, {}).get("runs", []) + [row])
                     progress(f"{key} #{repeat + 1}: token latency {row['token_latency_ms']:.2f} ms, throughput "
                              f"{row['throughput_tok_s']:.0f} tok/s, steps {row['steps']}, switches {row['switches']}")
-                    if args.json:  # so far: a run cut short keeps what it measured
-                        args.json.write_text(json.dumps(report | {"runs": runs}, indent=1))
+                    write_json(args.json, report | {"runs": runs})  # so far: a run cut short keeps it
     report["runs"] = runs
     report["comparison"] = comparison(runs, args.skews)
     return report
@@ -198,9 +183,8 @@ def comparison(runs: dict[str, dict], skews: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model (with --device cpu: a smoke run)")
-    parser.add_argument("--device", default="cuda")
+    parser = suite_parser(__doc__)
+    add_tiny_run_options(parser)
     parser.add_argument("--skews", nargs="+", type=float, default=[0.3, 0.5, 0.7, 0.9],
                         help="the top adapter's share of the requests")
     parser.add_argument("--rate", type=float, default=8.0, help="requests per second")
@@ -210,13 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--theta", type=float, default=WorkerConfig().mode_credit_theta)
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0)
     parser.add_argument("--ttft-slo-ms", type=float, default=5000.0)
-    parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("CUDA is not available: use --device cpu --tiny")
+    args = parse_tiny_run_args(parser, argv)
     report = run(args)
-    report["command"] = " ".join(["python -m benchmarks.modes_bench", *(sys.argv[1:] if argv is None else argv)])
+    report["command"] = command_line("benchmarks.modes_bench", argv)
     print(f"average token latency (ms) and throughput (tok/s) on {report['device']}, rate {args.rate:g}/s:")
     print("skew  " + "".join(f"{p:>22}" for p in POLICIES))
     for skew in args.skews:
@@ -234,8 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"; throughput {row['throughput_vs_merged']:.3f} [>= {THROUGHPUT_TARGET}] " \
             f"{'met' if row['throughput_target_met'] else 'NOT met'}"
         print(f"  skew {skew}: {vs}; latency target {met}{tput}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    write_json(args.json, report)
     return report
 
 

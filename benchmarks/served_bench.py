@@ -54,9 +54,9 @@ from typing import Any, TextIO
 import torch
 from transformers import LlamaConfig, PreTrainedTokenizerBase
 
-from benchmarks.engine_bench import LLAMA2_7B, RANK, TARGETS
+from benchmarks.harness.serving import bench_tokenizer
+from benchmarks.harness.shapes import LLAMA2_7B, RANK, TARGETS
 from benchmarks.http_client import chunks, exchange, post_json, read_head
-from benchmarks.serving import bench_tokenizer
 from gpu_worker.builder import build_engine
 from gpu_worker.engine import Engine
 from gpu_worker.intake import GenerationRequest

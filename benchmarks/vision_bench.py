@@ -28,12 +28,10 @@ that timestamps tokens is never blocked); median and p90 over each level's reque
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import io
 import itertools
-import json
 import math
 import subprocess
 import time
@@ -52,8 +50,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor,
                           PreTrainedTokenizerFast)
 
-from benchmarks.engine_bench import LLAMA2_7B, RANK, TARGETS, Report
-from gpu_worker.builder import assemble_parts, async_scheduling_on
+from benchmarks.harness.cli import suite_parser
+from benchmarks.harness.report import Report, percentile, write_json
+from benchmarks.harness.serving import running_engine
+from benchmarks.harness.shapes import LLAMA2_7B, RANK, TARGETS
+from gpu_worker.builder import EngineParts, assemble_parts, async_scheduling_on
 from gpu_worker.device_kind import device_name
 from gpu_worker.delivery import RequestHandle
 from gpu_worker.engine import Engine
@@ -157,20 +158,14 @@ def word_processor(config: LlavaConfig) -> LlavaProcessor:
     return processor
 
 
-def start_engine(setup: Setup, worker: WorkerConfig, processor: LlavaProcessor) -> Engine:
-    """What builder.assemble_engine makes, with the random model and adapters in place of a checkpoint."""
+def llava_parts(setup: Setup, worker: WorkerConfig) -> EngineParts:
+    """What builder.assemble_engine assembles, with the random model and adapters in place of a checkpoint."""
     device = torch.device(worker.device)
     dtype = resolve_dtype(worker.dtype, device)
     served = random_llava(setup.config, device, dtype)
-    parts = assemble_parts(served.language_model, worker, Path("/nonexistent"),
-                           load=random_adapters(setup.config.text_config, TARGETS, device, dtype),
-                           image_encoder=served.image_encoder, adapter_layout=served.adapter_layout)
-    engine = Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
-                    orchestrator=parts.orchestrator, adapters=parts.adapters, cold_start=parts.cold_start, tokenizer=processor.tokenizer,
-                    max_context=parts.model.max_context, max_lora_rank=worker.max_lora_rank, processor=processor,
-                    async_scheduling=async_scheduling_on(worker.async_scheduling, device))
-    engine.start()
-    return engine
+    return assemble_parts(served.language_model, worker, Path("/nonexistent"),
+                          load=random_adapters(setup.config.text_config, TARGETS, device, dtype),
+                          image_encoder=served.image_encoder, adapter_layout=served.adapter_layout)
 
 
 # --- requests ---------------------------------------------------------------------------------
@@ -258,8 +253,8 @@ def run_bursts(engine: Engine, bursts: list[list[GenerationRequest]]) -> list[Ti
     return asyncio.run(main())
 
 
-def _ms(values: list[float], percentile: float) -> float:
-    return float(np.percentile(values, percentile)) * 1e3
+def _ms(values: list[float], q: float) -> float:
+    return percentile(values, q) * 1e3
 
 
 def measure_level(engine: Engine, maker: RequestMaker, workload: Workload, concurrency: int) -> dict:
@@ -290,11 +285,13 @@ def bench_engine(report: Report, setup: Setup, caches: bool, processor: LlavaPro
                           lora_targets=TARGETS, enable_prefix_caching=caches,
                           image_cache_bytes=defaults.image_cache_bytes if caches else 0)
     started = time.perf_counter()
-    engine = start_engine(setup, worker, processor)
-    kv_tokens = engine.stats().free_kv_tokens
-    print(f"caches {'on' if caches else 'off'}: engine ready in {time.perf_counter() - started:.1f} s, "
-          f"KV cache {kv_tokens} tokens, max_batch_tokens {worker.max_batch_tokens}", flush=True)
-    try:
+    parts = llava_parts(setup, worker)
+    with running_engine(parts, processor.tokenizer, worker.max_lora_rank,
+                        async_scheduling_on(worker.async_scheduling, torch.device(worker.device)), processor=processor,
+                        base_model=worker.base_model) as engine:
+        kv_tokens = engine.stats().free_kv_tokens
+        print(f"caches {'on' if caches else 'off'}: engine ready in {time.perf_counter() - started:.1f} s, "
+              f"KV cache {kv_tokens} tokens, max_batch_tokens {worker.max_batch_tokens}", flush=True)
         maker = RequestMaker(setup, reuse=caches)
         for workload in setup.workloads:
             print(f"{workload.name}: warming up", flush=True)
@@ -306,9 +303,7 @@ def bench_engine(report: Report, setup: Setup, caches: bool, processor: LlavaPro
             for concurrency in setup.concurrency:
                 report.add(kind="serve", caches="on" if caches else "off", kv_cache_tokens=kv_tokens,
                            **measure_level(engine, maker, workload, concurrency))
-    finally:
-        engine.stop()
-    del engine
+    del engine, parts
     gc.collect()
     if setup.device.startswith("cuda"):
         torch.cuda.empty_cache()  # the next engine sizes its KV cache from free memory
@@ -344,8 +339,8 @@ def print_table(rows: list[dict]) -> None:
               f"{r['output_tok_per_s']:7.0f}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> dict:
+    parser = suite_parser(__doc__)
     parser.add_argument("--tiny", action="store_true", help="a tiny LLaVA on CPU, few requests (a smoke run)")
     parser.add_argument("--concurrency", type=int, nargs="+", help="concurrency levels (default: 1 8 32)")
     parser.add_argument("--json", type=Path, help="write the header and every row here")
@@ -367,8 +362,9 @@ def main(argv: list[str] | None = None) -> None:
         bench_engine(report, setup, caches, processor)
     print(f"\n{header['device']}, {header['date']}, " + ", ".join(f"{k} {v}" for k, v in header["versions"].items()))
     print_table(report.rows)
-    if args.json:
-        args.json.write_text(json.dumps({**header, "rows": report.rows}, indent=1))
+    result = {**header, "rows": report.rows}
+    write_json(args.json, result)
+    return result
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from benchmarks.adapter_files import ALL_SEVEN, AdapterShape, AdapterStore
-from benchmarks.cold_start_bench import Requests
-from benchmarks.engine_bench import LLAMA2_7B
-from benchmarks.serving import BASE_MODEL, bench_tokenizer, running_engine, serve
+from benchmarks.harness.adapter_files import AdapterShape, AdapterStore
+from benchmarks.harness.prompts import Requests
+from benchmarks.harness.serving import BASE_MODEL, bench_tokenizer, running_engine, serve
+from benchmarks.harness.shapes import ALL_SEVEN, LLAMA2_7B
 from gpu_worker.builder import assemble_parts
 from gpu_worker.models.random_weights import random_llama
 from services.common.config import WorkerConfig

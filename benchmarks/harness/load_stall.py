@@ -12,6 +12,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from benchmarks.harness.serving import first_token_s
 from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.adapter_stats import AdapterTierStats
@@ -51,22 +52,6 @@ class StepLog:
     def first_launch(self, request_id: str) -> float:
         """When the first step that ran `request_id` was launched."""
         return next(at for at, record in list(self._steps) if request_id in record.request_ids)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank q-th percentile (0 < q <= 100) of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-async def first_token_s(engine: Engine, request: GenerationRequest) -> float:
-    """Seconds from submitting `request` to its first token; the stream is drained to its end."""
-    started, first = time.perf_counter(), None
-    async for out in engine.submit(request, asyncio.get_running_loop()):
-        if first is None and out.token_ids:
-            first = time.perf_counter() - started
-    assert first is not None, f"{request.request_id} ended without a token"
-    return first
 
 
 async def stall_window(engine: Engine, streams: list[GenerationRequest], arrivals: list[GenerationRequest],

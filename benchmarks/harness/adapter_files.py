@@ -18,13 +18,11 @@ import torch
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
+from benchmarks.harness.shapes import ALL_SEVEN, QKVO
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.models.llama import LORA_TARGETS
 from gpu_worker.profile import projection_dims
 from services.common.adapter_layout import CONFIG_FILE, TEXT_LAYOUT, WEIGHTS_FILE, content_digest, file_sha256
-
-QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
-ALL_SEVEN = tuple(LORA_TARGETS)
 
 
 @dataclass(frozen=True)

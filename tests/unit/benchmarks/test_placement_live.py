@@ -9,7 +9,7 @@ from pathlib import Path
 from benchmarks import placement_live
 from policy.simulator import cli as simulator_cli
 
-TRACE = Path(__file__).resolve().parents[1] / "data" / "azure_conv_trace_first500.csv"
+TRACE = Path(__file__).resolve().parents[2] / "data" / "azure_conv_trace_first500.csv"
 
 
 def test_the_simulator_runs_the_live_setting(tmp_path: Path) -> None:

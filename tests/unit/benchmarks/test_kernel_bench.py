@@ -1,21 +1,19 @@
-"""benchmarks/kernel_bench.py on CPU: case generation, the bytes model, the baselines against
-kernels.reference in float32, the correctness gate, and the measure/summary plumbing with a fake
-timer (the ATMM kernels run in Triton's interpreter, see tests/conftest.py)."""
+"""benchmarks/kernel_bench.py on CPU: case generation, the bytes model, the correctness gate, and the
+measure/summary plumbing with a fake timer (the ATMM kernels run in Triton's interpreter, see
+tests/conftest.py). The implementations it runs: test_lora_impls.py; its whole flow: test_smoke.py."""
 
 from __future__ import annotations
 
-import functools
 import json
-import shlex
-import sys
 from collections import Counter
 
 import pytest
 import torch
 
 from benchmarks import kernel_bench as kb
-from benchmarks import lora_impls as impls
-from kernels import LoRABatch, LoRAStack, reference, tiling
+from benchmarks.harness import lora_impls as impls
+from benchmarks.harness.report import write_json
+from kernels import tiling
 
 F32 = torch.float32
 
@@ -118,55 +116,6 @@ def test_only_used_adapters_get_slots():
     assert batch.seg_slots == tuple(6 + used.index(j) for j in case.seg_adapters)
 
 
-# ---- implementations -----------------------------------------------------------------------
-
-BASELINES = {"torch_loop": impls.TorchLoop, "gather_bmm": impls.GatherBmm}
-LAYOUT_CASES = {  # name -> (ranks, adapters, tokens, layout)
-    "decode_scattered": ("mixed", 4, 11, "decode"),
-    "prefill_scattered": ("mixed", 5, 17, "prefill"),
-    "prefill_one_adapter": ("u16", 1, 9, "prefill"),  # contiguous: slices, no gathers
-    "decode_fewer_tokens_than_adapters": ("u64", 16, 3, "decode"),
-}
-
-
-@pytest.mark.parametrize("impl", sorted(BASELINES))
-@pytest.mark.parametrize("layout", sorted(LAYOUT_CASES))
-def test_baselines_equal_the_reference_in_float32(impl, layout):
-    ranks, adapters, tokens, kind = LAYOUT_CASES[layout]
-    case = small_case(ranks, adapters, tokens, kind)
-    g = torch.Generator().manual_seed(3)
-    stack = kb.random_stack(case, 2, F32, "cpu", g)
-    batch = kb.copy_batch(case, 1, "cpu")  # the second copy's slots: slot offsets matter
-    x, out = kb.random_rows(1, case, F32, "cpu", g)[0], kb.random_rows(1, case, F32, "cpu", g)[0]
-    want_y = reference.lora_shrink(x, stack, batch)[0, :, 0]  # [tokens, max_rank], zero past each rank
-    want_out = out.clone()
-    reference.lora_expand(want_out, want_y[None, :, None], stack, batch)
-
-    op = BASELINES[impl](stack, batch)
-    y = op.shrink(x)
-    torch.testing.assert_close(op.dense(y), want_y, rtol=1e-5, atol=1e-5)
-    op.expand(out, y)
-    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
-
-
-def test_torch_loop_uses_views_for_contiguous_tokens_and_indices_otherwise():
-    case = kb.Case(hidden=16, ranks="u16", adapters=2, layout="prefill", seg_lens=(2, 3, 1), seg_adapters=(0, 1, 0))
-    stack = kb.random_stack(case, 1, F32, "cpu", torch.Generator().manual_seed(0))
-    groups = impls.TorchLoop(stack, kb.copy_batch(case, 0, "cpu")).groups
-    assert groups[0][0].tolist() == [0, 1, 5] and groups[1][0] == slice(2, 5)
-
-
-def test_gather_bmm_pads_groups_as_documented():
-    stack = LoRAStack.standalone(8, 16, (16,), 16, F32, "cpu")
-    for slot, rank in ((7, 4), (3, 8)):
-        stack.set_slot(slot, {0: (torch.ones(rank, 16), torch.ones(16, rank))}, 1.0)
-    op = impls.GatherBmm(stack, LoRABatch.build([1, 1, 1, 2, 1], [7, 3, 7, 0, 7], "cpu"))
-    # Slot 0 is empty but still a group: tokens [3, 4], like slot 7's [0, 2, 5] and slot 3's [1].
-    assert op.slots.tolist() == [7, 3, 0] and op.rank == 8
-    assert op.idx_pad.tolist() == [[0, 2, 5], [1, 0, 0], [3, 4, 0]]
-    assert op.valid.tolist() == [0, 1, 2, 3, 6, 7] and op.rows.tolist() == [0, 2, 5, 1, 3, 4]
-
-
 # ---- check and measure ---------------------------------------------------------------------
 
 def test_check_case_passes_every_implementation():
@@ -263,7 +212,7 @@ def test_report_lines_and_json(tmp_path):
     assert line.startswith("h4096 u16 n4 t8 decode") and "2.0" in line and "0.50" in line
     assert all(kb.format_target(t).split()[0] in ("PASS", "MISS", "n/a") for t in targets)
     path = tmp_path / "bench.json"
-    kb.write_json(path, {"device": "cpu", "command": "x"}, rows, targets, 1e9)
+    write_json(path, kb.payload({"device": "cpu", "command": "x"}, rows, targets, 1e9))
     payload = json.loads(path.read_text())
     assert payload["complete"] and payload["device"] == "cpu" and len(payload["rows"]) == 2
     assert payload["rows"][0]["us"]["atmm_tuned"] == pytest.approx(2.0)
@@ -278,23 +227,3 @@ def test_quick_and_explicit_flags():
     args = kb.parse_args([])
     assert args.hidden == [4096, 3584] and args.adapters == [1, 4, 16, 64] and args.ranks == ["u16", "u64", "mixed"]
     assert args.tokens == [1, 8, 32, 128, 512, 2048, 8192] and args.layouts == ["decode", "prefill"]
-
-
-def test_main_runs_the_whole_flow(monkeypatch, tmp_path, capsys):
-    """main() on CPU in float32: GPU-only calls replaced, the rest as on a GPU."""
-    monkeypatch.setattr(kb, "DEVICE", "cpu")
-    monkeypatch.setattr(kb, "DTYPE", F32)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Fake GPU")
-    monkeypatch.setattr(kb.timing, "copy_bandwidth", lambda: 1e12)
-    monkeypatch.setattr(kb.timing, "copies_needed", lambda num_bytes: 2)
-    monkeypatch.setattr(kb, "measure_case", functools.partial(kb.measure_case, timer=lambda calls: 1e-6))
-    path = tmp_path / "bench.json"
-    kb.main(["--hidden", "32", "--ranks", "mixed", "--adapters", "3", "--tokens", "1", "8", "--json", str(path)])
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("Fake GPU") and "copy bandwidth 1.00 TB/s" in lines[1]
-    assert sum(line.startswith("h32 mixed n3") for line in lines) == 3 * 2  # t1 decode, t8 decode and prefill
-    assert sum(line.split()[:1] in (["PASS"], ["MISS"], ["n/a"]) for line in lines) == 8
-    payload = json.loads(path.read_text())
-    assert payload["complete"] and len(payload["rows"]) == 6 and len(payload["summary"]) == 8
-    assert payload["command"] == shlex.join(sys.orig_argv)  # the process's own command line
