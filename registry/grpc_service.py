@@ -89,7 +89,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         with self._store.changes.subscribe() as changes:
             yield registry_pb2.CatalogChange()  # subscribed: the watcher refreshes what it missed
             while True:
-                change = await changes.get()
+                try:
+                    change = await changes.get()
+                except asyncio.CancelledError:  # the server stops: the stream ends, with no traceback logged
+                    return
                 yield registry_pb2.CatalogChange(removed_adapters=change.removed_adapters)
 
 
