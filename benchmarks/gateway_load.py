@@ -30,17 +30,10 @@ The load client runs in this process, on the same cores as the system.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import json
 import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -49,15 +42,14 @@ from pathlib import Path
 
 import grpc
 
-from services.common.config import load_config
+from benchmarks.harness.cli import exits_on_sigterm, suite_parser
+from benchmarks.harness.http_client import chunks, exchange, post_json, read_body, read_head
+from benchmarks.harness.live_system import DEMO_MODELS, RunningSystem, run_cli, system_env, tessera_up
+from benchmarks.harness.report import percentile, write_json
 from services.common.tls import load_role_credentials
-from services.launcher.supervisor import stop_process_group
+from services.demo_assets import DEMO_BASE_MODEL
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from benchmarks.http_client import chunks, exchange, post_json, read_body, read_head
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BASE_MODEL = "tessera-demo-llama"
 PROMPT = "def fibonacci(n):"
 IDLE_PROBE = b"POST /v1/completions HT"  # half a request line: the connection is open and says nothing more
 
@@ -102,13 +94,8 @@ class LoadRun:
         return [s.ttft_s for s in self.streams if s.status == 200 and s.ttft_s is not None]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def completion_request(port: int, max_tokens: int) -> bytes:
-    return post_json(port, "/v1/completions", {"model": BASE_MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
+    return post_json(port, "/v1/completions", {"model": DEMO_BASE_MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
                                                "stream": True, "temperature": 0})
 
 
@@ -218,7 +205,7 @@ async def direct(worker: str, credentials: grpc.ChannelCredentials, n: int, max_
             ttft = None
             try:
                 async for reply in stub.Generate(worker_pb2.WorkerGenerateRequest(
-                        request_id=f"direct-{n}-{i}", base_model=BASE_MODEL, text=PROMPT,
+                        request_id=f"direct-{n}-{i}", base_model=DEMO_BASE_MODEL, text=PROMPT,
                         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0))):
                     if ttft is None and reply.WhichOneof("payload") == "delta":
                         ttft = time.perf_counter() - started
@@ -258,100 +245,53 @@ async def idle_delay(http_port: int, idle: int, repeats: int = 20, path: str = "
     return without, with_idle, still_open
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class System:
-    env: dict[str, str]
-    http_port: int
-    metrics_port: int
-    worker: str
-
-
 @contextmanager
-def running_system(max_streams: int, max_in_flight: int, max_tokens: int,
-                   keep_log: Path | None = None) -> Iterator[System]:
-    """`tessera up` in a temporary home on free ports, the worker sized to batch `max_streams`;
-    `keep_log`: where to copy the roles' log (tessera up's output) when they have stopped."""
+def running_system(max_streams: int, max_in_flight: int, max_tokens: int, log: Path | None) -> Iterator[RunningSystem]:
+    """`tessera demo-assets`, then `tessera up` in a temporary home, the worker sized to batch `max_streams`;
+    `log`: where the roles' log (tessera up's output) goes (default: the temporary home)."""
     blocks_per_stream = -(-(32 + max_tokens) // 16)  # the prompt's ~10 tokens and the output, in 16-token blocks
     with tempfile.TemporaryDirectory(prefix="gateway-load-") as home:
-        ports = {name: free_port() for name in (
-            "REGISTRY__GRPC_PORT", "REGISTRY__ADMIN_PORT", "REGISTRY__METRICS_PORT", "GATEWAY__HTTP_PORT",
-            "GATEWAY__GRPC_PORT", "GATEWAY__METRICS_PORT", "WORKER__GRPC_PORT", "WORKER__METRICS_PORT")}
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
-        env.update({f"TESSERA_{k}": str(v) for k, v in ports.items()})
-        env.update({
-            "TESSERA_HOME": home, "PYTHONUNBUFFERED": "1",
-            "TESSERA_GATEWAY__REGISTRY_ADDRESS": f"127.0.0.1:{ports['REGISTRY__GRPC_PORT']}",
-            "TESSERA_WORKER__REGISTRY_ADDRESS": f"127.0.0.1:{ports['REGISTRY__GRPC_PORT']}",
-            "TESSERA_GATEWAY__MAX_QUEUED_PER_MODEL": str(max_in_flight),
-            "TESSERA_WORKER__MAX_NUM_SEQS": str(max_streams),
-            "TESSERA_WORKER__MAX_BATCH_TOKENS": "8192",
-            "TESSERA_WORKER__KV_CACHE_TOKENS": str(max_streams * blocks_per_stream * 16),
-        })
-        cli = [sys.executable, "-m", "services.cli"]
-        subprocess.run([*cli, "demo-assets"], env=env, cwd=REPO_ROOT, check=True, capture_output=True, timeout=900)
-        log_path = Path(home) / "launcher.log"
-        with open(log_path, "w") as log:
-            process = subprocess.Popen([*cli, "up"], env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
-            try:
-                system = System(env, ports["GATEWAY__HTTP_PORT"], ports["GATEWAY__METRICS_PORT"],
-                                f"127.0.0.1:{ports['WORKER__GRPC_PORT']}")
-                _wait_until_serving(system, process, log_path)
-                yield system
-            finally:
-                stop_process_group(process, signal.SIGINT, grace_s=30)
-                if keep_log is not None:
-                    shutil.copyfile(log_path, keep_log)
+        env = system_env(Path(home), len(DEMO_MODELS), {
+            "GATEWAY__MAX_QUEUED_PER_MODEL": max_in_flight, "WORKER__MAX_NUM_SEQS": max_streams,
+            "WORKER__MAX_BATCH_TOKENS": 8192, "WORKER__KV_CACHE_TOKENS": max_streams * blocks_per_stream * 16})
+        run_cli(["demo-assets"], env, timeout_s=900)
+        with tessera_up(env, DEMO_MODELS, log or Path(home) / "launcher.log", timeout_s=300) as system:
+            yield system
 
 
-def _wait_until_serving(system: System, process: subprocess.Popen, log_path: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    request = completion_request(system.http_port, 1)
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"tessera up exited:\n{log_path.read_text()[-3000:]}"
-        if asyncio.run(sse_stream(system.http_port, request, 30)).done:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"the gateway did not serve within {timeout_s:.0f} s:\n{log_path.read_text()[-3000:]}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> dict:
+    parser = suite_parser(__doc__)
     parser.add_argument("--streams", type=int, nargs="+", default=[100, 500, 2000])
     parser.add_argument("--idle", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-in-flight", type=int, default=2048, help="the gateway's max_queued_per_model")
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--log", type=Path, help="copy the roles' log (tessera up's output) here")
-    args = parser.parse_args()
+    parser.add_argument("--log", type=Path, help="write the roles' log (tessera up's output) here")
+    args = parser.parse_args(argv)
     import uvloop  # the client's loop, as the roles'
 
     rows = []
-    with running_system(max(args.streams), args.max_in_flight, args.max_tokens, args.log) as system:
-        credentials = load_role_credentials(load_config(environ=system.env), "gateway").channel()
+    with exits_on_sigterm(), \
+            running_system(max(args.streams), args.max_in_flight, args.max_tokens, args.log) as system:
+        credentials = load_role_credentials(system.config, "gateway").channel()
         print(f"{os.cpu_count()}-core CPU, demo model, {args.max_tokens} tokens a stream, "
               f"admission bound {args.max_in_flight}")
         print(f"{'N':>6} {'held':>6} {'done':>6} {'429':>6} {'failed':>6} {'TTFT p50':>9} {'p99':>8} "
               f"{'worker p50':>10} {'p99':>8} {'added p50':>9} {'p99':>8} {'front':>7} {'decided':>8} {'accept q':>8}")
         for n in args.streams:
-            answers = uvloop.run(direct(system.worker, credentials, n, args.max_tokens))
+            answers = uvloop.run(direct(system.worker_grpc, credentials, n, args.max_tokens))
             worker = [a for a in answers if isinstance(a, float)]
             if len(worker) < n:
                 print(f"       direct to the worker: {n - len(worker)} of {n} failed: "
                       f"{sorted({a for a in answers if isinstance(a, str)})}")
-            run = uvloop.run(load(system.http_port, system.metrics_port, n, args.max_tokens, args.timeout_s))
+            run = uvloop.run(load(system.http_port, system.port("GATEWAY__METRICS_PORT"), n, args.max_tokens,
+                                  args.timeout_s))
             ttfts = run.ttfts() or [float("nan")]
             row = {"streams": n, "held": run.held, "completed": run.completed, "refused_429": run.refused,
-                   "failed": len(run.failed), "ttft_p50_ms": 1e3 * percentile(ttfts, 0.5),
-                   "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99), "worker_ttft_p50_ms": 1e3 * percentile(worker, 0.5),
-                   "worker_ttft_p99_ms": 1e3 * percentile(worker, 0.99),
+                   "failed": len(run.failed), "ttft_p50_ms": 1e3 * percentile(ttfts, 50),
+                   "ttft_p99_ms": 1e3 * percentile(ttfts, 99), "worker_ttft_p50_ms": 1e3 * percentile(worker, 50),
+                   "worker_ttft_p99_ms": 1e3 * percentile(worker, 99),
                    "all_decided_s": run.all_decided_s, "max_accept_queue": run.max_accept_queue,
                    "failures": sorted({s.error or str(s.status) for s in run.failed})[:5]}
             row["added_p50_ms"] = row["ttft_p50_ms"] - row["worker_ttft_p50_ms"]
@@ -371,10 +311,10 @@ def main() -> None:
         print(f"normal request (GET /v1/models, new connection, median of 20): {1e3 * without:.1f} ms alone, "
               f"{1e3 * with_idle:.1f} ms beside {args.idle} idle connections ({still_open} still open): "
               f"+{1e3 * (with_idle - without):.1f} ms")
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "idle": {
-            "connections": args.idle, "alone_ms": 1e3 * without, "beside_idle_ms": 1e3 * with_idle,
-            "still_open": still_open}}, indent=2))
+    report = {"rows": rows, "idle": {"connections": args.idle, "alone_ms": 1e3 * without,
+                                     "beside_idle_ms": 1e3 * with_idle, "still_open": still_open}}
+    write_json(args.json, report)
+    return report
 
 
 if __name__ == "__main__":

@@ -13,15 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,28 +24,25 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.harness.cli import exits_on_sigterm, suite_parser
+from benchmarks.harness.completions import Request, Result, rest_stream
+from benchmarks.harness.live_system import RunningSystem, system_env, tessera_up
+from benchmarks.harness.prompts import word_prompt
+from benchmarks.harness.report import markdown_table, percentile, progress
+from benchmarks.harness.shapes import ALL_SEVEN
+from benchmarks.harness.traces import TRACE
+from policy.perf_model import perf_model_path
+from policy.placement import PlanLimits
 from policy.simulator import cli as simulator_cli
 from policy.simulator.workload import load_trace
-from benchmarks.served_bench import Request, Result, prompt_text, rest_stream
 from registry.store import RegistryStore
 from services.common.adapter_layout import CONFIG_FILE, WEIGHTS_FILE
 from services.common.config import load_config
-from policy.perf_model import perf_model_path
-from policy.placement import PlanLimits
 from services.demo_assets import DEMO_BASE_MODEL, DemoAdapterSpec, build_llama, build_lora_adapter
-from services.launcher.supervisor import stop_process_group
-from tests.ports import free_port_plan
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "AzureLLMInferenceTrace_conv.csv"
 RANKS = (8, 16, 32, 64)
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 POLICIES = ("tessera", "most-idle", "least-loaded-lru")
 MAX_NUM_SEQS = 16  # each worker's
-
-
-def say(message: str) -> None:
-    print(f"[placement-live] {message}", file=sys.stderr, flush=True)
 
 
 # --- the model and adapters ----------------------------------------------------------------------
@@ -65,7 +57,8 @@ def build_assets(root: Path, adapters: int, seed: int) -> tuple[Path, dict[str, 
     for rank in RANKS:
         templates[rank] = root / "templates" / f"r{rank}"
         if not (templates[rank] / WEIGHTS_FILE).exists():
-            build_lora_adapter(base, templates[rank], DemoAdapterSpec(f"r{rank}", rank, 2.0 * rank, TARGETS, seed=rank))
+            build_lora_adapter(base, templates[rank],
+                               DemoAdapterSpec(f"r{rank}", rank, 2.0 * rank, ALL_SEVEN, seed=rank))
     rng = np.random.default_rng(seed)
     dirs = {}
     for i in range(adapters):
@@ -124,7 +117,7 @@ def arrivals(trace: Path, requests: int, rate_scale: float, adapters: list[str],
             ranking[moved] = ranking[rng.permutation(moved)]
         prompt = min(max_prompt, int(rows.prompt[i]))
         output = max(2, min(max_output, int(rows.output[i])))
-        out.append(Arrival(at, Request(f"r{i}", prompt_text(i, prompt), adapters[ranking[ranks[i]]], output)))
+        out.append(Arrival(at, Request(f"r{i}", word_prompt(i, prompt), adapters[ranking[ranks[i]]], output)))
     return out
 
 
@@ -161,83 +154,37 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
 
 
-def run_env(home: Path, workers: int, policy: str, args: argparse.Namespace) -> dict[str, str]:
-    ports = free_port_plan(["REGISTRY__GRPC_PORT", "REGISTRY__ADMIN_PORT", "REGISTRY__METRICS_PORT",
-                            "GATEWAY__HTTP_PORT", "GATEWAY__GRPC_PORT", "GATEWAY__METRICS_PORT"],
-                           ["WORKER__GRPC_PORT", "WORKER__METRICS_PORT"], workers)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
-    env.update({f"TESSERA_{k}": str(v) for k, v in ports.items()})
-    env.update({
-        "TESSERA_HOME": str(home), "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "protos")]),
-        "TESSERA_GATEWAY__REGISTRY_ADDRESS": f"127.0.0.1:{ports['REGISTRY__GRPC_PORT']}",
-        "TESSERA_WORKER__REGISTRY_ADDRESS": f"127.0.0.1:{ports['REGISTRY__GRPC_PORT']}",
-        "TESSERA_GATEWAY__ROUTING_POLICY": policy,
-        "TESSERA_GATEWAY__MAX_QUEUED_PER_MODEL": "4096",
-        "TESSERA_GATEWAY__METADATA_REFRESH_S": "0.5",
-        "TESSERA_REGISTRY__HEARTBEAT_INTERVAL_MS": "500",
+def role_settings(workers: int, policy: str, args: argparse.Namespace) -> dict[str, object]:
+    """The roles' settings for one policy's run: `workers` workers of the demo Llama, their tiers, the SLO."""
+    return {
+        "GATEWAY__ROUTING_POLICY": policy,
+        "GATEWAY__MAX_QUEUED_PER_MODEL": 4096,
+        "GATEWAY__METADATA_REFRESH_S": 0.5,
+        "REGISTRY__HEARTBEAT_INTERVAL_MS": 500,
         # Placement is Tessera's: the baselines route over the workers' own caches alone.
-        "TESSERA_REGISTRY__PLACEMENT_INTERVAL_S": str(args.replan_s if policy == "tessera" else 0),
-        "TESSERA_REGISTRY__PLACEMENT_HALF_LIFE_S": str(args.half_life_s),
-        "TESSERA_REGISTRY__PLACEMENT_GPU_SHARE": str(args.plan_gpu_share),
-        "TESSERA_REGISTRY__PLACEMENT_HOST_SHARE": str(args.plan_host_share),
-        "TESSERA_REGISTRY__PLACEMENT_REPLICA_FACTOR": str(args.replica_factor),
-        "TESSERA_LAUNCHER__WORKERS": str(workers),
-        "TESSERA_WORKER__BASE_MODEL": DEMO_BASE_MODEL,
-        "TESSERA_WORKER__CPU_LORA_WORKERS": "0",
-        "TESSERA_WORKER__MAX_NUM_SEQS": str(MAX_NUM_SEQS),
-        "TESSERA_WORKER__ADAPTER_GPU_BYTES": str(args.gpu_adapter_bytes),
-        "TESSERA_WORKER__ADAPTER_HOST_BYTES": str(args.host_adapter_bytes),
-        "TESSERA_WORKER__DEFAULT_TPOT_SLO_MS": str(args.tpot_slo_ms),
-        "TESSERA_WORKER__DEFAULT_TTFT_SLO_MS": str(args.ttft_slo_ms),
-        "TESSERA_GATEWAY__DEFAULT_TPOT_SLO_MS": str(args.tpot_slo_ms),
-        "TESSERA_GATEWAY__DEFAULT_TTFT_SLO_MS": str(args.ttft_slo_ms),
-    })
-    return env
+        "REGISTRY__PLACEMENT_INTERVAL_S": args.replan_s if policy == "tessera" else 0,
+        "REGISTRY__PLACEMENT_HALF_LIFE_S": args.half_life_s,
+        "REGISTRY__PLACEMENT_GPU_SHARE": args.plan_gpu_share,
+        "REGISTRY__PLACEMENT_HOST_SHARE": args.plan_host_share,
+        "REGISTRY__PLACEMENT_REPLICA_FACTOR": args.replica_factor,
+        "LAUNCHER__WORKERS": workers,
+        "WORKER__BASE_MODEL": DEMO_BASE_MODEL,
+        "WORKER__CPU_LORA_WORKERS": 0,
+        "WORKER__MAX_NUM_SEQS": MAX_NUM_SEQS,
+        "WORKER__ADAPTER_GPU_BYTES": args.gpu_adapter_bytes,
+        "WORKER__ADAPTER_HOST_BYTES": args.host_adapter_bytes,
+        "WORKER__DEFAULT_TPOT_SLO_MS": args.tpot_slo_ms,
+        "WORKER__DEFAULT_TTFT_SLO_MS": args.ttft_slo_ms,
+        "GATEWAY__DEFAULT_TPOT_SLO_MS": args.tpot_slo_ms,
+        "GATEWAY__DEFAULT_TTFT_SLO_MS": args.ttft_slo_ms,
+    }
 
 
-@contextmanager
-def tessera_up(env: dict[str, str], log_path: Path, timeout_s: float = 300.0) -> Iterator[int]:
-    """`tessera up` as a user starts it; -> the gateway's REST port once it serves the base model."""
-    log = open(log_path, "w")
-    process = subprocess.Popen([sys.executable, "-m", "services.cli", "up"], env=env, cwd=REPO_ROOT, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    port = int(env["TESSERA_GATEWAY__HTTP_PORT"])
-    try:
-        deadline = time.monotonic() + timeout_s
-        probe = Request("ready", "ping", DEMO_BASE_MODEL, 1)
-        while not asyncio.run(rest_stream(port, probe, 30)).done:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"tessera up did not serve:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
-        workers = int(env["TESSERA_LAUNCHER__WORKERS"])
-        while len(_workers(env)) < workers:  # every worker registered and heartbeating
-            if time.monotonic() > deadline:
-                raise RuntimeError("not every worker registered")
-            time.sleep(0.5)
-        yield port
-    finally:
-        stop_process_group(process, grace_s=30)
-        log.close()
-
-
-def _admin(env: dict[str, str], path: str) -> dict:
-    key = (Path(env["TESSERA_HOME"]) / "admin_api_key").read_text().strip()
-    request = urllib.request.Request(f"http://127.0.0.1:{env['TESSERA_REGISTRY__ADMIN_PORT']}/admin/v1{path}",
-                                     headers={"Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
-
-
-def _workers(env: dict[str, str]) -> list[dict]:
-    return [w for w in _admin(env, "/workers")["workers"] if w["healthy"]]
-
-
-def _adapter_hits(env: dict[str, str], workers: int) -> tuple[int, int]:
+def adapter_hits(system: RunningSystem) -> tuple[int, int]:
     """(hits, misses) summed over the workers' /metrics."""
     hits = misses = 0
-    first = int(env["TESSERA_WORKER__METRICS_PORT"])
-    for k in range(workers):
+    first = system.port("WORKER__METRICS_PORT")
+    for k in range(len(system.worker_models)):
         with urllib.request.urlopen(f"http://127.0.0.1:{first + k}/metrics", timeout=10) as response:
             for line in response.read().decode().splitlines():
                 if line.startswith("tessera_worker_adapter_hits_total "):
@@ -248,13 +195,13 @@ def _adapter_hits(env: dict[str, str], workers: int) -> tuple[int, int]:
 
 
 def run_policy(policy: str, home: Path, load: list[Arrival], args: argparse.Namespace) -> Outcome:
-    env = run_env(home, args.workers, policy, args)
-    with tessera_up(env, home / f"{policy}.log") as port:
-        warm_hits, warm_misses = _adapter_hits(env, args.workers)  # the readiness probe's, base model: none
-        say(f"{policy}: {args.workers} workers up; replaying {len(load)} requests")
-        timed = asyncio.run(replay(port, load, args.timeout_s))
-        hits, misses = _adapter_hits(env, args.workers)
-        planned = sum(len(a["workers"]) for a in _admin(env, "/placement-plan")["adapters"] if a["tier"] == "gpu")
+    env = system_env(home, args.workers, role_settings(args.workers, policy, args))
+    with tessera_up(env, (DEMO_BASE_MODEL,) * args.workers, home / f"{policy}.log", timeout_s=300) as system:
+        warm_hits, warm_misses = adapter_hits(system)  # the readiness probe's, base model: none
+        progress(f"{policy}: {args.workers} workers up; replaying {len(load)} requests")
+        timed = asyncio.run(replay(system.http_port, load, args.timeout_s))
+        hits, misses = adapter_hits(system)
+        planned = sum(len(a["workers"]) for a in system.admin("/placement-plan")["adapters"] if a["tier"] == "gpu")
     hits, misses = hits - warm_hits, misses - warm_misses
     met, ttfts, errors = 0, [], 0
     for arrival, t in zip(load, timed):
@@ -270,9 +217,9 @@ def run_policy(policy: str, home: Path, load: list[Arrival], args: argparse.Name
     for arrival in load:
         repeats += arrival.request.model in seen
         seen.add(arrival.request.model)
-    quantile = (lambda q: 1e3 * float(np.quantile(ttfts, q))) if ttfts else (lambda q: float("nan"))
-    return Outcome(policy, met / len(load), hits / max(1, hits + misses), repeats / len(load), quantile(0.5),
-                   quantile(0.99), errors, planned)
+    ttft_ms = (lambda q: 1e3 * percentile(ttfts, q)) if ttfts else (lambda q: float("nan"))
+    return Outcome(policy, met / len(load), hits / max(1, hits + misses), repeats / len(load), ttft_ms(50),
+                   ttft_ms(99), errors, planned)
 
 
 def simulator_argv(args: argparse.Namespace, sizes: dict[str, int], out: Path) -> list[str]:
@@ -298,18 +245,18 @@ def simulator_argv(args: argparse.Namespace, sizes: dict[str, int], out: Path) -
 
 
 def table(outcomes: list[Outcome]) -> str:
-    rows = ["| policy | within SLO | adapter hit rate | of its ceiling | TTFT p50 / p99 ms | errors | planned GPU replicas |",
-            "|---|---|---|---|---|---|---|"]
-    rows += [f"| {o.policy} | **{o.slo_attainment:.1%}** | {o.hit_rate:.1%} | {o.hit_rate / o.hit_ceiling:.3f} "
-             f"(ceiling {o.hit_ceiling:.1%}) | {o.ttft_p50_ms:.0f} / {o.ttft_p99_ms:.0f} | {o.errors} "
-             f"| {o.planned_gpu_replicas} |" for o in outcomes]
-    return "\n".join(rows)
+    return markdown_table(
+        ["policy", "within SLO", "adapter hit rate", "of its ceiling", "TTFT p50 / p99 ms", "errors",
+         "planned GPU replicas"],
+        [[o.policy, f"**{o.slo_attainment:.1%}**", f"{o.hit_rate:.1%}",
+          f"{o.hit_rate / o.hit_ceiling:.3f} (ceiling {o.hit_ceiling:.1%})",
+          f"{o.ttft_p50_ms:.0f} / {o.ttft_p99_ms:.0f}", str(o.errors), str(o.planned_gpu_replicas)] for o in outcomes])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = suite_parser(__doc__)
     p.add_argument("--home", type=Path, required=True, help="TESSERA_HOME of the runs (assets kept for reuse)")
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--adapters", type=int, default=200)
     p.add_argument("--requests", type=int, default=400, help="the trace's first N arrivals")
@@ -341,16 +288,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[Outcome]:
     args = parse_args(argv)
     args.home.mkdir(parents=True, exist_ok=True)
-    say(f"building the demo Llama and {args.adapters} adapters under {args.home / 'models'}")
+    progress(f"building the demo Llama and {args.adapters} adapters under {args.home / 'models'}")
     base, adapter_dirs = build_assets(args.home / "models", args.adapters, args.seed)
-    env = run_env(args.home, args.workers, "tessera", args)
-    sizes = register(env, base, adapter_dirs)
+    sizes = register(system_env(args.home, args.workers, {}), base, adapter_dirs)
     load = arrivals(args.trace, args.requests, args.rate_scale, sorted(adapter_dirs), args.skew, args.drift,
                     args.drift_every_s, args.seed, args.max_prompt, args.max_output)
-    say(f"{len(adapter_dirs)} adapters ({sum(sizes.values()) >> 20} MiB; a worker's tiers: GPU "
-        f"{args.gpu_adapter_bytes >> 20} MiB, host {args.host_adapter_bytes >> 20} MiB), {len(load)} requests over "
-        f"{load[-1].at_s:.0f} s, device {torch.device('cpu')} ({os.cpu_count()} cores)")
-    outcomes = [run_policy(policy, args.home, load, args) for policy in args.policies.split(",")]
+    progress(f"{len(adapter_dirs)} adapters ({sum(sizes.values()) >> 20} MiB; a worker's tiers: GPU "
+             f"{args.gpu_adapter_bytes >> 20} MiB, host {args.host_adapter_bytes >> 20} MiB), {len(load)} requests "
+             f"over {load[-1].at_s:.0f} s, device {torch.device('cpu')} ({os.cpu_count()} cores)")
+    with exits_on_sigterm():  # a `timeout` still stops the roles
+        outcomes = [run_policy(policy, args.home, load, args) for policy in args.policies.split(",")]
     print(table(outcomes))
     if args.simulate:
         print("\nThe cluster simulator's prediction for the same setting:\n")

@@ -1,5 +1,5 @@
 """How a suite is run: its parser (the module docstring as its help), the options the engine suites
-share, and the command line it records.
+share, the command line it records, and a clean exit on SIGTERM for the suites that start processes.
 
     parser = suite_parser(__doc__)
     add_tiny_run_options(parser)              # --tiny --device --trace --json
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -50,3 +52,14 @@ def command_line(module: str, argv: Sequence[str] | None) -> str:
     """The command that ran the suite: the process's own when run from a shell (argv None), else the
     one that repeats this call of its main(argv)."""
     return shlex.join(sys.orig_argv if argv is None else ["python", "-m", module, *argv])
+
+
+@contextmanager
+def exits_on_sigterm() -> Iterator[None]:
+    """Inside, SIGTERM (a `timeout`) exits through SystemExit, so the finally blocks still run: the live
+    system's roles are stopped and temporary homes removed. The previous handler is back on leaving."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,5 +1,5 @@
 """What a suite prints and writes: progress lines, rows as they are measured, percentiles (one
-definition for every suite), the JSON report.
+definition for every suite), a markdown table, the JSON report.
 
 Percentiles interpolate linearly between the two nearest ranks (numpy's default, Hyndman and Fan's
 type 7): p of n sorted values sits at position p / 100 * (n - 1), so p0 is the least, p100 the
@@ -38,6 +38,12 @@ class Report:
         self.rows.append(row)
         print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub markdown table of `rows` (cells already formatted) under `header`."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                      *("| " + " | ".join(cells) + " |" for cells in rows)])
 
 
 def write_json(path: Path | None, report: object) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from tests.integration.conftest import RunningSystem
+from benchmarks.harness.live_system import RunningSystem
 
 # Written by the tests themselves: the fixture's capture of the launcher's output, and the adapter
 # directories other tests prepare for registration.

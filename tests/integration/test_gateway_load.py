@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 
 from benchmarks.gateway_load import completion_request, idle_delay, load, sse_stream
-from tests.integration.conftest import RunningSystem, spawn_role, stop_role
-from tests.ports import free_port
+from benchmarks.harness.live_system import RunningSystem, spawn_role, stop_role
+from benchmarks.harness.ports import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from benchmarks.harness.live_system import REPO_ROOT, RunningSystem
 from services.common.config import TesseraConfig, load_config
 from services.common.grpc_server import check_health
 from services.common.tls import load_role_credentials, tls_paths
 from services.common.tls_issue import ensure_cluster_certs
 from tessera.v1 import common_pb2, inference_pb2, inference_pb2_grpc, registry_pb2, registry_pb2_grpc, worker_pb2
 from tessera.v1 import worker_pb2_grpc
-from tests.integration.conftest import REPO_ROOT, RunningSystem
 
 pytestmark = pytest.mark.integration
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import pytest
 import requests
 
+from benchmarks.harness.live_system import RunningSystem, spawn_role, stop_role
+from benchmarks.harness.ports import free_port
 from gateway.core import routing_request
 from gateway.registry_cache import ResolvedModel
 from policy.perf_model import PERF_MODELS_DIR, load_perf_models
@@ -23,8 +25,6 @@ from policy.routing.tessera_policy import TesseraPolicy
 from gateway.state_feed import worker_state
 from services.common.config import GatewayConfig
 from tessera.v1 import common_pb2, inference_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.integration.conftest import RunningSystem, spawn_role, stop_role
-from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pytest
 import requests
 
+from benchmarks.harness.live_system import RunningSystem, log_tail, spawn_role, stop_role
+from benchmarks.harness.ports import free_port_plan
 from services.demo_assets import DEMO_BASE_MODEL
-from tests.integration.conftest import RunningSystem, log_tail, spawn_role, stop_role
-from tests.ports import free_port_plan
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 

@@ -18,11 +18,11 @@ import pytest
 import requests
 from PIL import Image
 
+from benchmarks.harness.live_system import RunningSystem
 from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
 from services.demo_assets import DEMO_QWEN2VL_BASE_MODEL, DEMO_VISION_BASE_MODEL
 from tessera.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.images import data_url, gradient_image
-from tests.integration.conftest import RunningSystem
 from tests.reference import VisionReferenceModels, assert_same_greedy
 
 pytestmark = pytest.mark.integration

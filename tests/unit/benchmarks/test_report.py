@@ -1,10 +1,11 @@
-"""benchmarks/harness/report.py: the one percentile definition every suite reports with."""
+"""benchmarks/harness/report.py: the one percentile definition every suite reports with, and the
+markdown table placement_live prints."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.harness.report import percentile
+from benchmarks.harness.report import markdown_table, percentile
 
 
 def test_percentiles_interpolate_between_the_nearest_ranks():
@@ -15,3 +16,8 @@ def test_percentiles_interpolate_between_the_nearest_ranks():
     assert percentile([7.0], 99) == 7.0
     with pytest.raises(AssertionError):
         percentile([], 50)
+
+
+def test_markdown_table_rows_under_their_header():
+    assert markdown_table(["policy", "within SLO"], [["tessera", "**97.5%**"], ["most-idle", "100.0%"]]) == (
+        "| policy | within SLO |\n|---|---|\n| tessera | **97.5%** |\n| most-idle | 100.0% |")

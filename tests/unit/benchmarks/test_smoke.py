@@ -1,13 +1,13 @@
 """Every suite that has a CPU-sized run, run end to end through its main([...]) with tiny arguments:
 it answers every request, prints its rows and writes the JSON report it returns, and every figure in it
-is a measurement. (The GPU-only suites' parts run on CPU in their own tests.)"""
+is a measurement. (The GPU-only suites' parts run on CPU in their own tests; served_bench starts the
+system as processes, hence its integration mark.)"""
 
 from __future__ import annotations
 
 import csv
 import datetime
 import functools
-import importlib
 import json
 import math
 import random
@@ -20,6 +20,9 @@ from types import ModuleType
 import pytest
 import torch
 
+from benchmarks import (cold_start_bench, cold_start_replay, cpu_assist_bench, engine_loop_bench, kernel_bench,
+                        modes_bench, served_bench, vision_bench)
+
 
 @dataclass(frozen=True)
 class Run:
@@ -31,7 +34,7 @@ class Run:
 
 @dataclass(frozen=True)
 class Suite:
-    name: str
+    bench: ModuleType
     argv: Callable[[Path], list[str]]
     check: Callable[[Run], None]
     patch: Callable[[ModuleType, pytest.MonkeyPatch], None] = lambda bench, monkeypatch: None
@@ -68,7 +71,7 @@ def figures(node: object, path: str = "") -> list[tuple[str, float]]:
 
 # --- what each suite's run must show -----------------------------------------------------------
 
-def cold_start_bench(run: Run) -> None:
+def check_cold_start_bench(run: Run) -> None:
     bench, report = run.bench, run.report
     assert [p.name for p in run.tmp.iterdir()] == ["report.json"]  # the adapter store is removed
     plan = bench.PLANS["tiny"]
@@ -101,7 +104,7 @@ def cold_start_bench(run: Run) -> None:
     assert all(math.isfinite(value) and value > 0 for _, value in measured), [f for f in measured if not f[1] > 0]
 
 
-def cold_start_replay(run: Run) -> None:
+def check_cold_start_replay(run: Run) -> None:
     bench, report = run.bench, run.report
     requests = report["plans"]["6.0"]["requests"]
     runs = report["runs"]
@@ -117,7 +120,7 @@ def cold_start_replay(run: Run) -> None:
     assert sorted(p.name for p in run.tmp.iterdir()) == ["report.json", "trace.csv"]  # shared files removed
 
 
-def cpu_assist_bench(run: Run) -> None:
+def check_cpu_assist_bench(run: Run) -> None:
     bench, report = run.bench, run.report
     rows = report["rows"]
     assert {(row["rank"], row["length"]) for row in rows} == {(r, n) for r in bench.RANKS for n in report["lengths"]}
@@ -130,7 +133,7 @@ def cpu_assist_bench(run: Run) -> None:
     assert [p.name for p in run.tmp.iterdir()] == ["report.json"]  # the shared files are removed with the engine
 
 
-def modes_bench(run: Run) -> None:
+def check_modes_bench(run: Run) -> None:
     bench, report = run.bench, run.report
     runs = report["runs"]
     assert set(runs) == {f"{policy}/{skew}" for policy in bench.POLICIES for skew in ("0.3", "0.9")}
@@ -147,7 +150,7 @@ def modes_bench(run: Run) -> None:
 LOOP_NEW_TOKENS = 12
 
 
-def engine_loop_bench(run: Run) -> None:
+def check_engine_loop_bench(run: Run) -> None:
     bench, report = run.bench, run.report
     rows, churn = report["steps"], report["churn"]
     assert [(row["batch"], row["case"]) for row in rows] == [(b, c) for b in (1, 3) for c in bench.CASES]
@@ -167,7 +170,7 @@ def engine_loop_bench(run: Run) -> None:
     assert min(lengths) >= LOOP_NEW_TOKENS // 3 and max(lengths) <= 5 * LOOP_NEW_TOKENS // 3 and len(set(lengths)) > 1
 
 
-def vision_bench(run: Run) -> None:
+def check_vision_bench(run: Run) -> None:
     """A tiny LLaVA behind the real engine: both workloads at every concurrency level, with the caches
     (every image a cache hit, the prompt up to the question from the prefix cache) and without them."""
     vb, report = run.bench, run.report
@@ -207,7 +210,7 @@ def on_a_fake_gpu(kb: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kb, "measure_case", functools.partial(kb.measure_case, timer=lambda calls: 1e-6))
 
 
-def kernel_bench(run: Run) -> None:
+def check_kernel_bench(run: Run) -> None:
     lines = run.out.splitlines()
     assert lines[0].startswith("Fake GPU") and "copy bandwidth 1.00 TB/s" in lines[1]
     assert sum(line.startswith("h32 mixed n3") for line in lines) == 3 * 2  # t1 decode, t8 decode and prefill
@@ -218,31 +221,67 @@ def kernel_bench(run: Run) -> None:
                                             str(run.tmp / "report.json")])  # what repeats this run
 
 
+SERVED_MAX_TOKENS = 6
+
+
+def served_argv(tmp: Path) -> list[str]:
+    return ["--tiny", "--streams", "3", "5", "--max-tokens", str(SERVED_MAX_TOKENS), "--adapters", "2",
+            "--home-parent", str(tmp), "--log-dir", str(tmp / "logs"), "--json", str(tmp / "report.json")]
+
+
+def check_served_bench(run: Run) -> None:
+    """The system as separate processes (mutual TLS on) against the same requests in-process: every
+    request completed both ways and the ratios printed."""
+    report = run.report
+    assert report["mutual_tls"] is True and report["adapters"] == 2
+    assert [row["streams"] for row in report["rows"]] == [3, 5]
+    for row in report["rows"]:
+        n = row["streams"]
+        for how in ("served", "in_process"):
+            side = row[how]
+            # No EOS in the tokenizer: every request generates exactly max_tokens, through both paths.
+            assert side["completed"] == n and side["all_completed"] and side["errors"] == [], (how, side)
+            assert side["tokens"] == n * SERVED_MAX_TOKENS, (how, side)
+            assert side["tokens_per_s"] > 0 and 0 < side["ttft_p50_ms"] <= side["ttft_p99_ms"], (how, side)
+        assert row["ratio"] == pytest.approx(row["served"]["tokens_per_s"] / row["in_process"]["tokens_per_s"])
+        assert f"N={n:4d}" in run.out and f"ratio {row['ratio']:.3f}" in run.out
+    # Each role ran as its own process, its own log: the worker loaded the registered checkpoint, and the
+    # registry's and the worker's gRPC ports spoke TLS. The temporary home is gone.
+    logs = run.tmp / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["gateway.log", "registry.log", "worker.log"]
+    worker_log, registry_log = (logs / "worker.log").read_text(), (logs / "registry.log").read_text()
+    assert "loading bench-llama from" in worker_log and "on cpu" in worker_log
+    assert ", TLS)" in worker_log and ", TLS)" in registry_log
+    assert not list(run.tmp.glob("served-bench-*"))
+
+
 TINY_CPU = ["--device", "cpu", "--tiny"]
 CPU_LORA = ["--workers", "1", "--cores-each", "1"]
 SUITES = [
-    Suite("cold_start_bench", lambda tmp: [*TINY_CPU, "--store-dir", str(tmp), "--json", str(tmp / "report.json")],
-          cold_start_bench),
-    Suite("cold_start_replay", lambda tmp: [*TINY_CPU, *CPU_LORA, "--shm-dir", str(tmp), "--rates", "6",
-                                            "--duration-s", "2", *traced(tmp)], cold_start_replay),
-    Suite("cpu_assist_bench", lambda tmp: [*TINY_CPU, *CPU_LORA, "--shm-dir", str(tmp),
-                                           "--json", str(tmp / "report.json")], cpu_assist_bench),
-    Suite("modes_bench", lambda tmp: [*TINY_CPU, "--skews", "0.3", "0.9", "--rate", "6", "--duration-s", "1",
-                                      "--repeats", "2", *traced(tmp)], modes_bench),
-    Suite("engine_loop_bench", lambda tmp: ["--device", "cpu", "--batches", "1", "3", "--new-tokens",
-                                            str(LOOP_NEW_TOKENS), "--steps", "3", "--json", str(tmp / "report.json")],
-          engine_loop_bench),
-    Suite("vision_bench", lambda tmp: ["--tiny", "--json", str(tmp / "report.json")], vision_bench),
-    Suite("kernel_bench", lambda tmp: [*KERNEL_ARGV, "--json", str(tmp / "report.json")], kernel_bench, on_a_fake_gpu),
+    Suite(cold_start_bench, lambda tmp: [*TINY_CPU, "--store-dir", str(tmp), "--json", str(tmp / "report.json")],
+          check_cold_start_bench),
+    Suite(cold_start_replay, lambda tmp: [*TINY_CPU, *CPU_LORA, "--shm-dir", str(tmp), "--rates", "6",
+                                          "--duration-s", "2", *traced(tmp)], check_cold_start_replay),
+    Suite(cpu_assist_bench, lambda tmp: [*TINY_CPU, *CPU_LORA, "--shm-dir", str(tmp),
+                                         "--json", str(tmp / "report.json")], check_cpu_assist_bench),
+    Suite(modes_bench, lambda tmp: [*TINY_CPU, "--skews", "0.3", "0.9", "--rate", "6", "--duration-s", "1",
+                                    "--repeats", "2", *traced(tmp)], check_modes_bench),
+    Suite(engine_loop_bench, lambda tmp: ["--device", "cpu", "--batches", "1", "3", "--new-tokens",
+                                          str(LOOP_NEW_TOKENS), "--steps", "3", "--json", str(tmp / "report.json")],
+          check_engine_loop_bench),
+    Suite(vision_bench, lambda tmp: ["--tiny", "--json", str(tmp / "report.json")], check_vision_bench),
+    Suite(kernel_bench, lambda tmp: [*KERNEL_ARGV, "--json", str(tmp / "report.json")], check_kernel_bench,
+          on_a_fake_gpu),
+    Suite(served_bench, served_argv, check_served_bench, marks=(pytest.mark.integration,)),
 ]
 
 
-@pytest.mark.parametrize("suite", [pytest.param(s, id=s.name, marks=s.marks) for s in SUITES])
+@pytest.mark.parametrize("suite", [pytest.param(s, id=s.bench.__name__.rpartition(".")[2], marks=s.marks)
+                                   for s in SUITES])
 def test_a_tiny_run_reports_every_measurement(suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    bench = importlib.import_module(f"benchmarks.{suite.name}")
-    suite.patch(bench, monkeypatch)
-    returned = bench.main(suite.argv(tmp_path))
+    suite.patch(suite.bench, monkeypatch)
+    returned = suite.bench.main(suite.argv(tmp_path))
     report = json.loads((tmp_path / "report.json").read_text())
     assert report == json.loads(json.dumps(returned))
-    suite.check(Run(bench, report, capsys.readouterr().out, tmp_path))
+    suite.check(Run(suite.bench, report, capsys.readouterr().out, tmp_path))
