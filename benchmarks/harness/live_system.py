@@ -50,10 +50,11 @@ DEMO_MODELS = tuple(sorted((DEMO_BASE_MODEL, DEMO_VISION_BASE_MODEL, DEMO_QWEN2V
 def system_env(home: Path, workers: int, settings: Mapping[str, object]) -> dict[str, str]:
     """The roles' environment: this process's without its TESSERA_ settings; TESSERA_HOME; free ports,
     distinct, a run of `workers` for each worker port; the registry's address for the gateway and the
-    workers; this repository on PYTHONPATH; unbuffered output; then `settings` (names without TESSERA_)."""
+    workers; this repository on PYTHONPATH (not protos/: the generated stubs come from the installed package,
+    as a user's do, so a packaging slip fails here); unbuffered output; then `settings` (names without TESSERA_)."""
     ports = free_port_plan(list(ROLE_PORTS), list(WORKER_PORTS), workers)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
-    path = [str(REPO_ROOT), str(REPO_ROOT / "protos"), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    path = [str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     registry = f"127.0.0.1:{ports['REGISTRY__GRPC_PORT']}"
     env.update({f"TESSERA_{name}": str(port) for name, port in ports.items()})
     env.update({"TESSERA_HOME": str(home), "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1",
