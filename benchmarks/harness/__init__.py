@@ -10,6 +10,7 @@
     adapter_files.py   real PEFT adapter files in an adapter store
     reference_rates.py what the hardware gives: a page-locked copy, a plain read
     lora_impls.py      the LoRA op implementations kernel_bench compares
+    lora_cases.py      kernel_bench's cases (a batch on n adapters), their roofline bytes and random inputs
     live_system.py     the real system on loopback (also the integration tests' launcher)
     ports.py           free loopback ports
     http_client.py     the raw HTTP/1.1 client of the load suites

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks import kernel_bench as kb
+from benchmarks.harness import lora_cases
 from benchmarks.harness import lora_impls as impls
 from benchmarks.harness.report import write_json
 from kernels import tiling
@@ -19,39 +20,39 @@ F32 = torch.float32
 
 
 def small_case(ranks: str = "mixed", adapters: int = 4, tokens: int = 12, layout: str = "prefill",
-               hidden: int = 48) -> kb.Case:
-    return kb.make_case(hidden, ranks, adapters, tokens, layout)
+               hidden: int = 48) -> lora_cases.Case:
+    return lora_cases.make_case(hidden, ranks, adapters, tokens, layout)
 
 
 # ---- cases ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("adapters,tokens", [(1, 8), (4, 8), (4, 2), (16, 128), (64, 32)])
 def test_decode_case_is_one_token_per_request_round_robin_and_shuffled(adapters, tokens):
-    case = kb.make_case(4096, "u16", adapters, tokens, "decode")
+    case = lora_cases.make_case(4096, "u16", adapters, tokens, "decode")
     assert case.seg_lens == (1,) * tokens and case.tokens == tokens
     # Request i uses adapter i % n: adapter counts as in round robin.
     assert Counter(case.seg_adapters) == Counter(i % adapters for i in range(tokens))
-    assert case == kb.make_case(4096, "u16", adapters, tokens, "decode")  # seeded: repeatable
+    assert case == lora_cases.make_case(4096, "u16", adapters, tokens, "decode")  # seeded: repeatable
     if tokens >= 32 and adapters > 1:
         assert list(case.seg_adapters) != [i % adapters for i in range(tokens)]
 
 
 @pytest.mark.parametrize("adapters,tokens", [(1, 2048), (4, 8), (4, 5), (16, 2048), (64, 512), (16, 8)])
 def test_prefill_case_splits_tokens_over_interleaved_requests(adapters, tokens):
-    case = kb.make_case(3584, "mixed", adapters, tokens, "prefill")
+    case = lora_cases.make_case(3584, "mixed", adapters, tokens, "prefill")
     requests = min(tokens, 2 * adapters)
     assert len(case.seg_lens) == requests and all(n >= 1 for n in case.seg_lens) and case.tokens == tokens
     assert Counter(case.seg_adapters) == Counter(i % adapters for i in range(requests))
     if adapters > 1:  # one adapter's requests are never adjacent: its tokens are not contiguous
         assert all(a != b for a, b in zip(case.seg_adapters, case.seg_adapters[1:]))
-    assert case == kb.make_case(3584, "mixed", adapters, tokens, "prefill")
+    assert case == lora_cases.make_case(3584, "mixed", adapters, tokens, "prefill")
     # The same requests at every hidden size and rank set.
-    other = kb.make_case(4096, "u16", adapters, tokens, "prefill")
+    other = lora_cases.make_case(4096, "u16", adapters, tokens, "prefill")
     assert (other.seg_lens, other.seg_adapters) == (case.seg_lens, case.seg_adapters)
 
 
 def test_grid_leaves_out_one_token_prefill_and_covers_the_rest():
-    cases = kb.make_cases([4096, 3584], list(kb.RANK_SETS), [1, 4, 16, 64], [1, 8, 32, 128, 512, 2048, 8192],
+    cases = lora_cases.make_cases([4096, 3584], list(lora_cases.RANK_SETS), [1, 4, 16, 64], [1, 8, 32, 128, 512, 2048, 8192],
                           ["decode", "prefill"])
     assert len(cases) == 2 * 3 * 4 * (7 + 6)
     assert not [c for c in cases if c.layout == "prefill" and c.tokens == 1]
@@ -66,7 +67,7 @@ def test_ranks_and_scalings_per_adapter():
 
 
 def test_used_ranks_count_only_adapters_some_token_uses():
-    case = kb.make_case(64, "mixed", 64, 1, "decode")  # one token: one of the 64 adapters
+    case = lora_cases.make_case(64, "mixed", 64, 1, "decode")  # one token: one of the 64 adapters
     assert case.used_ranks() == [8]
 
 
@@ -74,19 +75,19 @@ def test_used_ranks_count_only_adapters_some_token_uses():
 
 def test_min_bytes_by_hand():
     # Requests (3 tokens, adapter 0 of rank 8), (1, adapter 2 of rank 32); adapter 1 unused.
-    case = kb.Case(hidden=100, ranks="mixed", adapters=3, layout="prefill", seg_lens=(3, 1), seg_adapters=(0, 2))
+    case = lora_cases.Case(hidden=100, ranks="mixed", adapters=3, layout="prefill", seg_lens=(3, 1), seg_adapters=(0, 2))
     assert case.token_ranks() == [8, 8, 8, 32] and case.used_ranks() == [8, 32]
     weights = (8 + 32) * 100 * 2
     y = (3 * 8 + 32) * 2
-    assert kb.min_bytes("shrink", case) == 4 * 100 * 2 + weights + y
-    assert kb.min_bytes("expand", case) == 2 * 4 * 100 * 2 + weights + y
+    assert lora_cases.min_bytes("shrink", case) == 4 * 100 * 2 + weights + y
+    assert lora_cases.min_bytes("expand", case) == 2 * 4 * 100 * 2 + weights + y
 
 
 # ---- inputs --------------------------------------------------------------------------------
 
 def test_random_stack_packs_copies_at_their_true_ranks_like_set_slot():
     case = small_case("mixed", adapters=3)
-    stack = kb.random_stack(case, 2, F32, "cpu", torch.Generator().manual_seed(0))
+    stack = lora_cases.random_stack(case, 2, F32, "cpu", torch.Generator().manual_seed(0))
     assert stack.num_slots == 6 and stack.max_rank == 128 and stack.out_offsets == (0, 48)
     assert stack.host_ranks == [[8], [16], [32], [8], [16], [32]]
     assert stack.ranks[:, 0].tolist() == [8, 16, 32, 8, 16, 32]
@@ -101,18 +102,18 @@ def test_random_stack_packs_copies_at_their_true_ranks_like_set_slot():
         a, b = stack.a_weight(slot, 0), stack.b_weight(slot, 0)
         assert a.shape == b.shape == (rank, 48) and a.abs().min() > 0 and b.abs().min() > 0
         assert 0.5 < a.std().item() * 48 ** 0.5 < 2 and 0.5 < b.std().item() * rank ** 0.5 < 2
-    batch = kb.copy_batch(case, 1, "cpu")
+    batch = lora_cases.copy_batch(case, 1, "cpu")
     assert batch.seg_slots == tuple(3 + j for j in case.seg_adapters)
 
 
 def test_only_used_adapters_get_slots():
-    case = kb.make_case(32, "mixed", 16, 3, "decode")  # 3 tokens: 3 of the 16 adapters
+    case = lora_cases.make_case(32, "mixed", 16, 3, "decode")  # 3 tokens: 3 of the 16 adapters
     used = case.used_adapters()
     assert len(used) == 3
-    stack = kb.random_stack(case, 4, F32, "cpu", torch.Generator().manual_seed(0))
+    stack = lora_cases.random_stack(case, 4, F32, "cpu", torch.Generator().manual_seed(0))
     assert stack.num_slots == 12
     assert stack.host_ranks == [[case.adapter_ranks[j]] for j in used] * 4
-    batch = kb.copy_batch(case, 2, "cpu")
+    batch = lora_cases.copy_batch(case, 2, "cpu")
     assert batch.seg_slots == tuple(6 + used.index(j) for j in case.seg_adapters)
 
 
@@ -157,14 +158,14 @@ def test_measure_case_times_every_impl_and_op_over_rotating_copies():
     assert [r.op for r in rows] == list(kb.OPS) and all(r.copies == 3 for r in rows)
     assert list(rows[0].seconds) == list(impls.IMPLS)
     assert rows[0].seconds["atmm_tuned"] == 1e-6 and rows[1].seconds["atmm_tuned"] == 2e-6
-    assert rows[0].bytes == kb.min_bytes("shrink", case) and rows[1].bytes == kb.min_bytes("expand", case)
+    assert rows[0].bytes == lora_cases.min_bytes("shrink", case) and rows[1].bytes == lora_cases.min_bytes("expand", case)
     assert set(rows[0].tuned_config) == set(tiling.ShrinkConfig.__dataclass_fields__)
 
 
 # ---- summary and report --------------------------------------------------------------------
 
 def _row(tokens: int, op: str, tuned: float, static: float, loop: float, bmm: float, differ: bool = True) -> kb.Row:
-    case = kb.make_case(4096, "u16", 4, tokens, "decode")
+    case = lora_cases.make_case(4096, "u16", 4, tokens, "decode")
     return kb.Row(case, op, bytes=1000, copies=1,
                   seconds={"atmm_tuned": tuned, "atmm_static": static, "torch_loop": loop, "gather_bmm": bmm},
                   tuned_config={"block_m": 16}, static_config={"block_m": 64 if differ else 16})

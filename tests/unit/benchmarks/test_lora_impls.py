@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import kernel_bench as kb
+from benchmarks.harness import lora_cases
 from benchmarks.harness import lora_impls as impls
 from kernels import LoRABatch, LoRAStack, reference
 
@@ -25,11 +25,11 @@ LAYOUT_CASES = {  # name -> (ranks, adapters, tokens, layout)
 @pytest.mark.parametrize("layout", sorted(LAYOUT_CASES))
 def test_baselines_equal_the_reference_in_float32(impl, layout):
     ranks, adapters, tokens, kind = LAYOUT_CASES[layout]
-    case = kb.make_case(48, ranks, adapters, tokens, kind)
+    case = lora_cases.make_case(48, ranks, adapters, tokens, kind)
     g = torch.Generator().manual_seed(3)
-    stack = kb.random_stack(case, 2, F32, "cpu", g)
-    batch = kb.copy_batch(case, 1, "cpu")  # the second copy's slots: slot offsets matter
-    x, out = kb.random_rows(1, case, F32, "cpu", g)[0], kb.random_rows(1, case, F32, "cpu", g)[0]
+    stack = lora_cases.random_stack(case, 2, F32, "cpu", g)
+    batch = lora_cases.copy_batch(case, 1, "cpu")  # the second copy's slots: slot offsets matter
+    x, out = lora_cases.random_rows(1, case, F32, "cpu", g)[0], lora_cases.random_rows(1, case, F32, "cpu", g)[0]
     want_y = reference.lora_shrink(x, stack, batch)[0, :, 0]  # [tokens, max_rank], zero past each rank
     want_out = out.clone()
     reference.lora_expand(want_out, want_y[None, :, None], stack, batch)
@@ -42,9 +42,9 @@ def test_baselines_equal_the_reference_in_float32(impl, layout):
 
 
 def test_torch_loop_uses_views_for_contiguous_tokens_and_indices_otherwise():
-    case = kb.Case(hidden=16, ranks="u16", adapters=2, layout="prefill", seg_lens=(2, 3, 1), seg_adapters=(0, 1, 0))
-    stack = kb.random_stack(case, 1, F32, "cpu", torch.Generator().manual_seed(0))
-    groups = impls.TorchLoop(stack, kb.copy_batch(case, 0, "cpu")).groups
+    case = lora_cases.Case(hidden=16, ranks="u16", adapters=2, layout="prefill", seg_lens=(2, 3, 1), seg_adapters=(0, 1, 0))
+    stack = lora_cases.random_stack(case, 1, F32, "cpu", torch.Generator().manual_seed(0))
+    groups = impls.TorchLoop(stack, lora_cases.copy_batch(case, 0, "cpu")).groups
     assert groups[0][0].tolist() == [0, 1, 5] and groups[1][0] == slice(2, 5)
 
 
