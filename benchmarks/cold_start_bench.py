@@ -396,7 +396,7 @@ TARGETS = {"no_stall_tpot_p99_b_over_a": 1.05, "no_stall_itl_p99_b_over_a": 1.05
            "capacity_gpu_over_true_worst": 1.1}  # issue 39
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = suite_parser(__doc__)
     add_tiny_run_options(parser)
     parser.add_argument("--quick", action="store_true", help="shorter windows, 8 prompt lengths")
@@ -406,6 +406,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_tiny_run_args(parser, argv)
     if args.adapter_gpu_bytes is not None and "adapter_gpu_bytes" not in WorkerConfig.__dataclass_fields__:
         parser.error("--adapter-gpu-bytes: this worker's config has no adapter_gpu_bytes")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     report = run(args)
     report["command"] = command_line("benchmarks.cold_start_bench", argv)
     for key, value in report["ratios"].items():

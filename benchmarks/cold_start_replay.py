@@ -204,14 +204,18 @@ def ratios(runs: dict[str, dict], rates: list[float], sources: list[str]) -> dic
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = suite_parser(__doc__)
     add_tiny_run_options(parser)
     add_cpu_lora_options(parser)
     parser.add_argument("--sources", nargs="+", choices=("host", "disk"), default=["host", "disk"])
     parser.add_argument("--rates", nargs="+", type=float, default=[3.0, 6.0, 9.0], help="requests per second")
     parser.add_argument("--duration-s", type=float, default=15.0, help="seconds of arrivals per run")
-    args = parse_tiny_run_args(parser, argv)
+    return parse_tiny_run_args(parser, argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     report = run(args)
     report["command"] = command_line("benchmarks.cold_start_replay", argv)
     print("mean TTFT / mean TPOT over cached (mean over the rates; per rate in the JSON):")

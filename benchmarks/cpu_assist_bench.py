@@ -143,11 +143,15 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = suite_parser(__doc__)
     add_tiny_run_options(parser)
     add_cpu_lora_options(parser)
-    args = parse_tiny_run_args(parser, argv)
+    return parse_tiny_run_args(parser, argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     report = run(args)
     print("The fastest way from host memory, and each way's TTFT over resident, by rank (rows) and prompt length "
           "(columns):", flush=True)

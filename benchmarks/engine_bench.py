@@ -20,6 +20,7 @@ Measures in one run, on the device it names:
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
@@ -212,14 +213,18 @@ def bench_peft(report: Report, config: LlamaConfig, tessera: dict, quick: bool) 
                    tessera_over_peft=tessera["e2e"][case] / throughput)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = suite_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     parser.add_argument("--skip-peft", action="store_true", help="skip the transformers + PEFT baseline")
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--context", type=int, default=DECODE_CONTEXT,
                         help=f"prompt tokens cached before the timed decode steps (default {DECODE_CONTEXT})")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     report = Report(device=torch.cuda.get_device_name())
     tables = tiling.table_for(torch.device("cuda"))["sources"]  # where the LoRA kernels' tiles come from

@@ -26,6 +26,7 @@ id decodes). On CPU it is a tiny Llama of the same tokenizer (float32): there th
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -147,7 +148,7 @@ def churn_tokens_per_s(engine: Engine, case: str, running: int, new_tokens: int)
     return sum(lengths) / seconds, sum(lengths)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = suite_parser(__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--cases", choices=CASES, nargs="+", default=list(CASES))
@@ -155,7 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=30, help="timed bare steps")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     rows, churn = run(torch.device(args.device), args.batches, args.cases, args.new_tokens, args.steps)
     report = {"steps": [{**vars(row), "host_ms": row.host_ms} for row in rows], "churn": [vars(row) for row in churn]}
     write_json(args.json, report)

@@ -30,6 +30,7 @@ The load client runs in this process, on the same cores as the system.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import os
@@ -259,7 +260,7 @@ def running_system(max_streams: int, max_in_flight: int, max_tokens: int, log: P
             yield system
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = suite_parser(__doc__)
     parser.add_argument("--streams", type=int, nargs="+", default=[100, 500, 2000])
     parser.add_argument("--idle", type=int, default=500)
@@ -268,7 +269,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, help="write the roles' log (tessera up's output) here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     import uvloop  # the client's loop, as the roles'
 
     rows = []

@@ -15,6 +15,7 @@ between the kernels of an engine step.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -91,14 +92,18 @@ def sweep(rows: int, out_features: int, in_features: int) -> list[tuple[float, L
     return sorted(timed, key=lambda t: t[0])
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = suite_parser(__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--shapes", nargs="+", choices=[name for name, _, _ in SHAPES],
                         default=[name for name, _, _ in SHAPES])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tile configurations")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     device = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth()

@@ -12,6 +12,7 @@ kernels/triton/merge.py's defaults.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -146,11 +147,15 @@ def sweep(targets: list[MergeTarget], bandwidth: float, weight_bytes: int) -> No
         print(f"best restore: {tag}: {ms:.2f} ms, ratio {ms / restore_floor:.2f}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = suite_parser(__doc__)
     parser.add_argument("--sweep", action="store_true",
                         help="check and time every candidate launch shape of the merge and restore kernels")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("merge_bench needs a CUDA device")
     targets = build_targets()

@@ -182,7 +182,7 @@ def comparison(runs: dict[str, dict], skews: list[float]) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = suite_parser(__doc__)
     add_tiny_run_options(parser)
     parser.add_argument("--skews", nargs="+", type=float, default=[0.3, 0.5, 0.7, 0.9],
@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--theta", type=float, default=WorkerConfig().mode_credit_theta)
     parser.add_argument("--tpot-slo-ms", type=float, default=200.0)
     parser.add_argument("--ttft-slo-ms", type=float, default=5000.0)
-    args = parse_tiny_run_args(parser, argv)
+    return parse_tiny_run_args(parser, argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     report = run(args)
     report["command"] = command_line("benchmarks.modes_bench", argv)
     print(f"average token latency (ms) and throughput (tok/s) on {report['device']}, rate {args.rate:g}/s:")

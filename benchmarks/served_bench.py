@@ -356,7 +356,7 @@ def run(args: argparse.Namespace, home: Path, command: str) -> dict[str, Any]:
             "worker": dataclasses.asdict(system_config.worker), "rows": rows}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = suite_parser(__doc__)
     parser.add_argument("--tiny", action="store_true", help="the demo Llama's shape on the CPU, small counts")
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
@@ -376,6 +376,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.streams = args.streams or ([4, 8] if args.tiny else [32, 256])
     args.max_tokens = args.max_tokens or (8 if args.tiny else 128)
     args.repeats = args.repeats or (1 if args.tiny else 2)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     with exits_on_sigterm():  # a `timeout` still stops the roles and removes the home
         home = Path(tempfile.mkdtemp(prefix="served-bench-", dir=args.home_parent))
         try:

@@ -28,6 +28,7 @@ that timestamps tokens is never blocked); median and p90 over each level's reque
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import io
@@ -339,12 +340,16 @@ def print_table(rows: list[dict]) -> None:
               f"{r['output_tok_per_s']:7.0f}")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = suite_parser(__doc__)
     parser.add_argument("--tiny", action="store_true", help="a tiny LLaVA on CPU, few requests (a smoke run)")
     parser.add_argument("--concurrency", type=int, nargs="+", help="concurrency levels (default: 1 8 32)")
     parser.add_argument("--json", type=Path, help="write the header and every row here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     setup = TINY if args.tiny else FULL
     if args.concurrency:
         setup = replace(setup, concurrency=tuple(args.concurrency))
