@@ -50,6 +50,11 @@ CONFIGS = {  # name -> (shrink config, expand config, loose max_group_len bound,
                              False, (F32, F16)),
 }
 GRID = [(config, dtype) for config, (*_, dtypes) in CONFIGS.items() for dtype in dtypes]
+# rank_blocks runs a program per token: its long cases (58 and 36 tokens) cost a third of this file's time
+# under the interpreter and exercise nothing the short ones do not (its rank exit is per program).
+LONG_FOR_ONE_TOKEN_PROGRAMS = {"long_segments", "interleaved"}
+CASE_GRID = [(config, dtype, case) for config, dtype in GRID for case in sorted(CASES)
+             if not (config == "rank_blocks" and case in LONG_FOR_ONE_TOKEN_PROGRAMS)]
 
 
 def run_and_check(stack, batch, x, out, shrink_cfg=None, expand_cfg=None) -> None:
@@ -78,8 +83,7 @@ def run_and_check(stack, batch, x, out, shrink_cfg=None, expand_cfg=None) -> Non
     assert torch.equal(untouched, torch.zeros_like(untouched)) and untouched.signbit().all(), "expand wrote outside"
 
 
-@pytest.mark.parametrize("config,dtype", GRID, ids=[f"{c}-{str(d)[6:]}" for c, d in GRID])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("config,dtype,case", CASE_GRID, ids=[f"{k}-{c}-{str(d)[6:]}" for c, d, k in CASE_GRID])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_triton_matches_reference(config, dtype, case, layout):
     shrink_cfg, expand_cfg, loose_bound, _ = CONFIGS[config]
