@@ -10,6 +10,7 @@ content (its stored copy replaced by the registry)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,16 +44,19 @@ class RecentFailures:
         self._ttl_s, self._max_ttl_s = ttl_s, max_ttl_s
         self._clock = clock
         self._failures: dict[str, Failure] = {}  # version -> its last failure
+        self._last_until = -math.inf  # the latest backoff's end so far
         self.count = 0  # failures so far
 
     def remember(self, key: str, error: BaseException, registered_ms: int = 0) -> Failure:
         """A load of `key` (registered at `registered_ms`) failed: the failure, with the backoff before the
         next attempt."""
         self.count += 1
-        attempts = self._failures[key].attempts + 1 if key in self._failures else 1
+        previous = self._failures.get(key)  # a failure of an older registration starts the count again
+        attempts = previous.attempts + 1 if previous is not None and registered_ms <= previous.registered_ms else 1
         backoff_s = min(self._max_ttl_s, self._ttl_s * 2 ** (attempts - 1))
         failure = self._failures[key] = Failure(attempts, self._clock() + backoff_s, backoff_s, cause_of(error),
                                                 registered_ms)
+        self._last_until = max(self._last_until, failure.until)
         return failure
 
     def renewed(self, key: str, registered_ms: int) -> None:
@@ -64,6 +68,10 @@ class RecentFailures:
     def succeeded(self, key: str) -> None:
         """A load of `key` succeeded: its next failure starts the backoff again."""
         self._failures.pop(key, None)
+
+    def __bool__(self) -> bool:
+        """Whether some failure's backoff may still run: if not, `cause` is None for every key."""
+        return self._clock() < self._last_until
 
     def cause(self, key: str) -> str | None:
         """The cause of `key`'s last failed load while no new load may start (its backoff)."""

@@ -273,11 +273,18 @@ class Residency:
     def load_failures(self) -> int:
         return self._failures.count
 
+    @property
+    def failing(self) -> bool:
+        """Whether some version's failed load may still be in its backoff: if not, no request is failed."""
+        return bool(self._failures)
+
     # --- loads ---
 
     def _failure_cause(self, ref: VersionRef) -> str | None:
         """Why `ref`'s version last failed to load, while its backoff lasts; a registration newer than the one
         that failed (the operator registered it again, its stored copy replaced) is tried at once."""
+        if not self._failures:  # the usual case, and the cheap one: no backoff runs
+            return None
         self._failures.renewed(ref.sha256, ref.registered_ms)
         return self._failures.cause(ref.sha256)
 

@@ -24,8 +24,8 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -45,8 +45,7 @@ log = logging.getLogger(__name__)
 COPY_PROBE_BYTES = 16 << 20  # the copy that measures host -> GPU bandwidth at start
 
 
-@dataclass(frozen=True)
-class AdapterWhere:
+class AdapterWhere(NamedTuple):  # asked for each waiting request at every pass: a tuple is cheap to build
     """Where a request's adapter version stands now: all the scheduler asks of it."""
     error: AdapterLoadFailed | None  # its load failed lately: fail the request
     slot: int | None                 # its GPU slot once placed (the copy may still run: `copy`)

@@ -204,6 +204,19 @@ def test_a_success_starts_the_backoff_again():
     assert failures.count == 8
 
 
+def test_failures_say_whether_any_backoff_still_runs_so_the_scheduler_skips_its_queue_scan_otherwise():
+    clock = Clock()
+    failures = RecentFailures(10.0, 300.0, clock)
+    assert not failures
+    failures.remember("v", ValueError("x"))      # backoff until 10
+    clock.now = 5.0
+    failures.remember("w", ValueError("x"))      # until 15
+    clock.now = 12.0
+    assert failures and failures.cause("v") is None and failures.cause("w") is not None
+    clock.now = 15.0
+    assert not failures and failures.cause("w") is None
+
+
 def test_load_now_waits_for_the_adapter_and_raises_when_it_fails():
     disk = Disk()
     adapters, _ = manager(1, disk)
