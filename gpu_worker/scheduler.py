@@ -152,7 +152,7 @@ class Scheduler:
 
     def _fail_unloadable(self, batch: ScheduledBatch) -> None:
         """Fail the waiting sequences whose adapter could not be loaded (AdapterLoadFailed)."""
-        if not self.adapters.residency.failing:  # the usual pass: no failure to look for in the queue
+        if not self.adapters.failing:  # the usual pass: no failure to look for in the queue
             return
         failed = [(seq, error) for seq in self.waiting
                   if seq.adapter is not None and (error := self.adapters.where(seq.adapter).error) is not None]

@@ -119,6 +119,11 @@ class AdapterManager:
     def depart(self, ref: AdapterRef) -> None:
         self.residency.depart(ref)
 
+    @property
+    def failing(self) -> bool:
+        """Whether some adapter's failed load may still be in its backoff (if not, `where` fails no request)."""
+        return self.residency.failing
+
     def poll(self) -> None:
         """Report the reads and copies that finished, then start the next loads (every scheduling pass)."""
         for digest, reading in list(self._reads.items()):
