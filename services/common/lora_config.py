@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from services.common.adapter_layout import CONFIG_FILE
 from services.common.errors import InvalidArgument
+from services.common.task_heads import allows_modules_to_save
 
 # Bounds on the LoRA hyper-parameters we serve. Published recipes use r <= 256 and alpha <= 2 * r;
 # past these an adapter_config.json is a typo or an attack (alpha 1e308 makes every output inf).
@@ -40,7 +41,7 @@ MIN_LORA_SCALING = 2.0 ** -14
 
 # PEFT options that change the adapter's math; serving them as plain LoRA would give wrong outputs.
 UNSUPPORTED_OPTIONS: dict[str, str] = {
-    "modules_to_save": "modules_to_save (fully trained extra modules)",
+    "modules_to_save": "modules_to_save (fully trained extra modules; a SEQ_CLS score head is served)",
     "use_dora": "use_dora (DoRA)",
     "layers_to_transform": "layers_to_transform (LoRA on a subset of layers)",
     "lora_bias": "lora_bias (a bias on lora_B)",
@@ -102,6 +103,8 @@ def parse_lora_hyperparameters(config: Mapping[str, Any]) -> LoraHyperparameters
     rank = check_rank(config.get("r"), CONFIG_FILE)
     alpha = check_alpha(config.get("lora_alpha"), CONFIG_FILE)
     for key, description in UNSUPPORTED_OPTIONS.items():
+        if key == "modules_to_save" and allows_modules_to_save(config):
+            continue  # PEFT's SEQ_CLS head: served as a task head (services/common/task_heads.py)
         if config.get(key):
             raise InvalidArgument(f"{CONFIG_FILE}: {description} is not supported; Tessera serves LoRA "
                                   "(with rsLoRA, rank_pattern and alpha_pattern)")

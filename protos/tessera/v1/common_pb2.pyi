@@ -30,12 +30,32 @@ TIER_HOST: Tier
 TIER_DISK: Tier
 
 class ContentPart(_message.Message):
-    __slots__ = ("text", "image")
+    __slots__ = ("text", "image", "video")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     text: str
     image: bytes
-    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
+    video: VideoPart
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ..., video: _Optional[_Union[VideoPart, _Mapping]] = ...) -> None: ...
+
+class VideoPart(_message.Message):
+    __slots__ = ("file", "frames", "fps", "max_frames")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    file: bytes
+    frames: VideoFrames
+    fps: float
+    max_frames: int
+    def __init__(self, file: _Optional[bytes] = ..., frames: _Optional[_Union[VideoFrames, _Mapping]] = ..., fps: _Optional[float] = ..., max_frames: _Optional[int] = ...) -> None: ...
+
+class VideoFrames(_message.Message):
+    __slots__ = ("images",)
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "parts")
@@ -114,14 +134,40 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("finish_reason", "usage", "text")
+    __slots__ = ("finish_reason", "usage", "text", "head")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     text: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
+    head: HeadOutput
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., text: _Optional[str] = ..., head: _Optional[_Union[HeadOutput, _Mapping]] = ...) -> None: ...
+
+class Detection(_message.Message):
+    __slots__ = ("label_index", "label", "score", "box")
+    LABEL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    label_index: int
+    label: str
+    score: float
+    box: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, label_index: _Optional[int] = ..., label: _Optional[str] = ..., score: _Optional[float] = ..., box: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class HeadOutput(_message.Message):
+    __slots__ = ("probs", "label_index", "label", "detections")
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    DETECTIONS_FIELD_NUMBER: _ClassVar[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    label_index: int
+    label: str
+    detections: _containers.RepeatedCompositeFieldContainer[Detection]
+    def __init__(self, probs: _Optional[_Iterable[float]] = ..., label_index: _Optional[int] = ..., label: _Optional[str] = ..., detections: _Optional[_Iterable[_Union[Detection, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "delta", "final")

@@ -54,3 +54,33 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelCard]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
+
+class ClassifyRequest(_message.Message):
+    __slots__ = ("model", "inputs", "request_id", "slo")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _containers.RepeatedCompositeFieldContainer[ClassifyInput]
+    request_id: str
+    slo: Slo
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[ClassifyInput, _Mapping]]] = ..., request_id: _Optional[str] = ..., slo: _Optional[_Union[Slo, _Mapping]] = ...) -> None: ...
+
+class ClassifyInput(_message.Message):
+    __slots__ = ("text", "chat")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    chat: _common_pb2.ChatPrompt
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatPrompt, _Mapping]] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
+    __slots__ = ("request_id", "results", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    results: _containers.RepeatedCompositeFieldContainer[_common_pb2.HeadOutput]
+    usage: _common_pb2.Usage
+    def __init__(self, request_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[_common_pb2.HeadOutput, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...

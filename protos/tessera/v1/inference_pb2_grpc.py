@@ -46,6 +46,11 @@ class InferenceStub:
                 request_serializer=tessera_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/tessera.v1.Inference/Classify',
+                request_serializer=tessera_dot_v1_dot_inference__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_inference__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -65,6 +70,13 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Classify(self, request, context):
+        """Answers each input with an adapter's task head (classification or detection) in one pass.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +89,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=tessera_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=tessera_dot_v1_dot_inference__pb2.ClassifyRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_inference__pb2.ClassifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +151,33 @@ class Inference:
             '/tessera.v1.Inference/ListModels',
             tessera_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             tessera_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Inference/Classify',
+            tessera_dot_v1_dot_inference__pb2.ClassifyRequest.SerializeToString,
+            tessera_dot_v1_dot_inference__pb2.ClassifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

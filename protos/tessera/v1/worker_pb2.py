@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/worker.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\"\x90\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12)\n\x07\x61\x64\x61pter\x18\x03 \x01(\x0b\x32\x13.tessera.v1.AdapterH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x16.tessera.v1.ChatPromptH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.tessera.v1.SamplingParams\x12\x13\n\x0btpot_slo_ms\x18\x07 \x01(\x01\x12\x13\n\x0bttft_slo_ms\x18\x08 \x01(\x01\x42\x08\n\x06promptB\n\n\x08_adapter\"\x11\n\x0fGetStatsRequest\"(\n\x11WatchStateRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\":\n\tLoadEntry\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x01(\x05\"\xc3\x02\n\x0bWorkerState\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x12\n\nperf_model\x18\x02 \x01(\t\x12&\n\x07running\x18\x03 \x03(\x0b\x32\x15.tessera.v1.LoadEntry\x12%\n\x06queued\x18\x04 \x03(\x0b\x32\x15.tessera.v1.LoadEntry\x12\x14\n\x0cgpu_adapters\x18\x05 \x03(\t\x12\x15\n\rhost_adapters\x18\x06 \x03(\t\x12\x19\n\x11gpu_adapter_slots\x18\x07 \x01(\x05\x12\x11\n\tmax_batch\x18\x08 \x01(\x05\x12\x16\n\x0e\x66ree_kv_tokens\x18\t \x01(\x03\x12\x18\n\x10loading_adapters\x18\n \x03(\t\x12\x17\n\x0fperf_model_spec\x18\x0b \x01(\t\x12\x17\n\x0fgpu_victim_rate\x18\x0c \x01(\x01\x32\xe8\x01\n\rWorkerService\x12M\n\x08Generate\x12!.tessera.v1.WorkerGenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12@\n\x08GetStats\x12\x1b.tessera.v1.GetStatsRequest\x1a\x17.tessera.v1.WorkerStats\x12\x46\n\nWatchState\x12\x1d.tessera.v1.WatchStateRequest\x1a\x17.tessera.v1.WorkerState0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/worker.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\"\xa3\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12)\n\x07\x61\x64\x61pter\x18\x03 \x01(\x0b\x32\x13.tessera.v1.AdapterH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x16.tessera.v1.ChatPromptH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.tessera.v1.SamplingParams\x12\x13\n\x0btpot_slo_ms\x18\x07 \x01(\x01\x12\x13\n\x0bttft_slo_ms\x18\x08 \x01(\x01\x12\x11\n\ttask_head\x18\t \x01(\x08\x42\x08\n\x06promptB\n\n\x08_adapter\"\x11\n\x0fGetStatsRequest\"(\n\x11WatchStateRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\":\n\tLoadEntry\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x01(\x05\"\xc3\x02\n\x0bWorkerState\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x12\n\nperf_model\x18\x02 \x01(\t\x12&\n\x07running\x18\x03 \x03(\x0b\x32\x15.tessera.v1.LoadEntry\x12%\n\x06queued\x18\x04 \x03(\x0b\x32\x15.tessera.v1.LoadEntry\x12\x14\n\x0cgpu_adapters\x18\x05 \x03(\t\x12\x15\n\rhost_adapters\x18\x06 \x03(\t\x12\x19\n\x11gpu_adapter_slots\x18\x07 \x01(\x05\x12\x11\n\tmax_batch\x18\x08 \x01(\x05\x12\x16\n\x0e\x66ree_kv_tokens\x18\t \x01(\x03\x12\x18\n\x10loading_adapters\x18\n \x03(\t\x12\x17\n\x0fperf_model_spec\x18\x0b \x01(\t\x12\x17\n\x0fgpu_victim_rate\x18\x0c \x01(\x01\x32\xe8\x01\n\rWorkerService\x12M\n\x08Generate\x12!.tessera.v1.WorkerGenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12@\n\x08GetStats\x12\x1b.tessera.v1.GetStatsRequest\x1a\x17.tessera.v1.WorkerStats\x12\x46\n\nWatchState\x12\x1d.tessera.v1.WatchStateRequest\x1a\x17.tessera.v1.WorkerState0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tessera.v1.worker_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERGENERATEREQUEST']._serialized_start=65
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=337
-  _globals['_GETSTATSREQUEST']._serialized_start=339
-  _globals['_GETSTATSREQUEST']._serialized_end=356
-  _globals['_WATCHSTATEREQUEST']._serialized_start=358
-  _globals['_WATCHSTATEREQUEST']._serialized_end=398
-  _globals['_LOADENTRY']._serialized_start=400
-  _globals['_LOADENTRY']._serialized_end=458
-  _globals['_WORKERSTATE']._serialized_start=461
-  _globals['_WORKERSTATE']._serialized_end=784
-  _globals['_WORKERSERVICE']._serialized_start=787
-  _globals['_WORKERSERVICE']._serialized_end=1019
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=356
+  _globals['_GETSTATSREQUEST']._serialized_start=358
+  _globals['_GETSTATSREQUEST']._serialized_end=375
+  _globals['_WATCHSTATEREQUEST']._serialized_start=377
+  _globals['_WATCHSTATEREQUEST']._serialized_end=417
+  _globals['_LOADENTRY']._serialized_start=419
+  _globals['_LOADENTRY']._serialized_end=477
+  _globals['_WORKERSTATE']._serialized_start=480
+  _globals['_WORKERSTATE']._serialized_end=803
+  _globals['_WORKERSERVICE']._serialized_start=806
+  _globals['_WORKERSERVICE']._serialized_end=1038
 # @@protoc_insertion_point(module_scope)

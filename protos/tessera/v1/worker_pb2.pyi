@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "base_model", "adapter", "text", "chat", "sampling", "tpot_slo_ms", "ttft_slo_ms")
+    __slots__ = ("request_id", "base_model", "adapter", "text", "chat", "sampling", "tpot_slo_ms", "ttft_slo_ms", "task_head")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class WorkerGenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    TASK_HEAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     base_model: str
     adapter: _common_pb2.Adapter
@@ -25,7 +26,8 @@ class WorkerGenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     tpot_slo_ms: float
     ttft_slo_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., base_model: _Optional[str] = ..., adapter: _Optional[_Union[_common_pb2.Adapter, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tpot_slo_ms: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ...) -> None: ...
+    task_head: bool
+    def __init__(self, request_id: _Optional[str] = ..., base_model: _Optional[str] = ..., adapter: _Optional[_Union[_common_pb2.Adapter, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatPrompt, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tpot_slo_ms: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ..., task_head: _Optional[bool] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
