@@ -71,12 +71,12 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks holding `seq`'s longest run of leading full blocks; at least its last
-        token is left out, so prefill has a token to compute logits from."""
+        token is left out, so prefill has a token to compute logits from (a task head's positions: Sequence.tail_to_run)."""
         assert not seq.block_table, "a waiting sequence holds no blocks"
         if not self.prefix_caching:
             return []
         blocks: list[int] = []
-        for index in range((seq.num_tokens - 1) // self.block_size):
+        for index in range((seq.num_tokens - seq.tail_to_run) // self.block_size):
             block = self._cached.get(block_hash(seq, index, self.block_size))
             if block is None:
                 break

@@ -149,7 +149,8 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
     served_paths = {target: LORA_TARGETS[target] for target in worker.lora_targets}
 
     def load_from_store(ref: AdapterRef) -> LoRAWeights:
-        return load_adapter(ref, adapter_store, adapter_layout, served_paths, config.num_hidden_layers)
+        return load_adapter(ref, adapter_store, adapter_layout, served_paths, config.num_hidden_layers,
+                            config.hidden_size)
 
     def load_checked(ref: AdapterRef) -> LoRAWeights:
         weights = (load or load_from_store)(ref)
@@ -175,7 +176,7 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
                               max_context=model.max_context, with_lora=worker.adapter_slots > 0)
     images = CachedImageEncoder(image_encoder, ImageFeatureCache(worker.image_cache_bytes)) \
         if image_encoder is not None else None
-    runner = ModelRunner(model, kv_cache, device, graphs, merge_switch, images, cpu_lora, memory.modules)
+    runner = ModelRunner(model, kv_cache, device, graphs, merge_switch, images, cpu_lora, memory.modules, memory.head)
     return EngineParts(model, runner, scheduler, adapters,
                        _orchestrator(worker, merge_switch, device, perf_model, cold_start), cold_start)
 

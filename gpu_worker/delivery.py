@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from gpu_worker.heads import HeadAnswer
 from gpu_worker.sampler import TokenLogprobs
 from gpu_worker.sequence import FinishReason, Sequence
 from services.common.errors import TesseraError
@@ -28,6 +29,7 @@ class RequestOutput:
     completion_tokens: int = 0
     full_text: str = ""
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked for them
+    head: HeadAnswer | None = None            # a task-head request's answer (its only, last output)
 
 
 class RequestHandle:
@@ -82,6 +84,7 @@ class Streams:
         self._live: dict[str, tuple[Sequence, RequestHandle]] = {}  # request id -> its sequence and handle
         # Sampled tokens whose outputs are not sent yet: (sequence, token, log-probabilities).
         self._unsent: list[tuple[Sequence, int, TokenLogprobs | None]] = []
+        self._answers: list[tuple[Sequence, HeadAnswer]] = []  # head answers not sent yet
 
     def open(self, seq: Sequence, handle: RequestHandle) -> None:
         self._live[seq.request_id] = seq, handle
@@ -97,11 +100,18 @@ class Streams:
         """A sampled token of `seq`, to stream at the next `flush`."""
         self._unsent.append((seq, token, logprobs))
 
+    def answer(self, seq: Sequence, answer: HeadAnswer) -> None:
+        """A task-head request's answer, to send (and close it) at the next `flush`."""
+        self._answers.append((seq, answer))
+
     def flush(self) -> bool:
-        """Detokenize the unsent tokens and stream them; close the requests they finished. -> whether
-        there were any."""
+        """Detokenize the unsent tokens and stream them, send the head answers; close the requests they
+        finished. -> whether there were any."""
         unsent, self._unsent = self._unsent, []
-        items: list[tuple[RequestHandle, RequestOutput | TesseraError]] = []
+        answers, self._answers = self._answers, []
+        items: list[tuple[RequestHandle, RequestOutput | TesseraError]] = [
+            (self.close(seq), RequestOutput([], "", seq.finish_reason, seq.prompt_len, 0, head=answer))
+            for seq, answer in answers]
         for seq, token, logprobs in unsent:
             seq.decode_text()
             final = seq.finish_reason is not None
@@ -113,7 +123,7 @@ class Streams:
             else:
                 items.append((self._live[seq.request_id][1], RequestOutput([token], text, logprobs=token_logprobs)))
         deliver(items)
-        return bool(unsent)
+        return bool(items)
 
     def close(self, seq: Sequence) -> RequestHandle:
         """Forget a request whose scheduler resources are freed; -> its handle, for the last item."""

@@ -38,6 +38,7 @@ from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.delivery import RequestHandle, RequestOutput, Streams, aborted_output, deliver
+from gpu_worker.heads import HeadAnswers
 from gpu_worker.intake import GenerationRequest, Intake
 from gpu_worker.lora.adapter_manager import AdapterManager
 from policy.cold_start import ColdStartPolicy
@@ -77,6 +78,7 @@ class StepRecord:
 class _LaunchedStep:
     batch: ScheduledBatch
     sampled: SampledTokens
+    answers: HeadAnswers  # the task-head requests whose prompt the step completed
     started: float
     merged_adapter: str | None  # folded into the base weights for this step
     mode: str
@@ -279,12 +281,12 @@ class Engine:
     def _launch(self, batch: ScheduledBatch, plan: StepPlan, previous: _LaunchedStep | None) -> _LaunchedStep:
         """Run `batch` as `plan` says and sample on the device; the tokens reach the host in `_postprocess`."""
         started = time.perf_counter()
-        sampling, logits = self._runner.run(batch.items, plan, previous.sampled if previous is not None else None,
-                                            batch.adapter_copies)
+        sampling, logits, answers = self._runner.run(batch.items, plan, previous.sampled if previous is not None
+                                                     else None, batch.adapter_copies)
         for seq in sampling:
             seq.num_in_flight += 1
-        return _LaunchedStep(batch, sample(logits, sampling), started, self._runner.merged_adapter, plan.mode.value,
-                             self._orchestrator.starving)
+        return _LaunchedStep(batch, sample(logits, sampling), HeadAnswers(answers), started,
+                             self._runner.merged_adapter, plan.mode.value, self._orchestrator.starving)
 
     def _postprocess(self, launched: _LaunchedStep | None) -> None:
         """Take a launched step's tokens, if there is one: append them, decide which requests finished
@@ -302,6 +304,11 @@ class Engine:
             if seq.finish_reason is not None:
                 self._release(seq)  # its blocks serve the next step already
             self._streams.push(seq, token, token_logprobs)
+        for seq, answer in zip(launched.answers.seqs, launched.answers.result()):
+            if seq.finish_reason is None:  # not aborted while its step ran
+                seq.finish_reason = FinishReason.STOP
+                self._release(seq)
+                self._streams.answer(seq, answer)
         self._step += 1
         done = time.perf_counter()
         duration_s = done - launched.started

@@ -21,6 +21,7 @@ from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.prompts import Prompt, PromptEncoder
 from gpu_worker.sequence import SamplingParams, Sequence
 from services.common.errors import AlreadyExists, InvalidArgument
+from services.common.task_heads import TaskHead
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class GenerationRequest:
     adapter: AdapterRef | None = None
     tpot_slo_s: float | None = None  # its time-per-output-token objective, if the caller gave one
     ttft_slo_s: float | None = None  # its time-to-first-token objective, likewise
+    task_head: bool = False  # answer with the adapter's task head after one pass (params unused), generating nothing
 
 
 class Intake:
@@ -55,18 +57,23 @@ class Intake:
         if request.adapter is not None and request.adapter.rank > self._max_lora_rank:
             raise InvalidArgument(f"adapter {request.adapter.name} has rank {request.adapter.rank}; this worker "
                                   f"serves ranks up to {self._max_lora_rank} (max_lora_rank)")
-        prompt = self._prompts.encode(request.prompt, request.params.max_tokens)
+        head = _task_head(request)
+        max_tokens = 1 if head is not None else request.params.max_tokens
+        prompt = self._prompts.encode(request.prompt, max_tokens)
         ids = prompt.token_ids
-        needed = len(ids) + request.params.max_tokens - 1
+        if head is not None and len(ids) < head.positions:
+            raise InvalidArgument(f"adapter {request.adapter.name}'s head reads the prompt's last {head.positions} "
+                                  f"tokens; the prompt has {len(ids)}", param="input")
+        needed = len(ids) + max_tokens - 1
         if needed > self._kv_capacity_tokens:
-            raise InvalidArgument(f"prompt ({len(ids)} tokens) plus max_tokens ({request.params.max_tokens}) needs "
+            raise InvalidArgument(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) needs "
                                   f"{needed} KV-cache tokens; this worker holds {self._kv_capacity_tokens}")
         with self._lock:
             if request.request_id in self._in_flight:
                 raise AlreadyExists(f"request {request.request_id} is already running")
             self._in_flight.add(request.request_id)
         detok = IncrementalDetokenizer(self._tokenizer, ids, request.params.stop)
-        seq = Sequence(request.request_id, ids, request.params, request.adapter, detok, prompt.images)
+        seq = Sequence(request.request_id, ids, request.params, request.adapter, detok, prompt.images, head)
         seq.tpot_slo_s, seq.ttft_slo_s = request.tpot_slo_s, request.ttft_slo_s
         return seq, RequestHandle(request.request_id, loop)
 
@@ -84,3 +91,17 @@ class Intake:
         """Each id decoded alone, special tokens kept ("</s>"): the `token` of log-probability entries."""
         return self._tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
                                             clean_up_tokenization_spaces=False)
+
+
+def _task_head(request: GenerationRequest) -> TaskHead | None:
+    """The head that answers `request`, None for generation; InvalidArgument when the adapter does not fit
+    the ask (a head request needs an adapter with a head, and a head adapter answers only head requests)."""
+    head = request.adapter.head if request.adapter is not None else None
+    if request.task_head and head is None:
+        what = f"adapter {request.adapter.name}" if request.adapter is not None else "the base model"
+        raise InvalidArgument(f"{what} has no task head; a head request needs an adapter with one "
+                              "(docs/task-heads.md)", param="model")
+    if head is not None and not request.task_head:
+        raise InvalidArgument(f"adapter {request.adapter.name} has a task head ({head.kind}) and answers "
+                              "classification only: ask POST /v1/classify (gRPC Classify)", param="model")
+    return head

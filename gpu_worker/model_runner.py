@@ -6,21 +6,25 @@ previous step's tokens reached the host (async scheduling) takes those of its in
 device. A step runs in the mode the orchestrator planned (orchestrator.py): merged, its adapter is
 folded into the base weights first and the step runs base-only; mixture, the same weights, and every
 token of another adapter or of none also runs the merged adapter negated (lora/merge_switch.py's
-mixture slot) in the same LoRA launches (kernels/batch.py), eager."""
+mixture slot) in the same LoRA launches (kernels/batch.py), eager. Task-head requests' hidden states at
+their head's positions are kept, and once a prompt has run, its adapter's head answers from them (heads.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.forward_context import ForwardContext, LoraWaits, forward_context
+from gpu_worker.heads import apply_head
 from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.lora.cpu_assist import CpuLoraPool, CpuLoraStep
 from gpu_worker.lora.gpu_memory import AdapterCopy, copy_waits
 from gpu_worker.lora.layer import LoRALinear
+from gpu_worker.lora.loader import HeadWeights
 from gpu_worker.lora.merge_switch import MergeSwitch
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.orchestrator import InferenceMode, StepPlan
@@ -33,13 +37,20 @@ from kernels import NO_SLOT, LoRABatch
 from kernels.attention import AttentionMetadata
 
 
+class StepOutput(NamedTuple):
+    sampling: list[Sequence]   # the sequences that sample, in logits' row order
+    logits: torch.Tensor       # float32 [len(sampling), vocab]
+    answers: list[tuple[Sequence, torch.Tensor]]  # head requests whose prompt ran: their head's answer (device)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache, device: torch.device,
                  graphs: DecodeGraphs | None = None, merge_switch: MergeSwitch | None = None,
                  image_encoder: CachedImageEncoder | None = None, cpu_lora: CpuLoraPool | None = None,
-                 lora_modules: Iterable[LoRALinear] = ()) -> None:
+                 lora_modules: Iterable[LoRALinear] = (),
+                 heads: Callable[[int], HeadWeights | None] = lambda slot: None) -> None:
         """`cpu_lora`: the CPU LoRA workers; `lora_modules`: the projections in the order of a host
-        copy's parts (GpuAdapterMemory's)."""
+        copy's parts (GpuAdapterMemory's); `heads`: a GPU slot's task head, if its adapter has one."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -47,6 +58,7 @@ class ModelRunner:
         self.merge_switch = merge_switch
         self.image_encoder = image_encoder
         self.cpu_lora = cpu_lora
+        self._heads = heads
         self._module_index = {module: index for index, module in enumerate(lora_modules)}
 
     @property
@@ -56,9 +68,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], plan: StepPlan, previous: SampledTokens | None = None,
-            copies: list[AdapterCopy] | tuple[()] = ()) -> tuple[list[Sequence], torch.Tensor]:
-        """Run `items` in `plan`'s mode; -> (the sequences that sample, their float32 logits [len(them),
-        vocab]). A sequence with a token in flight decodes it: its input id is its token in `previous`,
+            copies: list[AdapterCopy] | tuple[()] = ()) -> StepOutput:
+        """Run `items` in `plan`'s mode; -> the sequences that sample, their logits and the head answers.
+        A sequence with a token in flight decodes it: its input id is its token in `previous`,
         still on the device. `copies`: adapters' copies onto the GPU still in flight, whose bytes each
         projection waits for on the device (eager: a captured graph cannot wait on them)."""
         inputs = build_step_inputs(items, self.kv_cache.block_size)
@@ -79,16 +91,16 @@ class ModelRunner:
         waits = copy_waits(copies) if copies and not merged else None
         if (cpu_rows is None and waits is None and mix_slot == NO_SLOT and self.graphs is not None
                 and inputs.is_decode_only and self.graphs.fits(len(items))):
-            logits = self.graphs.replay(inputs, in_flight)
+            logits, answers = self.graphs.replay(inputs, in_flight), []
         else:
-            logits = self._run_eager(inputs, in_flight, cpu_rows, waits, mix_slot)
+            logits, answers = self._run_eager(inputs, in_flight, cpu_rows, waits, mix_slot, copies)
         for item in items:
             seq = item.seq
             seq.num_cached += item.num_new
             seq.kv_shareable &= not merged
             if seq.image_features is not None and seq.num_cached >= seq.images.end:
                 seq.image_features = None
-        return inputs.sampling, logits
+        return StepOutput(inputs.sampling, logits, answers)
 
     def _hold_weights(self, plan: StepPlan) -> bool:
         """Merge or restore the base weights as `plan` says; -> whether the step runs on merged weights."""
@@ -119,7 +131,8 @@ class ModelRunner:
 
     def _run_eager(self, inputs: StepInputs, in_flight: InFlightIds | None = None,
                    cpu_rows: CpuLoraStep | None = None, waits: LoraWaits | None = None,
-                   mix_slot: int = NO_SLOT) -> torch.Tensor:
+                   mix_slot: int = NO_SLOT, copies: list[AdapterCopy] | tuple[()] = ()
+                   ) -> tuple[torch.Tensor, list[tuple[Sequence, torch.Tensor]]]:
         width = max(len(table) for table in inputs.block_tables)
         query_start_loc = [0]
         for n in inputs.query_lens:
@@ -140,7 +153,30 @@ class ModelRunner:
         embeds = self._input_embeddings(inputs, input_ids)
         with forward_context(ForwardContext(attention, self.kv_cache, lora, cpu_rows, waits)):
             hidden = self.model(input_ids, self._device_tensor(inputs.positions, torch.long), embeds)
-        return self.model.compute_logits(hidden[self._device_tensor(inputs.logit_rows, torch.long)])
+        answers = self._answer_heads(inputs, hidden, copies) if inputs.head_rows else []
+        return self.model.compute_logits(hidden[self._device_tensor(inputs.logit_rows, torch.long)]), answers
+
+    def _answer_heads(self, inputs: StepInputs, hidden: torch.Tensor,
+                      copies: list[AdapterCopy] | tuple[()]) -> list[tuple[Sequence, torch.Tensor]]:
+        """Keep the head requests' hidden states at their head's positions; answer those whose prompt this
+        step completes, the requests of one adapter in one call."""
+        done: dict[int, list[Sequence]] = {}
+        for part in inputs.head_rows:
+            # Consecutive rows; a copy, so that a prompt chunked over steps does not hold on to whole steps.
+            part.seq.head_hidden.append(hidden[part.rows[0]:part.rows[-1] + 1].clone())
+            if part.completes:
+                done.setdefault(part.seq.slot, []).append(part.seq)
+        for copy in copies:  # a head lies at the end of its adapter's copy: the whole copy must be in
+            torch.cuda.current_stream(self.device).wait_event(copy.done)
+        answers = []
+        for slot, seqs in done.items():
+            weights = self._heads(slot)
+            assert weights is not None, f"a head request on slot {slot}, whose adapter has no head"
+            values = apply_head(weights, torch.stack([torch.cat(seq.head_hidden) for seq in seqs]))
+            answers += zip(seqs, values.unbind(0))
+            for seq in seqs:
+                seq.head_hidden.clear()
+        return answers
 
     def _input_embeddings(self, inputs: StepInputs, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The step's token embeddings [num_tokens, hidden] with image features at image tokens;

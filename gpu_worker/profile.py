@@ -157,7 +157,7 @@ class Profiler:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         started = time.perf_counter()
-        sampling, logits = self._parts.runner.run(items, UNMERGED)  # merged mode is off here
+        sampling, logits, _ = self._parts.runner.run(items, UNMERGED)  # merged mode is off here
         tokens, _ = sample(logits, sampling).result()
         seconds = time.perf_counter() - started
         for seq, token in zip(sampling, tokens):

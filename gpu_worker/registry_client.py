@@ -22,6 +22,7 @@ from policy.residency_edge import AdapterPlacement
 from gpu_worker.lora.loader import AdapterRef
 from policy.placement_orders import PlacementOrders, Preload
 from policy.adapter_tiers import Tier
+from services.common.task_heads import task_head_from_record
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ async def fetch_base_model(channel: grpc.aio.Channel, name: str, stop: asyncio.E
 def adapter_ref(adapter: common_pb2.Adapter) -> AdapterRef:
     """What the registry says about an adapter, as the worker's adapter tiers take it."""
     return AdapterRef(adapter.name, adapter.base_model, adapter.rank, adapter.sha256, adapter.storage_path,
-                      adapter.created_unix_ms)
+                      adapter.created_unix_ms, task_head_from_record(adapter.task_head_json))
 
 
 def placement_orders(reply: registry_pb2.HeartbeatResponse) -> PlacementOrders:

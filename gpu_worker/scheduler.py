@@ -56,7 +56,8 @@ class ScheduledBatch:
     adapter_copies: list[AdapterCopy] = field(default_factory=list)  # the step's kernels wait for these
 
     def add(self, seq: Sequence, num_new: int) -> None:
-        self.items.append(ScheduledSeq(seq, num_new, seq.num_cached + num_new == seq.num_tokens))
+        # A head request samples nothing: its head answers once its prompt ran (step_inputs.head_rows).
+        self.items.append(ScheduledSeq(seq, num_new, seq.head is None and seq.num_cached + num_new == seq.num_tokens))
 
     @property
     def num_tokens(self) -> int:
@@ -172,6 +173,8 @@ class Scheduler:
             way = self._cold_start_way(where, batch, num_new)
             if way is ColdStart.WAIT:
                 return False
+            if way is ColdStart.CPU and seq.head is not None:
+                return False  # its head is read on the GPU: it waits for the copy, and others go ahead
             if way is ColdStart.CPU:
                 seq.cpu_adapter = where.host
             else:  # pipelined: the step's kernels wait on the device for the copy's bytes
@@ -211,6 +214,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
+        seq.head_hidden.clear()  # recomputed with its K/V
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

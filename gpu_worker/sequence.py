@@ -14,6 +14,7 @@ from gpu_worker.lora.host_weights import PackedAdapter
 from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.vision.images import PromptImages
 from kernels import NO_SLOT
+from services.common.task_heads import TaskHead
 
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
@@ -55,7 +56,8 @@ _seq_ids = itertools.count()
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  adapter: AdapterRef | None, detokenizer: IncrementalDetokenizer,
-                 images: PromptImages | None = None) -> None:
+                 images: PromptImages | None = None, head: TaskHead | None = None) -> None:
+        """`head`: answer with the adapter's task head after one pass over the prompt, generating nothing."""
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -64,6 +66,10 @@ class Sequence:
         # reaches an image token, dropped once every image token is cached (remade after preemption).
         self.image_features: torch.Tensor | None = None
         self.output_token_ids: list[int] = []
+        self.head = head
+        # A head request's hidden states at the head's positions, [positions, hidden] in all, gathered from the
+        # prefill chunks that run them (dropped by preemption with the K/V they came with).
+        self.head_hidden: list[torch.Tensor] = []
         # Tokens sampled by launched steps that have not reached the host yet (async scheduling: a
         # decode step may run while the previous one's token is still on the device). They count in
         # num_tokens, so the next step schedules and grows blocks for them.
@@ -105,9 +111,18 @@ class Sequence:
     @property
     def sampled_all(self) -> bool:
         """Every token this request will produce is sampled, the last perhaps still in flight: its
-        finish is known, or it has max_tokens tokens counting those in flight."""
+        finish is known, or it has max_tokens tokens counting those in flight; a head request, once its
+        whole prompt ran (its answer perhaps still in flight)."""
+        if self.head is not None:
+            return self.finish_reason is not None or self.num_cached >= self.prompt_len
         return self.finish_reason is not None or \
             len(self.output_token_ids) + self.num_in_flight >= self.params.max_tokens
+
+    @property
+    def tail_to_run(self) -> int:
+        """The prompt's last tokens that prefill must run even when the prefix cache holds them: the one
+        whose logits sample the first token, or a task head's positions (it reads their hidden states)."""
+        return self.head.positions if self.head is not None else 1
 
     @property
     def num_pending(self) -> int:

@@ -26,6 +26,15 @@ class ImageRows:
 
 
 @dataclass(frozen=True)
+class HeadRows:
+    """Packed rows of a task-head request among its prompt's last `head.positions` tokens; `completes`: the
+    step runs the prompt's last token, so the head answers after it."""
+    seq: Sequence
+    rows: list[int]
+    completes: bool
+
+
+@dataclass(frozen=True)
 class StepInputs:
     items: list[ScheduledSeq]        # batch order
     input_ids: list[int]             # [num_tokens]
@@ -39,6 +48,7 @@ class StepInputs:
     logit_rows: list[int]            # the last token of each sequence that samples
     sampling: list[Sequence]         # those sequences, in logit_rows order
     image_rows: list[ImageRows]      # the step's image tokens (prefill chunks of prompts with images)
+    head_rows: list[HeadRows]        # the step's rows that task heads read
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +69,7 @@ class StepInputs:
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens) and len(self.sampling) == len(self.items) \
-            and not self.image_rows
+            and not self.image_rows and not self.head_rows
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,7 @@ class InFlightIds:
 
 def build_step_inputs(items: list[ScheduledSeq], block_size: int) -> StepInputs:
     items = sorted(items, key=lambda item: item.seq.slot)
-    inputs = StepInputs(items, [], [], [], [], [], [], [], [], [], [], [])
+    inputs = StepInputs(items, [], [], [], [], [], [], [], [], [], [], [], [])
     positions: list[list[int] | list[list[int]]] = []
     for item in items:
         seq, start, n = item.seq, item.seq.num_cached, item.num_new
@@ -105,6 +115,12 @@ def build_step_inputs(items: list[ScheduledSeq], block_size: int) -> StepInputs:
             offset = len(inputs.input_ids) - start  # position p of seq is packed row offset + p
             inputs.image_rows.extend(ImageRows(seq, offset + position, feature, count)
                                      for position, feature, count in seq.images.rows_in(start, start + n))
+        if seq.head is not None:  # the head reads the prompt's last `positions` tokens, whichever chunks run them
+            first = max(start, seq.prompt_len - seq.head.positions)
+            if first < start + n:
+                row = len(inputs.input_ids) - start
+                inputs.head_rows.append(HeadRows(seq, [row + p for p in range(first, start + n)],
+                                                 start + n == seq.prompt_len))
         inputs.input_ids.extend(seq.pending_token_ids(n))
         positions.append(seq.rope_positions(start, start + n))
         table = seq.block_table

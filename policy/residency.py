@@ -215,10 +215,10 @@ class Residency:
         if (version := self._versions.get(ref.sha256)) is not None and version.pinned:
             self._version_of(ref)  # under this name too
             return True
-        pinned = [v.ref.rank for v in self._versions.values() if v.pinned] + [ref.rank]
+        pinned = [v.ref for v in self._versions.values() if v.pinned] + [ref]
         limits = self._limits
         if self._failure_cause(ref) is not None or len(pinned) > MAX_PINNED_SHARE * limits.gpu_slots or (
-                sum(map(limits.gpu_bytes_at_rank, pinned)) > MAX_PINNED_SHARE * limits.gpu_bytes):
+                sum(map(limits.gpu_bytes_of, pinned)) > MAX_PINNED_SHARE * limits.gpu_bytes):
             return False
         version = self._version_of(ref)
         version.pinned = True
@@ -318,10 +318,10 @@ class Residency:
             return False
         key = ref.sha256
         in_host = self.tiers.tier(key) is not Tier.DISK
-        if not in_host and not self.tiers.room_for(key, Tier.HOST, self._limits.host_bytes_at_rank(ref.rank)):
+        if not in_host and not self.tiers.room_for(key, Tier.HOST, self._limits.host_bytes_of(ref)):
             return False
         return tier is Tier.HOST or self.tiers.room_for(
-            key, Tier.GPU, self.tiers.gpu_size(key) if in_host else self._limits.gpu_bytes_at_rank(ref.rank))
+            key, Tier.GPU, self.tiers.gpu_size(key) if in_host else self._limits.gpu_bytes_of(ref))
 
     def _want(self, key: str, version: _Version) -> None:
         """Something now waits for `version` on the GPU: start its next load."""
@@ -352,7 +352,7 @@ class Residency:
             return
         if not version.in_host:
             if self.tiers.tier(key) is Tier.DISK:
-                evicted = self.tiers.place_in_host(key, self._limits.host_bytes_at_rank(version.ref.rank))
+                evicted = self.tiers.place_in_host(key, self._limits.host_bytes_of(version.ref))
                 if evicted is None:
                     return  # host memory is all pinned: a later pass tries again
                 for victim in evicted:  # gone from both tiers

@@ -51,8 +51,10 @@ class ResidencyLimits:
     gpu_slots: int                            # adapters the GPU holds at once at most (kernel table rows)
     gpu_bytes: int
     host_bytes: int
-    gpu_bytes_at_rank: Callable[[int], int]   # the most an adapter of a rank takes on the GPU
-    host_bytes_at_rank: Callable[[int], int]  # what a read of an adapter of a rank reserves in host memory
+    # The most a version takes on the GPU, and what its read reserves in host memory, before its files are
+    # read (by its rank, and its task head's size where it has one).
+    gpu_bytes_of: Callable[[VersionRef], int]
+    host_bytes_of: Callable[[VersionRef], int]
 
 
 class Residence(NamedTuple):  # not a frozen dataclass: asked for each waiting request at every pass, and 8x cheaper

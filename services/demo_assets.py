@@ -21,6 +21,8 @@ from pathlib import Path
 
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
+from services.demo_heads import HEAD_INIT_STD, DemoHead, add_head_files
+
 DEMO_BASE_MODEL = "tessera-demo-llama"          # what the embedded default serves
 DEMO_VISION_BASE_MODEL = "tessera-demo-llava"   # for a worker configured with this base_model
 DEMO_QWEN2VL_BASE_MODEL = "tessera-demo-qwen2vl"  # likewise
@@ -84,6 +86,7 @@ class DemoAdapterSpec:
     rank_pattern: tuple[tuple[str, int], ...] = ()
     alpha_pattern: tuple[tuple[str, float], ...] = ()
     use_rslora: bool = False
+    head: DemoHead | None = None  # a task head (services/demo_heads.py)
 
 
 DEMO_ADAPTERS = (
@@ -102,6 +105,20 @@ DEMO_QWEN2VL_ADAPTERS = (
     DemoAdapterSpec("demo-qwen2vl-r8", 8, 16.0,
                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 6),
     DemoAdapterSpec("demo-qwen2vl-r16", 16, 32.0, ("q_proj", "k_proj", "v_proj", "o_proj"), 7),
+)
+# Adapters with task heads (docs/task-heads.md), answered by POST /v1/classify: a PEFT SEQ_CLS classifier on
+# the text model, VaLoRA's action-recognition MLP head on Qwen2-VL and its detection head on LLaVA.
+DEMO_HEAD_ADAPTERS = (
+    DemoAdapterSpec("demo-classifier", 8, 16.0, ("q_proj", "v_proj"), 11,
+                    head=DemoHead("classifier", ("negative", "neutral", "positive"))),
+)
+DEMO_QWEN2VL_HEAD_ADAPTERS = (
+    DemoAdapterSpec("demo-qwen2vl-action", 8, 16.0, ("q_proj", "v_proj"), 12,
+                    head=DemoHead("mlp", ("walking", "running", "jumping", "sitting"))),
+)
+DEMO_VISION_HEAD_ADAPTERS = (
+    DemoAdapterSpec("demo-llava-detect", 8, 16.0, ("q_proj", "v_proj"), 13,
+                    head=DemoHead("detection", ("cat", "dog", "car"), num_queries=4)),
 )
 
 
@@ -331,30 +348,43 @@ def build_qwen2vl(out_dir: Path, *, tokenizer_dir: Path | None, seed: int = 0, t
 
 
 def build_lora_adapter(base_dir: Path, out_dir: Path, spec: DemoAdapterSpec) -> Path:
-    """Save a real PEFT LoRA adapter for `base_dir` with random A and B (seeded by spec.seed). On a
-    vision-language model it adapts the language model only."""
+    """Save a real PEFT LoRA adapter for `base_dir` with random A and B (seeded by spec.seed), and its task
+    head if the spec has one (a classifier: PEFT's SEQ_CLS, on a text model). On a vision-language model it
+    adapts the language model only."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
     staging = _staging_dir(out_dir)
     targets: list[str] | str = list(spec.target_modules)
-    if AutoConfig.from_pretrained(base_dir).model_type in ("llava", "qwen2_vl"):  # vision-language models
+    classifier = spec.head is not None and spec.head.kind == "classifier"
+    base_config = AutoConfig.from_pretrained(base_dir)
+    if base_config.model_type in ("llava", "qwen2_vl"):  # vision-language models
+        assert not classifier, "PEFT's SEQ_CLS heads are for text models"
         base = AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32)
         # A regex over module paths: bare names ("q_proj") would match the vision tower's projections too.
         targets = rf".*language_model.*\.({'|'.join(spec.target_modules)})"
+    elif classifier:
+        base = AutoModelForSequenceClassification.from_pretrained(base_dir, dtype=torch.float32,
+                                                                  num_labels=len(spec.head.labels))
     else:
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     torch.manual_seed(spec.seed)
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets, use_rslora=spec.use_rslora,
                         rank_pattern=dict(spec.rank_pattern), alpha_pattern=dict(spec.alpha_pattern),
-                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", init_lora_weights=False)
+                        lora_dropout=0.0, bias="none", task_type="SEQ_CLS" if classifier else "CAUSAL_LM",
+                        init_lora_weights=False)
     model = get_peft_model(base, config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.mul_(LORA_B_GAIN)
+            elif classifier and "score" in name:
+                param.normal_(0.0, HEAD_INIT_STD / param.shape[1] ** 0.5)
     model.save_pretrained(staging, safe_serialization=True)
+    if spec.head is not None:
+        hidden = base_config.get_text_config().hidden_size
+        add_head_files(staging, spec.head, hidden, spec.seed)
     return _publish(staging, out_dir)
 
 
@@ -390,7 +420,7 @@ def _adapters_or_build(base_dir: Path, adapters_dir: Path, specs: tuple[DemoAdap
 def build_demo_assets(models_dir: Path, progress: Callable[[str], None] = print) -> list[DemoAssets]:
     """Build (or reuse) under `models_dir` the demo text model with DEMO_ADAPTERS (what the embedded
     default serves), then the demo LLaVA model with DEMO_VISION_ADAPTERS and the demo Qwen2-VL model
-    with DEMO_QWEN2VL_ADAPTERS, both sharing its tokenizer."""
+    with DEMO_QWEN2VL_ADAPTERS, both sharing its tokenizer; each also with its head adapters."""
     base_files = ("config.json", BASE_WEIGHTS_FILE, *TOKENIZER_FILES)
     text_dir, vision_dir = models_dir / DEMO_BASE_MODEL, models_dir / DEMO_VISION_BASE_MODEL
     qwen2vl_dir = models_dir / DEMO_QWEN2VL_BASE_MODEL
@@ -400,8 +430,11 @@ def build_demo_assets(models_dir: Path, progress: Callable[[str], None] = print)
     _base_or_build(DEMO_QWEN2VL_BASE_MODEL, qwen2vl_dir, base_files + IMAGE_PROCESSOR_FILES,
                    lambda: build_qwen2vl(qwen2vl_dir, tokenizer_dir=text_dir), progress)
     adapters_dir = models_dir / "adapters"
-    return [DemoAssets(text_dir, _adapters_or_build(text_dir, adapters_dir, DEMO_ADAPTERS, progress)),
-            DemoAssets(vision_dir, _adapters_or_build(vision_dir, adapters_dir, DEMO_VISION_ADAPTERS, progress),
+    return [DemoAssets(text_dir, _adapters_or_build(text_dir, adapters_dir, DEMO_ADAPTERS + DEMO_HEAD_ADAPTERS,
+                                                    progress)),
+            DemoAssets(vision_dir, _adapters_or_build(vision_dir, adapters_dir,
+                                                      DEMO_VISION_ADAPTERS + DEMO_VISION_HEAD_ADAPTERS, progress),
                        DEMO_VISION_BASE_MODEL),
-            DemoAssets(qwen2vl_dir, _adapters_or_build(qwen2vl_dir, adapters_dir, DEMO_QWEN2VL_ADAPTERS, progress),
+            DemoAssets(qwen2vl_dir, _adapters_or_build(qwen2vl_dir, adapters_dir,
+                                                       DEMO_QWEN2VL_ADAPTERS + DEMO_QWEN2VL_HEAD_ADAPTERS, progress),
                        DEMO_QWEN2VL_BASE_MODEL)]

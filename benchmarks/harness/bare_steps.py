@@ -54,7 +54,7 @@ def run_step(parts: EngineParts, seqs: list[Sequence], num_new: list[int]) -> No
     for seq, n in zip(seqs, num_new):
         parts.scheduler.blocks.grow(seq, n)
         items.append(ScheduledSeq(seq, n, seq.num_cached + n == seq.num_tokens))
-    sampling, logits = parts.runner.run(items, step_plan(parts, seqs))
+    sampling, logits, _ = parts.runner.run(items, step_plan(parts, seqs))
     tokens, _ = sample(logits, sampling).result()
     for seq, token in zip(sampling, tokens):
         seq.output_token_ids.append(token)

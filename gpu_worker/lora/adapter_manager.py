@@ -87,7 +87,7 @@ class AdapterManager:
         self._host: dict[str, PackedAdapter] = {}   # digest -> its host copy (its pages return when dropped)
         self._load_times = LoadClock()
         limits = ResidencyLimits(memory.num_slots, memory.budget_bytes, self.host_pages.capacity_bytes,
-                                 memory.bytes_at_rank, lambda rank: self.host_pages.rounded(memory.bytes_at_rank(rank)))
+                                 memory.bytes_of, lambda ref: self.host_pages.rounded(memory.bytes_of(ref)))
         # Host -> GPU installs as measured: at start a copy from the host tier's memory, then each install.
         self.residency = Residency(limits, self, eviction, failure_ttl_s=failure_ttl_s,
                                    failure_max_ttl_s=failure_max_ttl_s, clock=clock,

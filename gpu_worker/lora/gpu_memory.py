@@ -3,7 +3,9 @@
 Every adapter takes one range of the arena (kernels/adapter_arena.py), as many bytes as its ranks and
 targets need (a rank-8 adapter about 1/8 of a rank-64 one), and one row of every projection's tables
 (its slot; kernels/lora_stack.py). The loader packs an adapter on the host exactly as it will lie in
-that range (`pack`, on a loader thread), so `install` is one copy of its bytes and a table update.
+that range (`pack`, on a loader thread), so `install` is one copy of its bytes and a table update. A task
+head's tensors follow the LoRA parts in the same range: they move with the adapter through the tiers, and
+`head` reads them in place.
 
 On CUDA, `install` writes the table rows, then copies on the caller's side stream, and returns the copy's
 events (AdapterCopy): one after its last byte, and one after each group of projections' bytes, in
@@ -20,17 +22,19 @@ the install's copy then follows it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.lora.host_weights import HostPages, PackedAdapter
+from gpu_worker.lora.host_weights import HostPages, PackedAdapter, PackedHead
 from gpu_worker.lora.layer import LoRALinear
-from gpu_worker.lora.loader import LoRAWeights
+from gpu_worker.lora.loader import AdapterRef, HeadWeights, LoRAWeights
 from gpu_worker.lora.merge_switch import MergeSwitch
 from kernels import AdapterArena, upload_rows
 from kernels.adapter_arena import aligned
+from services.common.task_heads import TaskHead
 
 MIN_RANK_PER_SEAT = 8  # table rows: enough for the budget filled with adapters of this rank on every target
 # An install's copy is cut into pieces of about this many bytes, an event after each: a few dozen copies for
@@ -75,6 +79,7 @@ class GpuAdapterMemory:
         self.device = arena.device
         self._merge_switch = merge_switch
         self._offsets: dict[int, int] = {}  # slot -> its adapter's arena offset
+        self._heads: dict[int, PackedHead] = {}  # slot -> its adapter's task head, if it has one
 
     @staticmethod
     def seats(budget_bytes: int, bytes_at_max_rank: int, max_rank: int) -> int:
@@ -86,6 +91,20 @@ class GpuAdapterMemory:
         return self._itemsize * sum(
             aligned(m.slot_elems([rank if s in self._served[m] else 0 for s in range(len(m.out_sizes))]))
             for m in self._modules)
+
+    def bytes_of(self, ref: AdapterRef) -> int:
+        """The most `ref` occupies, before its files are read: its rank on every slice, and its head."""
+        head = 0 if ref.head is None else sum(aligned(math.prod(shape)) for _, shape in ref.head.tensors)
+        return self.bytes_at_rank(ref.rank) + head * self._itemsize
+
+    def head(self, slot: int) -> HeadWeights | None:
+        """The task head of `slot`'s adapter, as views of the arena (valid until the next install or free)."""
+        packed = self._heads.get(slot)
+        if packed is None:
+            return None
+        data, offset = self._arena.data, self._offsets[slot]
+        return HeadWeights(packed.head, {name: data[offset + at:offset + at + math.prod(shape)].view(shape)
+                                         for name, at, shape in packed.tensors})
 
     @property
     def budget_bytes(self) -> int:
@@ -113,7 +132,10 @@ class GpuAdapterMemory:
             module_ranks = module.lora.ranks_of(slices[module])
             ranks.append(tuple(module_ranks))
             sizes.append(aligned(module.slot_elems(module_ranks)))
-        nbytes = sum(sizes) * self._itemsize
+        head_at = sum(sizes)
+        head = _head_layout(weights.head.head, head_at) if weights.head is not None else None
+        nbytes = (head_at + sum(aligned(math.prod(shape)) for _, _, shape in head.tensors) if head else head_at) \
+            * self._itemsize
         taken = pages.take(nbytes)
         runs = list(pages.runs(taken, nbytes))
         # Pages in one run take the packing directly; scattered ones get it through one staging copy.
@@ -125,10 +147,13 @@ class GpuAdapterMemory:
                 module.lora.pack(slices[module], buffer[offset:offset + size])  # copy_ converts the dtype on the way
             parts.append((offset, module_ranks, tuple(scalings[module].get(s, 0.0) for s in range(len(module_ranks)))))
             offset += size
+        if head is not None:
+            for name, at, shape in head.tensors:
+                buffer[at:at + math.prod(shape)].copy_(weights.head.tensors[name].reshape(-1))
         if len(runs) > 1:
             for start, view in runs:
                 view.copy_(staging[start:start + view.numel()])
-        return PackedAdapter(weights.name, weights.rank, self.dtype, nbytes, taken, tuple(parts), pages)
+        return PackedAdapter(weights.name, weights.rank, self.dtype, nbytes, taken, tuple(parts), pages, head)
 
     def install(self, slot: int, packed: PackedAdapter, stream: torch.cuda.Stream | None) -> AdapterCopy | None:
         """Point `slot` at `packed` and copy it into the arena; -> the copy's events on CUDA (`stream`
@@ -141,6 +166,8 @@ class GpuAdapterMemory:
             offset = self._arena.alloc(elems)
         assert offset is not None, f"{elems} elements do not fit an arena with {self._arena.free_elems} free"
         self._offsets[slot] = offset
+        if packed.head is not None:
+            self._heads[slot] = packed.head
         if stream is None:
             self._point(slot, offset, packed)
             self._copy(offset, packed, 0, packed.nbytes)
@@ -156,6 +183,7 @@ class GpuAdapterMemory:
         if self._merge_switch is not None:
             self._merge_switch.release_slot(slot)
         self._arena.free(self._offsets.pop(slot))
+        self._heads.pop(slot, None)
         for module in self._modules:  # the device rows stay stale, unread, until the slot's next install
             module.lora.clear(slot, upload=False)
 
@@ -214,3 +242,12 @@ class GpuAdapterMemory:
                 self._offsets[slot] = moves[offset]
         if stream is not None:
             stream.wait_stream(compute)
+
+
+def _head_layout(head: TaskHead, start: int) -> PackedHead:
+    """The head's tensors one after another from element `start`, each at an aligned offset."""
+    tensors, at = [], start
+    for name, shape in head.tensors:
+        tensors.append((name, at, shape))
+        at += aligned(math.prod(shape))
+    return PackedHead(head, tuple(tensors))

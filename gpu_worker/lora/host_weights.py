@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from services.common.cpu_lora.shm import create_mapping
+from services.common.task_heads import TaskHead
 
 PAGE_BYTES = 2 << 20  # an adapter wastes at most one page minus its last block; 16 MB adapters none
 
@@ -115,6 +116,13 @@ class HostPages:
             start = end
 
 
+@dataclass(frozen=True)
+class PackedHead:
+    """Where an adapter's task head lies in its packed copy: after the LoRA parts, each tensor aligned."""
+    head: TaskHead
+    tensors: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, element offset in the copy, shape)
+
+
 @dataclass(frozen=True, eq=False)  # holds pages: identity, not value, equality
 class PackedAdapter:
     name: str
@@ -125,6 +133,7 @@ class PackedAdapter:
     parts: tuple[tuple[int, tuple[int, ...], tuple[float, ...]], ...]  # per projection of GpuAdapterMemory's
     #                     order: (element offset in the copy, each slice's rank, each slice's scaling); rank 0: untargeted
     pool: HostPages = field(repr=False)
+    head: PackedHead | None = None  # its task head, if it has one
 
     def __post_init__(self) -> None:
         weakref.finalize(self, self.pool.give_back, self.pages)

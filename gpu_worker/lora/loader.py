@@ -6,7 +6,8 @@ content digest of adapter_config.json and the weights (services/common/adapter_l
 the registry's record, and both are parsed from the very bytes that were hashed, so neither file can
 change between check and use. The config is strict JSON and its hyper-parameters are checked as at
 registration (services/common/lora_config.py); each module gets the rank and scaling PEFT gives it
-(rank_pattern, alpha_pattern, rsLoRA). Errors name the cause, not the adapter: the adapter manager
+(rank_pattern, alpha_pattern, rsLoRA). A task head's tensors (services/common/task_heads.py) come with the
+LoRA ones, and the head they make must be the one the registry recorded. Errors name the cause, not the adapter: the adapter manager
 names it. It runs on the adapter loader threads (lora/adapter_manager.py), never on the engine thread.
 """
 
@@ -17,15 +18,16 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from services.common.adapter_layout import (CONFIG_FILE, WEIGHTS_FILE, AdapterLayout, content_digest,
                                             refuse_vision_tensors)
 from services.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
-from services.common.lora_config import LoraHyperparameters, parse_lora_hyperparameters
+from services.common.lora_config import parse_lora_hyperparameters
 from services.common.safetensors_header import header_length, parse_header
 from services.common.strict_json import loads as strict_json_loads
+from services.common.task_heads import PEFT_MODULE_PREFIX, TaskHead, parse_task_head
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class AdapterRef:
     sha256: str         # content digest of adapter_config.json and adapter_model.safetensors
     storage_path: str
     registered_ms: int = 0  # when the registry registered it (a newer registration retries a failed load)
+    head: TaskHead | None = None  # its task head, as the registry derived it from the files
 
 
 class LoRAModule(NamedTuple):
@@ -47,10 +50,17 @@ class LoRAModule(NamedTuple):
 
 
 @dataclass(frozen=True)
+class HeadWeights:
+    head: TaskHead
+    tensors: dict[str, torch.Tensor]  # by the head's tensor names ("score.weight"), in its packing order
+
+
+@dataclass(frozen=True)
 class LoRAWeights:
-    """One loaded adapter: (layer, PEFT target) -> its module."""
+    """One loaded adapter: (layer, PEFT target) -> its module, and its task head if it has one."""
     name: str
     modules: dict[tuple[int, str], LoRAModule]
+    head: HeadWeights | None = None
 
     @property
     def rank(self) -> int:
@@ -67,11 +77,22 @@ def resolve_in_store(storage_path: str, store_root: Path) -> Path:
     return directory
 
 
-def _parse_config(data: bytes) -> LoraHyperparameters:
+def _parse_config(data: bytes) -> dict[str, Any]:
     config = strict_json_loads(data, CONFIG_FILE)
     if not isinstance(config, dict):
         raise InvalidArgument(f"{CONFIG_FILE} must hold a JSON object")
-    return parse_lora_hyperparameters(config)
+    return config
+
+
+def _head_weights(ref: AdapterRef, config: dict[str, Any], tensors: dict[str, torch.Tensor], hidden_size: int) -> HeadWeights | None:
+    """Take the head's tensors out of `tensors`; the head must be the registry's record of it."""
+    head = parse_task_head(config, {name: tuple(t.shape) for name, t in tensors.items()}, hidden_size)
+    if head != ref.head:
+        raise FailedPrecondition(f"its files carry the task head {head}, the registry recorded {ref.head}; "
+                                 "register it again")
+    if head is None:
+        return None
+    return HeadWeights(head, {name: tensors.pop(PEFT_MODULE_PREFIX + name) for name, _ in head.tensors})
 
 
 TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -135,9 +156,10 @@ def _served_targets(tensors: dict[str, torch.Tensor], layout: AdapterLayout,
 
 
 def load_adapter(ref: AdapterRef, store_root: Path, layout: AdapterLayout, layer_paths: dict[str, str],
-                 num_layers: int) -> LoRAWeights:
+                 num_layers: int, hidden_size: int) -> LoRAWeights:
     """Load and verify `ref`. `layout`: where the base model's family keeps LoRA tensors;
-    `layer_paths`: PEFT target name -> module path in a decoder layer, for the targets served."""
+    `layer_paths`: PEFT target name -> module path in a decoder layer, for the targets served;
+    `hidden_size`: the language model's (a task head reads its hidden states)."""
     directory = resolve_in_store(ref.storage_path, store_root)
     for name in (WEIGHTS_FILE, CONFIG_FILE):
         if not (directory / name).is_file():
@@ -145,10 +167,12 @@ def load_adapter(ref: AdapterRef, store_root: Path, layout: AdapterLayout, layer
                        if name == WEIGHTS_FILE and (directory / "adapter_model.bin").exists() else "")
             raise FailedPrecondition(f"{name} not found in its stored directory{pickled}")
     config, weights = _verified_files(ref, directory)
-    hyperparameters = _parse_config(config)
+    parsed = _parse_config(config)
+    hyperparameters = parse_lora_hyperparameters(parsed)
     tensors = _tensor_views(weights)
 
     refuse_vision_tensors(layout, tensors, "the adapter")
+    head = _head_weights(ref, parsed, tensors, hidden_size)
     targets = _served_targets(tensors, layout, layer_paths)
     modules: dict[tuple[int, str], LoRAModule] = {}
     for layer in range(num_layers):
@@ -165,4 +189,4 @@ def load_adapter(ref: AdapterRef, store_root: Path, layout: AdapterLayout, layer
             modules[(layer, target)] = LoRAModule(a, b, hyperparameters.scaling_of(module))
     if tensors:
         raise InvalidArgument(f"unexpected tensors, e.g. {sorted(tensors)[:3]}")
-    return LoRAWeights(ref.name, modules)
+    return LoRAWeights(ref.name, modules, head)

@@ -55,7 +55,7 @@ class SimLoads:
         # Slots are the kernel table's rows: a simulated GPU has one for every rank-1 adapter its bytes hold,
         # so bytes alone bound it.
         limits = ResidencyLimits(max(1, gpu_bytes // costs.adapter_bytes(1)), gpu_bytes, host_bytes,
-                                 costs.adapter_bytes, costs.adapter_bytes)
+                                 lambda ref: costs.adapter_bytes(ref.rank), lambda ref: costs.adapter_bytes(ref.rank))
         self.residency = Residency(limits, self, eviction, failure_ttl_s=0.0, failure_max_ttl_s=0.0, clock=clock)
         self._clock = clock
 

@@ -15,9 +15,11 @@ from gpu_worker.models.llama import LORA_TARGETS
 from services.common.adapter_layout import TEXT_LAYOUT, directory_digest
 from services.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
+from .conftest import TINY_LLAMA
+
 
 def _load(ref, store):
-    return load_adapter(ref, store, TEXT_LAYOUT, LORA_TARGETS, num_layers=2)
+    return load_adapter(ref, store, TEXT_LAYOUT, LORA_TARGETS, num_layers=2, hidden_size=TINY_LLAMA.hidden_size)
 
 
 def test_loads_peft_names_with_scaling(tiny_assets):

@@ -20,7 +20,7 @@ from services.common.adapter_layout import TEXT_LAYOUT, directory_digest
 from services.demo_assets import DEMO_BASE_MODEL, DemoAdapterSpec, build_lora_adapter
 from tests.reference import ReferenceModels, assert_same_greedy
 
-from .conftest import run_all, tokens_of
+from .conftest import TINY_LLAMA, run_all, tokens_of
 
 ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Two rank keys match layer 1's q_proj: PEFT takes the first, "layers.1.self_attn.q_proj" (in sorted
@@ -55,7 +55,7 @@ def reference(tiny_assets, patterns) -> ReferenceModels:
 def test_every_module_gets_the_rank_scaling_and_weights_peft_gives_it(tiny_assets, use_rslora):
     spec = dataclasses.replace(PATTERNS, name=f"patterns-rslora-{use_rslora}", use_rslora=use_rslora)
     ref = _ref(tiny_assets, spec)
-    weights = load_adapter(ref, tiny_assets.store, TEXT_LAYOUT, LORA_TARGETS, num_layers=2)
+    weights = load_adapter(ref, tiny_assets.store, TEXT_LAYOUT, LORA_TARGETS, num_layers=2, hidden_size=TINY_LLAMA.hidden_size)
 
     base = AutoModelForCausalLM.from_pretrained(tiny_assets.base_dir, dtype=torch.float32)
     peft_layers = {name: m for name, m in PeftModel.from_pretrained(base, ref.storage_path).named_modules()
