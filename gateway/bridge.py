@@ -2,8 +2,8 @@
 
 The core lives on the gateway's event loop; Flask handlers run on the HTTP server's small thread
 pool (services/common/flask_asgi.py). A quick call is scheduled on the loop with
-`run_coroutine_threadsafe` and waited for; a generation is handed back unstarted, for a
-LoopResponse to run on the loop itself, so no thread waits for its tokens.
+`run_coroutine_threadsafe` and waited for; a generation or a classification is started by a
+LoopResponse on the loop itself, so no thread waits for a worker.
 """
 
 from __future__ import annotations
@@ -32,3 +32,7 @@ class CoreBridge:
     def generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[common_pb2.GenerateResponse]:
         """The core's stream, not started: iterate it on the loop (closing it cancels the worker call)."""
         return self._core.generate(request)
+
+    async def classify(self, request: inference_pb2.ClassifyRequest) -> inference_pb2.ClassifyResponse:
+        """Await on the loop (a LoopResponse's)."""
+        return await self._core.classify(request)

@@ -6,6 +6,10 @@ in-flight requests and metrics. A worker that fails with UNAVAILABLE before send
 marked down and the request goes to the next one; once tokens have streamed, a failure ends the
 request (its tokens cannot be taken back).
 
+classify = validate -> resolve an adapter with a task head -> each input as its own worker request
+(task_head), all at once, each admitted, routed and retried as a generation is -> the heads' answers
+in input order. The first failure fails the request and cancels the other inputs.
+
 Request ids are the gateway's: every request gets a fresh one, which keys it in the router and on
 the worker and which every response carries. A client's `request_id` is only a label, logged beside
 that id: two clients may send the same label at once without touching each other's requests.
@@ -13,17 +17,20 @@ that id: two clients may send the same label at once without touching each other
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
 
 from services.common.config import GatewayConfig
-from services.common.errors import Unavailable
+from services.common.errors import Internal, Unavailable
 from tessera.v1 import common_pb2, inference_pb2, worker_pb2
 
 from gateway.admission import Admission
+from gateway.classify import refuse_task_head, require_task_head, validate_classify_request
 from gateway.images import check_takes_images
 from gateway.metrics import GENERATED_TOKENS, IN_FLIGHT, REQUEST_LATENCY, TIME_TO_FIRST_TOKEN
 from gateway.registry_cache import RegistryCache, ResolvedModel
@@ -37,6 +44,8 @@ log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # the gateway does not tokenize; a BPE token is ~4 characters of English
 
+T = TypeVar("T")
+
 
 class GatewayCore:
     def __init__(self, config: GatewayConfig, cache: RegistryCache, admission: Admission, router: Router,
@@ -49,28 +58,60 @@ class GatewayCore:
         self._workers = workers
 
     async def generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[common_pb2.GenerateResponse]:
-        """Stream token deltas, then exactly one `final` (a FINISH_REASON_ABORT final is an error).
-        Every UNAVAILABLE (503) is logged with its reason: a client's 503 always has a line to match."""
-        try:
+        """Stream token deltas, then exactly one `final` (a FINISH_REASON_ABORT final is an error)."""
+        with _logging_unavailable(request.model):
             async with contextlib.aclosing(self._generate(request)) as responses:
                 async for response in responses:
                     yield response
-        except Unavailable as exc:
-            log.warning("unavailable (503) for model %r: %s", request.model, exc.message)
-            raise
 
     async def _generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[common_pb2.GenerateResponse]:
         request = validate_generate_request(request, self._config)
         resolved = await self._cache.resolve(request.model)
+        refuse_task_head(resolved)
         check_takes_images(request, resolved)
         routing = routing_request(request, resolved, self._config)
-        worker_request = _worker_request(request, resolved, routing.slo)
-        if request.request_id:
-            log.debug("request %s has the client's label %r", worker_request.request_id, request.request_id)
-        with self._admission.admit(resolved.base_model), IN_FLIGHT.track_inprogress():
+        worker_request = _worker_request(request, resolved, routing.slo, uuid.uuid4().hex)
+        _log_label(worker_request.request_id, request.request_id)
+        async with contextlib.aclosing(self._dispatch(resolved.base_model, routing, worker_request)) as responses:
+            async for response in responses:
+                yield response
+
+    async def classify(self, request: inference_pb2.ClassifyRequest) -> inference_pb2.ClassifyResponse:
+        """Each input answered by the adapter's task head, in order; usage: every input's prompt tokens."""
+        with _logging_unavailable(request.model):
+            prompts = validate_classify_request(request, self._config)
+            resolved = await self._cache.resolve(request.model)
+            require_task_head(request.model, resolved)
+            for prompt in prompts:
+                check_takes_images(prompt, resolved)
+            request_id = uuid.uuid4().hex
+            _log_label(request_id, request.request_id)
+            # One id per input ("<id>-2"): the router and the worker key requests by it.
+            finals = await _all_or_none([self._head_answer(prompt, resolved, f"{request_id}-{i}")
+                                         for i, prompt in enumerate(prompts)])
+            return inference_pb2.ClassifyResponse(
+                request_id=request_id, results=[final.head for final in finals],
+                usage=common_pb2.Usage(prompt_tokens=sum(final.usage.prompt_tokens for final in finals)))
+
+    async def _head_answer(self, prompt: inference_pb2.GenerateRequest, resolved: ResolvedModel,
+                           request_id: str) -> common_pb2.Completion:
+        routing = routing_request(prompt, resolved, self._config)
+        worker_request = _worker_request(prompt, resolved, routing.slo, request_id, task_head=True)
+        final = None
+        async with contextlib.aclosing(self._dispatch(resolved.base_model, routing, worker_request)) as responses:
+            async for response in responses:
+                final = response.final  # a head request streams its final only
+        if final is None or not final.HasField("head"):
+            raise Internal(f"the worker answered head request {request_id} without a head output")
+        return final
+
+    async def _dispatch(self, base_model: str, routing: RoutingRequest, worker_request: worker_pb2.WorkerGenerateRequest
+                        ) -> AsyncIterator[common_pb2.GenerateResponse]:
+        """A worker's answer to `worker_request`, admitted and timed; its responses carry the gateway's id."""
+        with self._admission.admit(base_model), IN_FLIGHT.track_inprogress():
             accepted = time.monotonic()
             first_token = True
-            async with contextlib.aclosing(self._forward(resolved.base_model, routing, worker_request)) as responses:
+            async with contextlib.aclosing(self._forward(base_model, routing, worker_request)) as responses:
                 async for response in responses:
                     kind = response.WhichOneof("payload")
                     if kind == "delta" and first_token:
@@ -156,11 +197,13 @@ def routing_request(request: inference_pb2.GenerateRequest, resolved: ResolvedMo
                           chars // CHARS_PER_TOKEN + 1, request.sampling.max_tokens, slo)
 
 
-def _worker_request(request: inference_pb2.GenerateRequest, resolved: ResolvedModel,
-                    slo: Slo) -> worker_pb2.WorkerGenerateRequest:
-    out = worker_pb2.WorkerGenerateRequest(request_id=uuid.uuid4().hex, base_model=resolved.base_model,
-                                           sampling=request.sampling, tpot_slo_ms=slo.tpot_s * 1e3,
-                                           ttft_slo_ms=slo.ttft_s * 1e3)
+def _worker_request(request: inference_pb2.GenerateRequest, resolved: ResolvedModel, slo: Slo, request_id: str,
+                    task_head: bool = False) -> worker_pb2.WorkerGenerateRequest:
+    """`task_head`: answered by the adapter's head after one pass, so with no sampling (the worker's contract)."""
+    out = worker_pb2.WorkerGenerateRequest(request_id=request_id, base_model=resolved.base_model,
+                                           sampling=None if task_head else request.sampling,
+                                           tpot_slo_ms=slo.tpot_s * 1e3, ttft_slo_ms=slo.ttft_s * 1e3,
+                                           task_head=task_head)
     if resolved.adapter is not None:
         out.adapter.CopyFrom(resolved.adapter)
     if request.WhichOneof("prompt") == "text":
@@ -168,3 +211,31 @@ def _worker_request(request: inference_pb2.GenerateRequest, resolved: ResolvedMo
     else:
         out.chat.CopyFrom(request.chat)
     return out
+
+
+def _log_label(request_id: str, label: str) -> None:
+    if label:
+        log.debug("request %s has the client's label %r", request_id, label)
+
+
+@contextlib.contextmanager
+def _logging_unavailable(model: str) -> Iterator[None]:
+    """Every UNAVAILABLE (503) is logged with its reason: a client's 503 always has a line to match."""
+    try:
+        yield
+    except Unavailable as exc:
+        log.warning("unavailable (503) for model %r: %s", model, exc.message)
+        raise
+
+
+async def _all_or_none(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """The calls' results in order, run at once. The first failure cancels the others and is raised once they
+    have ended (asyncio.gather alone would leave them running, holding their admission places)."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

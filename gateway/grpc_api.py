@@ -32,3 +32,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                          context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
         with count_grpc_request("grpc:ListModels"):
             return inference_pb2.ListModelsResponse(models=await self._core.list_models())
+
+    async def Classify(self, request: inference_pb2.ClassifyRequest,
+                       context: grpc.aio.ServicerContext) -> inference_pb2.ClassifyResponse:
+        with count_grpc_request("grpc:Classify"):
+            return await self._core.classify(request)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible REST blueprint: /v1/chat/completions, /v1/completions, /v1/models.
+"""The OpenAI-compatible REST blueprint: /v1/chat/completions, /v1/completions, /v1/models, and vLLM's
+/v1/classify (answers from an adapter's task head).
 
 Responses follow OpenAI's objects so the official clients work unchanged. A stream is SSE:
 `data: {chunk}\\n\\n` per chunk, then `data: [DONE]\\n\\n`. A failure before the first token is
@@ -21,9 +22,10 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from services.common.config import GatewayConfig
 from services.common.errors import Internal, TesseraError
 from services.common.flask_asgi import Head, LoopResponse
-from tessera.v1 import common_pb2
+from tessera.v1 import common_pb2, inference_pb2
 
 from gateway.bridge import CoreBridge
+from gateway.classify import parse_classify_request
 from gateway.http_errors import error_body
 from gateway.logprobs import chat_logprobs, completion_logprobs
 from gateway.metrics import REQUESTS
@@ -153,10 +155,19 @@ def list_models() -> Response:
         for c in cards]})
 
 
+@bp.post("/classify")
+def classify() -> Response:
+    classify_request = parse_classify_request(_json_body(), _config())
+    return LoopResponse(_classified(_core(), classify_request, int(time.time()), _route())).flask()
+
+
+def _route() -> str:
+    return request.url_rule.rule if request.url_rule is not None else "unmatched"
+
+
 def _answer(reply: Reply) -> Response:
     # Answered on the event loop: waiting for a worker's tokens holds no thread (services/common/flask_asgi.py).
-    route = request.url_rule.rule if request.url_rule is not None else "unmatched"
-    return LoopResponse(_respond(reply, _core().generate(reply.api.generate), route)).flask()
+    return LoopResponse(_respond(reply, _core().generate(reply.api.generate), _route())).flask()
 
 
 async def _respond(reply: Reply, responses: AsyncIterator[common_pb2.GenerateResponse],
@@ -169,18 +180,12 @@ async def _respond(reply: Reply, responses: AsyncIterator[common_pb2.GenerateRes
             reply = reply.with_id(first)
             whole = None if reply.api.stream else await _completion(reply, first, responses)
         except Exception as exc:
-            error = _as_tessera_error(exc, reply)
-            body = _json(error_body(error))
-            headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
-            if (retry_after := error.retry_after_header()) is not None:  # 429 and 503
-                headers.append(("Retry-After", retry_after))
-            yield _head(route, error.http_status, headers)
-            yield body
+            for part in _error_parts(_as_tessera_error(exc, reply.request_id), route):
+                yield part
             return
         if whole is not None:
-            body = _json(whole)
-            yield _head(route, 200, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
-            yield body
+            for part in _json_parts(route, 200, whole):
+                yield part
             return
         yield _head(route, 200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
                                  ("X-Accel-Buffering", "no")])
@@ -193,14 +198,23 @@ def _head(route: str, status: int, headers: list[tuple[str, str]]) -> Head:
     return Head(status, headers)
 
 
-def _json(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
+def _json_parts(route: str, status: int, body: dict[str, Any],
+                headers: Sequence[tuple[str, str]] = ()) -> list[Head | bytes]:
+    data = json.dumps(body, separators=(",", ":")).encode()
+    return [_head(route, status, [("Content-Type", "application/json"), ("Content-Length", str(len(data))),
+                                  *headers]), data]
 
 
-def _as_tessera_error(exc: Exception, reply: Reply) -> TesseraError:
+def _error_parts(error: TesseraError, route: str) -> list[Head | bytes]:
+    retry_after = error.retry_after_header()  # 429 and 503
+    return _json_parts(route, error.http_status, error_body(error),
+                       [("Retry-After", retry_after)] if retry_after is not None else [])
+
+
+def _as_tessera_error(exc: Exception, request_id: str) -> TesseraError:
     if isinstance(exc, TesseraError):
         return exc
-    log.exception("request %s failed", reply.request_id or "(before the gateway's first response)")
+    log.exception("request %s failed", request_id or "(before the gateway's first response)")
     return Internal(f"internal error: {type(exc).__name__}")
 
 
@@ -243,4 +257,28 @@ async def _stream(reply: Reply, first: common_pb2.GenerateResponse,
             response = await anext(responses, None)
         yield "data: [DONE]\n\n"
     except Exception as exc:  # a client that went away cancels instead: CancelledError passes
-        yield _event(error_body(_as_tessera_error(exc, reply)))
+        yield _event(error_body(_as_tessera_error(exc, reply.request_id)))
+
+
+async def _classified(core: CoreBridge, classify_request: inference_pb2.ClassifyRequest, created: int,
+                      route: str) -> AsyncIterator[Head | bytes]:
+    """On the loop: vLLM's classification list, one item per input in order."""
+    try:
+        answer = await core.classify(classify_request)
+    except Exception as exc:
+        for part in _error_parts(_as_tessera_error(exc, ""), route):
+            yield part
+        return
+    prompt_tokens = answer.usage.prompt_tokens
+    for part in _json_parts(route, 200, {
+            "id": "classify-" + answer.request_id, "object": "list", "created": created,
+            "model": classify_request.model, "data": [_head_item(i, head) for i, head in enumerate(answer.results)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0}}):
+        yield part
+
+
+def _head_item(index: int, head: common_pb2.HeadOutput) -> dict[str, Any]:
+    if head.probs:  # a classification head; a detection head fills detections only
+        return {"index": index, "label": head.label, "probs": list(head.probs), "num_classes": len(head.probs)}
+    return {"index": index, "detections": [{"label": d.label, "score": d.score, "box": list(d.box)}
+                                           for d in head.detections]}

@@ -52,6 +52,25 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                 "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
                 "owned_by": {"type": "string"}, "root": {"type": "string", "description": "Its base model."},
                 "parent": {"type": ["string", "null"], "description": "An adapter's base model; null for a base."}}}}}},
+    "Classification": {"type": "object", "required": ["id", "object", "created", "model", "data", "usage"],
+                       "properties": {
+        "id": {"type": "string"}, "object": {"const": "list"}, "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "data": {"type": "array", "description": "One item per input, in order.", "items": {"anyOf": [
+            {"title": "classification", "type": "object", "required": ["index", "label", "probs", "num_classes"],
+             "properties": {"index": {"type": "integer"}, "label": {"type": "string"},
+                            "probs": {"type": "array", "items": {"type": "number"},
+                                      "description": "One per label, in label-index order."},
+                            "num_classes": {"type": "integer"}}},
+            {"title": "detection", "type": "object", "required": ["index", "detections"], "properties": {
+                "index": {"type": "integer"},
+                "detections": {"type": "array", "description": "Above the head's score threshold, best first.",
+                               "items": {"type": "object", "required": ["label", "score", "box"], "properties": {
+                                   "label": {"type": "string"}, "score": {"type": "number"},
+                                   "box": {"type": "array", "items": {"type": "number"}, "minItems": 4,
+                                           "maxItems": 4, "description": "[x1, y1, x2, y2], fractions of the "
+                                                                         "image's width and height."}}}}}}]}},
+        "usage": _USAGE}},
     "Error": {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"], "properties": {
             "message": {"type": "string"},
@@ -92,17 +111,19 @@ def _errors(authenticated: bool) -> dict[str, Any]:
     return dict(sorted(errors.items()))
 
 
-def _generate(summary: str, request: str, response: str, authenticated: bool) -> dict[str, Any]:
+def _post(summary: str, request: str, ok: dict[str, Any], authenticated: bool) -> dict[str, Any]:
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
-        "responses": {
-            "200": {"description": "The completion; with stream: true, server-sent events of chunks, then "
-                                   "`data: [DONE]` (a failure after the first chunk is one `data: {\"error\": ...}` "
-                                   "event).",
-                    "content": {"application/json": {"schema": _ref(response)},
-                                "text/event-stream": {"schema": _SSE_EVENT}}},
-            **_errors(authenticated)}}}
+        "responses": {"200": ok, **_errors(authenticated)}}}
+
+
+def _generate(summary: str, request: str, response: str, authenticated: bool) -> dict[str, Any]:
+    return _post(summary, request, {
+        "description": "The completion; with stream: true, server-sent events of chunks, then `data: [DONE]` (a "
+                       "failure after the first chunk is one `data: {\"error\": ...}` event).",
+        "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": {"schema": _SSE_EVENT}}},
+        authenticated)
 
 
 def openapi_document(config: GatewayConfig) -> dict[str, Any]:
@@ -112,6 +133,10 @@ def openapi_document(config: GatewayConfig) -> dict[str, Any]:
                                           "ChatCompletion", authenticated),
         "/v1/completions": _generate("A text completion (OpenAI's legacy API).", "CompletionRequest", "Completion",
                                      authenticated),
+        "/v1/classify": _post(
+            "Each input answered by an adapter's task head (vLLM's /classify): a class or boxes (docs/task-heads.md).",
+            "ClassifyRequest", {"description": "The heads' answers.",
+                                "content": {"application/json": {"schema": _ref("Classification")}}}, authenticated),
         "/v1/models": {"get": {"summary": "Every base model and adapter.", "responses": {
             "200": {"description": "The models.", "content": {"application/json": {"schema": _ref("ModelList")}}},
             **({"401": _error("A missing or unknown API key.")} if authenticated else {}),

@@ -41,6 +41,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, and the most a worker returns (either door)
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, OpenAI's limit for the legacy API
 CHAT_ROLES = ("system", "user", "assistant")
+MAX_CLASSIFY_INPUTS = 64  # of one classify request: each input is a worker request holding an admission place
 
 
 # Reading the body.
@@ -85,14 +86,17 @@ def _stop() -> dict[str, Any]:
                       "description": "Text that ends generation when it appears (not part of the output)."})
 
 
-def _slo() -> dict[str, Any]:
+SLO_OBJECTIVES = {"tpot_ms": "Time per output token", "ttft_ms": "Time to first token"}
+
+
+def _slo(names: tuple[str, ...] = tuple(SLO_OBJECTIVES)) -> dict[str, Any]:
     def objective(what: str) -> dict[str, Any]:
         return _optional({"type": "number", "minimum": MIN_SLO_MS, "maximum": MAX_SLO_MS,
                           "description": f"{what} in milliseconds; left out: the gateway's default."})
 
     return _optional({
         "type": "object", "additionalProperties": False,
-        "properties": {"tpot_ms": objective("Time per output token"), "ttft_ms": objective("Time to first token")},
+        "properties": {name: objective(SLO_OBJECTIVES[name]) for name in names},
         "description": "Tessera's extension: the latency objectives routing places the request by."})
 
 
@@ -193,7 +197,28 @@ def completion_request_schema(config: GatewayConfig) -> dict[str, Any]:
     }
 
 
-REQUEST_SCHEMAS = {"ChatCompletionRequest": chat_request_schema, "CompletionRequest": completion_request_schema}
+def classify_request_schema(config: GatewayConfig) -> dict[str, Any]:
+    """vLLM's and SGLang's /classify body: texts, or one chat prompt as chat completions take it."""
+    chat = chat_request_schema(config)["properties"]
+    text = {"type": "string", "minLength": 1, "maxLength": config.max_prompt_chars}
+    return {
+        "type": "object", "required": ["model"], "additionalProperties": False,
+        # Refused in code first (gateway/classify.py), in words; declared here for the document.
+        "oneOf": [{"required": ["input"]}, {"required": ["messages"]}],
+        "description": "input or messages, not both. Each input is answered by the adapter's task head after one "
+                       "pass over it (docs/task-heads.md).",
+        "properties": {
+            "model": {**chat["model"], "description": "An adapter with a task head, as GET /v1/models lists it."},
+            "input": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": MAX_CLASSIFY_INPUTS}],
+                      "description": "A text, or texts answered in order."},
+            "messages": {**chat["messages"], "description": "One chat prompt, as /v1/chat/completions takes it."},
+            "tessera_slo": _slo(("ttft_ms",)),  # a head answer is one pass: no output tokens to pace
+        },
+    }
+
+
+REQUEST_SCHEMAS = {"ChatCompletionRequest": chat_request_schema, "CompletionRequest": completion_request_schema,
+                   "ClassifyRequest": classify_request_schema}
 
 
 _VALIDATORS: dict[tuple[str, str], jsonschema.Draft202012Validator] = {}  # (schema name, repr(config)) ->

@@ -279,3 +279,9 @@ def parse_completion_request(body: Any, config: GatewayConfig) -> ApiRequest:
         sampling=_sampling(body, "max_tokens", _completion_logprobs(body)), slo=_slo(body))
     stream, include_usage = _stream_options(body)
     return ApiRequest(validate_generate_request(request, config), stream, include_usage)
+
+
+def parse_chat_prompt(body: dict[str, Any], config: GatewayConfig) -> common_pb2.ChatPrompt:
+    """A checked body's `messages` (check_body), parsed as chat completions parse them, images included: for
+    the other endpoints that take a chat prompt (/v1/classify)."""
+    return _messages(body, config)

@@ -24,6 +24,7 @@ from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.registry_client import adapter_ref
 from gpu_worker.sequence import MAX_LOGPROBS, FinishReason, SamplingParams
 from gpu_worker.state_push import StateSource
+from gpu_worker.vision.video import VideoPart
 from services.common.errors import InvalidArgument
 from services.common.peer_role import require_peer_role
 from tessera.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -48,14 +49,24 @@ def _stop_token_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
 
 
 def _chat_message(message: common_pb2.ChatMessage, index: int) -> ChatMessage:
-    """`content` (text), or `parts` (text and images in order)."""
+    """`content` (text), or `parts` (text, images and videos in order)."""
     if not message.parts:
         return ChatMessage(message.role, message.content)
     if message.content:
         raise InvalidArgument(f"messages[{index}] has both content and parts; send one of them",
                               param=f"messages[{index}]")
-    return ChatMessage(message.role, tuple(ImagePart(p.image) if p.WhichOneof("part") == "image" else p.text
-                                           for p in message.parts))
+
+    def part(p: common_pb2.ContentPart, j: int) -> str | ImagePart | VideoPart:
+        kind = p.WhichOneof("part")
+        if kind == "image":
+            return ImagePart(p.image)
+        if kind != "video":
+            return p.text
+        if not (p.video.file or p.video.frames.images):
+            raise InvalidArgument(f"messages[{index}].parts[{j}].video has no file bytes and no frames",
+                                  param=f"messages[{index}].parts[{j}]")
+        return VideoPart(p.video.file, tuple(p.video.frames.images), p.video.fps, p.video.max_frames)
+    return ChatMessage(message.role, tuple(part(p, j) for j, p in enumerate(message.parts)))
 
 
 def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: int) -> GenerationRequest:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -17,6 +18,7 @@ import grpc
 
 from gateway.server import Gateway, start_gateway
 from services.common.config import TesseraConfig
+from services.common.task_heads import TaskHead, task_head_from_record
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 T = TypeVar("T")
@@ -25,6 +27,12 @@ BASE = "tiny-llama"
 ADAPTER = "sql-lora"
 OTHER_BASE = "tiny-qwen"  # a base model with no worker
 PERF_MODEL = "cpu-tessera-demo-llama"  # committed in policy/perf_models
+CLASSIFIER = "sentiment-head"  # adapters with task heads, registered by with_head_adapters
+DETECTOR = "boxes-head"
+HEADS = {
+    CLASSIFIER: TaskHead("classifier", ("negative", "neutral", "positive"), (("score.weight", (3, 64)),)),
+    DETECTOR: TaskHead("detection", ("cat", "dog"), (("task_head.class_embed.weight", (3, 64)),), positions=4),
+}
 
 
 class LoopThread:
@@ -76,10 +84,25 @@ def fake_logprobs(token_id: int, count: int) -> common_pb2.TokenLogprob:
         for k in range(count)])
 
 
+def fake_head_output(request: worker_pb2.WorkerGenerateRequest, words: int) -> common_pb2.HeadOutput:
+    """What the adapter's head answers for a prompt of `words` words: a classifier label `words` (mod the
+    labels) with probability 1; a detection head `words` boxes, box j [j/10, j/10, 1, 1] of label j (mod)."""
+    head = task_head_from_record(request.adapter.task_head_json)
+    assert head is not None, "the gateway sends head requests for head adapters only"
+    n = len(head.labels)
+    if head.kind == "detection":
+        return common_pb2.HeadOutput(detections=[
+            common_pb2.Detection(label_index=j % n, label=head.labels[j % n], score=1 - j / 10,
+                                 box=[j / 10, j / 10, 1.0, 1.0]) for j in range(words)])
+    return common_pb2.HeadOutput(probs=[float(i == words % n) for i in range(n)], label_index=words % n,
+                                 label=head.labels[words % n])
+
+
 @dataclasses.dataclass
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     """Streams `max_tokens` deltas "w0 ", "w1 ", ... (token ids 0, 1, ...), then the final;
-    each delta carries `fake_logprobs` when the request asks for log-probabilities.
+    each delta carries `fake_logprobs` when the request asks for log-probabilities. A task_head request
+    gets only a final holding `fake_head_output`.
 
     fail_after: abort with UNAVAILABLE after that many deltas (a worker dying mid-stream).
     reject: abort at once with this (code, details), e.g. INVALID_ARGUMENT for a long prompt.
@@ -125,6 +148,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         if self.reject is not None:
             await context.abort(*self.reject)
         prompt = request.text if request.WhichOneof("prompt") == "text" else request.chat.messages[-1].content
+        if request.task_head:
+            words = len(prompt.split())
+            yield common_pb2.GenerateResponse(request_id=request.request_id, final=common_pb2.Completion(
+                finish_reason=common_pb2.FINISH_REASON_STOP, usage=common_pb2.Usage(prompt_tokens=words),
+                head=fake_head_output(request, words)))
+            return
         texts = []
         wants_logprobs = request.sampling.HasField("logprobs")
         try:
@@ -214,3 +243,12 @@ class GatewayEnv:
         for server in [self.registry_server, *self._worker_servers]:
             self.loop.run(server.stop(0))
         self.loop.close()
+
+
+def with_head_adapters(env: GatewayEnv) -> GatewayEnv:
+    """`env` with HEADS' adapters on BASE registered (and seen by the gateway)."""
+    env.registry.adapters += [common_pb2.Adapter(name=name, base_model=BASE, rank=8, alpha=16.0, sha256="cd" * 32,
+                                                 created_unix=300, task_head_json=json.dumps(head.to_json()))
+                              for name, head in HEADS.items()]
+    assert env.refresh()
+    return env

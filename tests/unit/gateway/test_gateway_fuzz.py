@@ -6,8 +6,8 @@ gateway's own /openapi.json and sends what it describes, valid bodies and bodies
 schema one way or another, to a real gateway over fake workers. Every answer must be no 5xx,
 conform to the document (status, content type, body, Retry-After), reject what breaks the
 schema with a 4xx, and be a 401 without the API key. One edit to the fetched document: `model`
-is pinned to the fake deployment's names, so valid bodies reach a worker instead of all ending
-as 404 for a random model name.
+is pinned to the fake deployment's names (its head adapters for /v1/classify), so valid bodies reach a
+worker instead of all ending as 404 for a random model name.
 gRPC: hypothesis builds GenerateRequest messages field by field from their proto descriptors, and
 sends some of them damaged on the wire (a string field holding bytes that are not UTF-8, garbage
 appended, a truncated message), and ListModels arbitrary bytes; no call may end INTERNAL or
@@ -34,7 +34,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.unit.gateway.gateway_fakes import ADAPTER, BASE, GatewayEnv
+from tests.unit.gateway.gateway_fakes import ADAPTER, BASE, CLASSIFIER, DETECTOR, GatewayEnv, with_head_adapters
 from tessera.v1 import inference_pb2
 
 KEY = "fuzz-key"
@@ -48,7 +48,7 @@ SERVER_ERRORS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[GatewayEnv]:
-    env = GatewayEnv(api_keys=[KEY])
+    env = with_head_adapters(GatewayEnv(api_keys=[KEY]))
     yield env
     env.close()
 
@@ -59,6 +59,7 @@ def test_rest_answers_every_request_as_documented_and_never_with_a_server_error(
         document = json.load(reply)
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         document["components"]["schemas"][name]["properties"]["model"] = {"enum": [BASE, ADAPTER]}
+    document["components"]["schemas"]["ClassifyRequest"]["properties"]["model"] = {"enum": [CLASSIFIER, DETECTOR]}
     (tmp_path / "openapi.json").write_text(json.dumps(document))
     run = subprocess.run(
         [sys.executable, "-m", "schemathesis.cli", "run", "openapi.json", "--url", env.http_base,

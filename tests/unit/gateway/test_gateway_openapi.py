@@ -30,8 +30,8 @@ def document(env: GatewayEnv) -> dict[str, Any]:
 
 def test_document_describes_the_api(document: dict[str, Any]) -> None:
     assert document["openapi"] == "3.1.0"
-    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz",
-                                      "/openapi.json"}
+    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/classify", "/v1/models",
+                                      "/healthz", "/openapi.json"}
     chat = document["paths"]["/v1/chat/completions"]["post"]
     assert chat["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ChatCompletionRequest"}
