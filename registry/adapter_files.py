@@ -10,7 +10,9 @@ target projection m, exactly (r: that module's rank, from rank_pattern or r):
     base_model.model.model.layers.{i}.mlp.down_proj.lora_A.weight     [r, intermediate] ...
 
 (names per model family in services/common/adapter_layout.py; a vision-language model's adapters may adapt
-its language model only).
+its language model only). A task head's tensors (base_model.model.score.*, base_model.model.task_head.*)
+may sit beside them: they are no LoRA tensors, and the head is derived from them and the config
+(services/common/task_heads.py).
 
 Pickle files (.bin, .pt, ...) are never opened: their mere presence without
 safetensors is refused with a message saying so.
@@ -24,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from registry.base_model_files import read_json_object
-from registry.records import SUPPORTED_TARGET_MODULES, ModuleShape
+from registry.records import SUPPORTED_TARGET_MODULES, BaseModelRecord, ModuleShape
 from services.common.safetensors_header import TensorInfo, read_safetensors_header
 from registry.trusted_paths import resolve_inside_roots
 from services.common.adapter_layout import (ADAPTER_LAYOUTS, CONFIG_FILE, WEIGHTS_FILE, AdapterLayout,
                                             refuse_vision_tensors)
 from services.common.errors import InvalidArgument
 from services.common.lora_config import LoraHyperparameters, parse_lora_hyperparameters
+from services.common.task_heads import TaskHead, is_head_tensor, parse_task_head
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
@@ -59,6 +62,7 @@ class LoraSpec:
     rank: int     # the largest of its modules' ranks (r, or a rank_pattern value): what workers batch by
     alpha: float  # lora_alpha (alpha_pattern may give some modules another)
     target_modules: tuple[str, ...]  # in SUPPORTED_TARGET_MODULES order; () while named by a regex
+    task_head: TaskHead | None       # the head it carries in place of the LM head; None: it generates text
 
 
 def locate_adapter_files(source_dir: str, roots: Sequence[Path]) -> AdapterSource:
@@ -174,17 +178,22 @@ def check_lora_tensors(tensors: Mapping[str, TensorInfo], ranks: Mapping[tuple[i
             f"{module} ({module_shapes[module].in_features} -> {module_shapes[module].out_features})")
 
 
-def validate_adapter_dir(directory: Path, architecture: str, num_layers: int,
-                         module_shapes: Mapping[str, ModuleShape]) -> LoraSpec:
-    """Check a (trusted, already staged) adapter directory against a base model; returns its LoRA spec."""
-    layout = ADAPTER_LAYOUTS[architecture]
+def validate_adapter_dir(directory: Path, base: BaseModelRecord) -> LoraSpec:
+    """Check a (trusted, already staged) adapter directory against a base model; returns its LoRA spec and
+    the task head its files carry."""
+    layout = ADAPTER_LAYOUTS[base.architecture]
     config = read_json_object(directory / CONFIG_FILE)
     tensors = read_safetensors_header(directory / WEIGHTS_FILE)
     # First: bare target names ("q_proj") that also reached a vision tower deserve this message.
     refuse_vision_tensors(layout, tensors, WEIGHTS_FILE)
     hyperparameters = parse_lora_hyperparameters(config)
-    targets = _target_modules(config.get("target_modules")) or _regex_targets(tensors, layout)
-    ranks = module_ranks(hyperparameters, targets, layout, num_layers)
-    check_rank_fits(ranks, module_shapes)
-    check_lora_tensors(tensors, ranks, layout, module_shapes)
-    return LoraSpec(rank=max(ranks.values()), alpha=hyperparameters.lora_alpha, target_modules=targets)
+    # A task head's tensors answer to its declaration (parse_task_head below), not to the LoRA checks.
+    lora = {name: info for name, info in tensors.items() if not is_head_tensor(name)}
+    targets = _target_modules(config.get("target_modules")) or _regex_targets(lora, layout)
+    ranks = module_ranks(hyperparameters, targets, layout, base.num_layers)
+    check_rank_fits(ranks, base.module_shapes)
+    check_lora_tensors(lora, ranks, layout, base.module_shapes)
+    task_head = parse_task_head(config, {name: info.shape for name, info in tensors.items()}, base.hidden_size,
+                                CONFIG_FILE)
+    return LoraSpec(rank=max(ranks.values()), alpha=hyperparameters.lora_alpha, target_modules=targets,
+                    task_head=task_head)

@@ -65,6 +65,10 @@ def require_api_key() -> None:
 
 # An adapter's default objectives, in ms (services/common/slo.py checks their range).
 SLO_FIELDS: dict[str, type | tuple[type, ...]] = {"tpot_slo_ms": (int, float), "ttft_slo_ms": (int, float)}
+# Fields an earlier API took: refused saying why, not as merely unknown.
+RETIRED_FIELDS: dict[str, str] = {
+    "task_head": "an adapter's task head is read from its adapter_config.json and adapter_model.safetensors "
+                 "at registration (docs/task-heads.md)"}
 
 
 def _json_body(fields: dict[str, type | tuple[type, ...]], required: set[str]) -> dict[str, Any]:
@@ -73,6 +77,8 @@ def _json_body(fields: dict[str, type | tuple[type, ...]], required: set[str]) -
     if not isinstance(body, dict):
         raise InvalidArgument("request body must be a JSON object")
     for key in body:
+        if key in RETIRED_FIELDS:
+            raise InvalidArgument(f"field {key!r} is not accepted: {RETIRED_FIELDS[key]}", param=key)
         if key not in fields:
             raise InvalidArgument(f"unknown field {key!r}; expected: {', '.join(fields)}", param=key)
     for key, value in body.items():
@@ -105,9 +111,9 @@ def list_base_models() -> Response:
 
 @admin.post("/adapters")
 def register_adapter() -> tuple[Response, int]:
-    body = _json_body({"name": str, "base_model": str, "path": str, "task_head": dict, **SLO_FIELDS},
+    body = _json_body({"name": str, "base_model": str, "path": str, **SLO_FIELDS},
                       required={"name", "base_model", "path"})
-    record = _store().register_adapter(body["name"], body["base_model"], body["path"], body.get("task_head"),
+    record = _store().register_adapter(body["name"], body["base_model"], body["path"],
                                        body.get("tpot_slo_ms"), body.get("ttft_slo_ms"))
     ADAPTERS_REGISTERED.inc()
     return jsonify(_record(record)), 201

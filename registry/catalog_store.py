@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import uuid
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
@@ -110,18 +109,16 @@ class CatalogStore(StoreBase):
 
     # Adapters
 
-    def register_adapter(self, name: str, base_model: str, source_dir: str,
-                         task_head: dict[str, Any] | None = None, tpot_slo_ms: float | None = None,
+    def register_adapter(self, name: str, base_model: str, source_dir: str, tpot_slo_ms: float | None = None,
                          ttft_slo_ms: float | None = None) -> AdapterRecord:
-        """Validate the PEFT adapter in `source_dir` against `base_model` and import it by content.
+        """Validate the PEFT adapter in `source_dir` against `base_model` and import it by content, with the
+        task head its files carry (services/common/task_heads.py), derived anew at every registration.
         `tpot_slo_ms`, `ttft_slo_ms`: its default objectives for requests that name none.
 
         The files are copied into a staging directory first and validated there,
         so the stored bytes are exactly the validated ones.
         """
         check_name(name, "adapter")
-        if task_head is not None and not isinstance(task_head, dict):
-            raise InvalidArgument("task_head must be a JSON object")
         tpot_slo_ms, ttft_slo_ms = _checked_slos(tpot_slo_ms, ttft_slo_ms)
         with self._transaction() as s:
             base = base_model_record(_get_base_model_row(s, base_model))
@@ -129,7 +126,7 @@ class CatalogStore(StoreBase):
         staged = self._blobs.stage(locate_adapter_files(source_dir, self._roots))
         with self._blob_lock:
             try:
-                spec = validate_adapter_dir(staged.directory, base.architecture, base.num_layers, base.module_shapes)
+                spec = validate_adapter_dir(staged.directory, base)
                 with self._transaction() as s:
                     _check_adapter_name_free(s, name)
                     storage = self._blobs.commit(staged)
@@ -137,7 +134,8 @@ class CatalogStore(StoreBase):
                         name=name, base_model=base.name, rank=spec.rank, alpha=spec.alpha,
                         target_modules=list(spec.target_modules), size_bytes=staged.size_bytes,
                         sha256=staged.sha256, storage_path=str(storage), created_ms=self._now_ms(),
-                        task_head=task_head, tpot_slo_ms=tpot_slo_ms, ttft_slo_ms=ttft_slo_ms)
+                        task_head=spec.task_head.to_json() if spec.task_head is not None else None,
+                        tpot_slo_ms=tpot_slo_ms, ttft_slo_ms=ttft_slo_ms)
                     insert_row(s, row, f"adapter {name!r}")
                     record = adapter_record(row)
             except BaseException:

@@ -5,11 +5,17 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from registry.db import upgrade_schema
 from registry.store import RegistryStore
+
+from .head_adapters import detection_head, mlp_head, write_head_adapter
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 BASE_MODEL = "tiny-llama"
 # name -> (r, target_modules)
@@ -48,7 +54,35 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
                           rank_pattern={"layers.1.self_attn.q_proj": 8, "v_proj": 1}, alpha_pattern={"k_proj": 3},
                           init_lora_weights=False)
     get_peft_model(LlamaForCausalLM(config), patterns).save_pretrained(root / "rslora-patterns")
+    _write_head_adapters(root, config)
     return root
+
+
+# The task-head adapters' labels (docs/task-heads.md); their heads: test_task_head_adapters.py.
+SEQ_CLS_LABELS = ["negative", "neutral", "positive"]
+MLP_TASK_HEAD = {"kind": "mlp", "labels": ["walk", "run", "jump"], "activation": "gelu"}
+DETECTION_TASK_HEAD = {"kind": "detection", "labels": ["person", "car"], "num_queries": 8, "box_format": "xyxy",
+                       "score_threshold": 0.3}
+
+
+def _write_head_adapters(root: Path, config: LlamaConfig) -> None:
+    """seq-cls/ (PEFT's SEQ_CLS on a LlamaForSequenceClassification, id2label added as users do), mlp-head/ and
+    detection-head/ (VaLoRA heads written with plain torch)."""
+    import copy
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForSequenceClassification
+
+    classifier_config = copy.deepcopy(config)
+    classifier_config.num_labels = len(SEQ_CLS_LABELS)
+    lora = LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj", "v_proj"])
+    get_peft_model(LlamaForSequenceClassification(classifier_config), lora).save_pretrained(root / "seq-cls")
+    adapter_config = root / "seq-cls" / "adapter_config.json"
+    adapter_config.write_text(json.dumps({**json.loads(adapter_config.read_text()),
+                                          "id2label": dict(enumerate(SEQ_CLS_LABELS))}))
+    write_head_adapter(root / "mlp-head", mlp_head(3), {"task_head": MLP_TASK_HEAD})
+    write_head_adapter(root / "detection-head", detection_head(2), {"task_head": DETECTION_TASK_HEAD})
 
 
 @pytest.fixture

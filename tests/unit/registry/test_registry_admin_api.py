@@ -37,10 +37,13 @@ def error_of(response) -> dict:  # type: ignore[no-untyped-def]
 
 
 def test_register_list_show_delete(client: FlaskClient, imports: Path, store: RegistryStore, clock) -> None:
-    created = register(client, "support-bot", imports / "all-proj", task_head={"classes": 3})
+    created = register(client, "support-bot", imports / "seq-cls")
     assert created.status_code == 201
     record = created.get_json()
-    assert record["name"] == "support-bot" and record["rank"] == 4 and record["task_head"] == {"classes": 3}
+    assert record["name"] == "support-bot" and record["rank"] == 4
+    # Its head comes from its files (test_task_head_adapters.py): PEFT's score head over 3 labels.
+    assert (record["task_head"]["kind"], record["task_head"]["labels"]) == (
+        "classifier", ["negative", "neutral", "positive"])
     assert register(client, "qv", imports / "attn-qv").status_code == 201
 
     listed = client.get(f"/admin/v1/adapters?base_model={BASE_MODEL}", headers=AUTH).get_json()["adapters"]
@@ -108,7 +111,10 @@ def test_api_key_is_required(client: FlaskClient) -> None:
     ("[1, 2]", "must be a JSON object"),
     (json.dumps({"name": "x", "base_model": BASE_MODEL}), "missing required field 'path'"),
     (json.dumps({"name": 7, "base_model": BASE_MODEL, "path": "/x"}), "field 'name' must be a str"),
-    (json.dumps({"name": "x", "base_model": BASE_MODEL, "path": "/x", "task_head": [1]}), "'task_head' must be a dict"),
+    (json.dumps({"name": "x", "base_model": BASE_MODEL, "path": "/x", "tpot_slo_ms": "40"}),
+     "field 'tpot_slo_ms' must be a int or float"),
+    (json.dumps({"name": "x", "base_model": BASE_MODEL, "path": "/x", "task_head": {"classes": 3}}),
+     "field 'task_head' is not accepted: an adapter's task head is read from its adapter_config.json"),
     (json.dumps({"name": "x", "base_model": BASE_MODEL, "path": "/x", "extra": 1}), "unknown field 'extra'"),
 ])
 def test_malformed_requests_are_400(client: FlaskClient, body: str, message: str) -> None:
@@ -334,8 +340,8 @@ def test_an_adapter_may_not_take_a_base_models_name_nor_the_reverse(client: Flas
 
 
 @pytest.mark.parametrize("body, message", [
-    ('{"name": "x", "base_model": "b", "path": "/x", "task_head": {"threshold": NaN}}', "NaN is not allowed"),
-    ('{"name": "x", "base_model": "b", "path": "/x", "task_head": {"deep": ' + DEEP + "}}", "nests objects or arrays"),
+    ('{"name": "x", "base_model": "b", "path": "/x", "tpot_slo_ms": NaN}', "NaN is not allowed"),
+    ('{"name": "x", "base_model": "b", "path": ' + DEEP + "}", "nests objects or arrays"),
 ])
 def test_request_bodies_with_nan_or_deep_nesting_are_400(client: FlaskClient, body: str, message: str) -> None:
     response = client.post("/admin/v1/adapters", headers={**AUTH, "Content-Type": "application/json"}, data=body)

@@ -24,8 +24,7 @@ BAD_TEXTS = {"nul": "\x00", "nul-suffix": "x\x00y", "lone-surrogate": "\ud800"}
 # method, rule -> a valid body (None: none), with "{adapter}" standing for a valid adapter path.
 BODIES: dict[tuple[str, str], dict[str, Any] | None] = {
     ("POST", "/admin/v1/base-models"): {"name": "second-base", "path": "{base}"},
-    ("POST", "/admin/v1/adapters"): {"name": "a", "base_model": BASE_MODEL, "path": "{adapter}",
-                                     "task_head": {"labels": ["cat", "dog"]}},
+    ("POST", "/admin/v1/adapters"): {"name": "a", "base_model": BASE_MODEL, "path": "{adapter}"},
     ("PUT", "/admin/v1/adapters/<name>/slo"): {"tpot_slo_ms": 50},
     ("POST", "/admin/v1/adapters/<name>/placements"): {"workers": ["w1"], "pin": False},
 }

@@ -7,6 +7,7 @@ import pytest
 from registry.grpc_service import SERVICE_NAME, add_registry_service
 from registry.store import RegistryStore
 from services.common.grpc_server import start_grpc_server
+from services.common.task_heads import task_head_from_record
 from tessera.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 from .conftest import BASE_MODEL
@@ -24,8 +25,11 @@ async def _exercise(store: RegistryStore) -> None:
 
             adapters = (await stub.ListAdapters(registry_pb2.ListAdaptersRequest(base_model=BASE_MODEL))).adapters
             assert [(a.name, a.rank, a.alpha, list(a.target_modules)) for a in adapters] == [
-                ("qv", 2, 4.0, ["q_proj", "v_proj"])]
-            assert adapters[0].task_head_json == '{"labels": ["cat", "dog"]}'
+                ("qv", 2, 4.0, ["q_proj", "v_proj"]), ("sentiment", 4, 8.0, ["q_proj", "v_proj"])]
+            # The head the registry derived from the files; "" for a plain LoRA adapter.
+            head = task_head_from_record(adapters[1].task_head_json)
+            assert head is not None and (head.kind, head.labels) == ("classifier", ("negative", "neutral", "positive"))
+            assert adapters[0].task_head_json == ""
             base = await stub.GetBaseModel(registry_pb2.GetBaseModelRequest(name=BASE_MODEL))
             assert (base.architecture, base.max_context, base.vocab_size) == ("LlamaForCausalLM", 256, 128)
 
@@ -55,5 +59,6 @@ async def _exercise(store: RegistryStore) -> None:
 
 
 def test_registry_service_over_grpc(store: RegistryStore, imports: Path) -> None:
-    store.register_adapter("qv", BASE_MODEL, str(imports / "attn-qv"), task_head={"labels": ["cat", "dog"]})
+    store.register_adapter("qv", BASE_MODEL, str(imports / "attn-qv"))
+    store.register_adapter("sentiment", BASE_MODEL, str(imports / "seq-cls"))
     asyncio.run(_exercise(store))

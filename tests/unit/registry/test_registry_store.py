@@ -44,7 +44,7 @@ def test_base_model_refuses_unsupported_architecture(store: RegistryStore, impor
 
 
 def test_adapter_is_stored_by_content_and_verified(store: RegistryStore, imports: Path, tmp_path: Path) -> None:
-    record = store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"), task_head={"labels": ["x"]})
+    record = store.register_adapter("a1", BASE_MODEL, str(imports / "all-proj"))
     source = (imports / "all-proj" / "adapter_model.safetensors").read_bytes()
     config = (imports / "all-proj" / "adapter_config.json").read_bytes()
     # The content address covers both files: the sha256 of a manifest of their sha256 (common.proto).
@@ -60,7 +60,7 @@ def test_adapter_is_stored_by_content_and_verified(store: RegistryStore, imports
     assert (stored / "adapter_model.safetensors").read_bytes() == source
     assert (stored / "adapter_config.json").read_bytes() == config
     assert store.get_adapter("a1") == record
-    assert record.task_head == {"labels": ["x"]}
+    assert record.task_head is None  # plain LoRA: no head in its files
     # No staging leftovers.
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == sorted([LOCK_FILE, record.sha256])
 
