@@ -3,9 +3,9 @@
 Chat prompts go through the chat template with the assistant turn opened; text prompts are
 tokenized as-is with the tokenizer's default special tokens (what `tokenizer(text)` gives). A
 vision-language model's chat prompts go through its processor instead (with or without images), as
-`processor.apply_chat_template` does: every message in content-part form, images decoded and
-preprocessed, each image's placeholder expanded to its image tokens. The processor is transformers'
-own (LLaVA) or one doing the same for images (Qwen2-VL: vision/qwen2vl_processor.py).
+`processor.apply_chat_template` does: every message in content-part form, images and videos decoded and
+preprocessed, each one's placeholder expanded to its tokens. The processor is transformers' own (LLaVA:
+images only) or one doing the same for images and videos (Qwen2-VL: vision/qwen2vl_processor.py).
 
 A prompt too long for the context is refused after tokenizing at most a bounded prefix of its text
 (text prompts as sent, chat prompts as rendered). No token stands for more than L characters (the
@@ -23,11 +23,16 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import torch
 from transformers import BatchFeature, PreTrainedTokenizerBase, ProcessorMixin
 
 from gpu_worker.vision.images import PromptImages, decode_image, fixed_size_images, grid_images, image_token_runs
 from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
+from gpu_worker.vision.video import VideoPart, decode_video
 from services.common.errors import InvalidArgument
+
+# A Qwen2-VL processor's output: each kind's pixel values and grids, as Qwen2VLProcessor names them.
+GRID_OUTPUTS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class ImagePart:
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
-    content: str | tuple[str | ImagePart, ...]  # text, or text and images in the order they appear
+    content: str | tuple[str | ImagePart | VideoPart, ...]  # text, or text, images and videos in order
 
 
 Prompt = str | tuple[ChatMessage, ...]
@@ -55,6 +60,8 @@ def _text_of(message: ChatMessage) -> str:
         return message.content
     if any(isinstance(part, ImagePart) for part in message.content):
         raise InvalidArgument("this model does not take images", param="messages")
+    if any(isinstance(part, VideoPart) for part in message.content):
+        raise InvalidArgument("this model does not take video", param="messages")
     return "".join(message.content)
 
 
@@ -129,15 +136,23 @@ class PromptEncoder:
                     param="max_tokens")
 
     def _encode_multimodal(self, prompt: tuple[ChatMessage, ...], max_tokens: int) -> EncodedPrompt:
-        messages, images, digests = [], [], []
+        messages, kinds, digests = [], [], []  # kinds, digests: of each image and video, in prompt order
         for message in prompt:
             parts = (message.content,) if isinstance(message.content, str) else message.content
             content = []
             for part in parts:
                 if isinstance(part, ImagePart):
-                    images.append(decode_image(part.data, len(images)))
+                    image = decode_image(part.data, kinds.count("image"))
                     digests.append(hashlib.sha256(part.data).hexdigest())  # the image cache's and KV prefix's key
-                    content.append({"type": "image", "image": images[-1]})
+                    kinds.append("image")
+                    content.append({"type": "image", "image": image})
+                elif isinstance(part, VideoPart):
+                    if getattr(self.processor, "video_token_id", None) is None:
+                        raise InvalidArgument("this model does not take video", param="messages")
+                    frames = decode_video(part, kinds.count("video"))
+                    digests.append(_frames_digest(frames))  # the grid joins it below
+                    kinds.append("video")
+                    content.append({"type": "video", "video": frames})
                 else:
                     content.append({"type": "text", "text": part})
             messages.append({"role": message.role, "content": content})
@@ -150,13 +165,31 @@ class PromptEncoder:
         except ValueError as exc:  # e.g. the text itself holds the image placeholder: counts differ
             raise InvalidArgument(f"the prompt's images do not fit its text: {exc}", param="messages") from exc
         ids = out["input_ids"][0].tolist()
-        if not images:
+        if not kinds:
             return EncodedPrompt(ids)
-        return EncodedPrompt(ids, self._prompt_images(ids, out, tuple(digests)))
+        return EncodedPrompt(ids, self._prompt_images(ids, out, kinds, digests))
 
-    def _prompt_images(self, ids: list[int], out: BatchFeature, digests: tuple[str, ...]) -> PromptImages:
-        runs = image_token_runs(ids, self.processor.image_token_id)
-        if "image_grid_thw" in out:  # each image at its own resolution (Qwen2-VL), positions by M-RoPE
-            merge = self.processor.image_processor.merge_size
-            return grid_images(len(ids), out["pixel_values"], out["image_grid_thw"], runs, digests, merge)
-        return fixed_size_images(out["pixel_values"], runs, digests)
+    def _prompt_images(self, ids: list[int], out: BatchFeature, kinds: list[str], digests: list[str]) -> PromptImages:
+        if "pixel_values" in out and "image_grid_thw" not in out:  # LLaVA: images of one size
+            runs = image_token_runs(ids, {self.processor.image_token_id})
+            return fixed_size_images(out["pixel_values"], runs, tuple(digests))
+        # Qwen2-VL: each image and video at its own resolution, positions by M-RoPE
+        runs = image_token_runs(ids, {self.processor.image_token_id, self.processor.video_token_id})
+        per_kind = {}
+        for kind, (pixels_key, grid_key) in GRID_OUTPUTS.items():
+            if grid_key in out:
+                grids = [(t, h, w) for t, h, w in out[grid_key].tolist()]
+                per_kind[kind] = iter(zip(out[pixels_key].split([t * h * w for t, h, w in grids]), grids))
+        visuals = [next(per_kind[kind]) for kind in kinds]
+        # A video's features depend on its frames and its grid: both key the caches.
+        digests = [hashlib.sha256(f"{digest}:{grid}".encode()).hexdigest() if kind == "video" else digest
+                   for kind, digest, (_, grid) in zip(kinds, digests, visuals)]
+        merge = self.processor.image_processor.merge_size
+        return grid_images(len(ids), visuals, runs, tuple(digests), merge)
+
+
+def _frames_digest(frames: torch.Tensor) -> str:
+    """sha256 of decoded frames uint8 [n, height, width, 3]: their shape and pixels."""
+    digest = hashlib.sha256(str(tuple(frames.shape)).encode())
+    digest.update(frames.contiguous().numpy().tobytes())
+    return digest.hexdigest()

@@ -10,6 +10,11 @@ start + max(h, w). A prompt of 2 text tokens, a 2 x 3 image and 1 text token:
     height    0 1  2 2 2 3 3 3  5
     width     0 1  2 3 4 2 3 4  5          rope delta = max position + 1 - prompt length = 6 - 9 = -3
 
+A video is t x h x w merged patches (t: one per 2 frames): its tokens, frame pair by frame pair, have
+(start + time, start + row, start + column), and the text after it still continues at start + max(h, w),
+not past its last time position: what transformers' get_rope_index (5.x) computes, which the rope delta
+(from the largest position) follows.
+
 Generated token i (0-based position p = prompt length + i) has p + rope delta in all three, so
 decode steps rotate like plain RoPE. The head dimension's frequencies are split into mrope_section
 (temporal, height, width) parts; part k rotates by position k.
@@ -28,8 +33,8 @@ from gpu_worker.layers.rotary import RotaryEmbedding
 def rope_index(num_tokens: int, image_runs: tuple[tuple[int, int], ...],
                grids: list[tuple[int, int, int]], merge: int) -> tuple[list[list[int]], int]:
     """A prompt's 3-D positions [3][num_tokens] and its rope delta. image_runs: (first position,
-    length) of each image's tokens, in order; grids: each image's (t, h, w) in patches before the
-    merge x merge patch merger."""
+    length) of each image's or video's tokens, in order; grids: each one's (t, h, w) in patches before
+    the merge x merge patch merger."""
     assert len(image_runs) == len(grids), (image_runs, grids)
     rows: list[list[int]] = [[], [], []]
     current, cursor = 0, 0

@@ -88,25 +88,27 @@ def fixed_size_images(pixel_values: torch.Tensor, token_runs: tuple[tuple[int, i
     return PromptImages(tuple(pixel_values.unbind(0)), token_runs, digests, (tokens,) * len(digests))
 
 
-def grid_images(num_prompt_tokens: int, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+def grid_images(num_prompt_tokens: int, visuals: list[tuple[torch.Tensor, tuple[int, int, int]]],
                 token_runs: tuple[tuple[int, int], ...], digests: tuple[str, ...], merge: int) -> PromptImages:
-    """Images at their own resolution (Qwen2-VL): every image's patches in one tensor pixel_values
-    [sum of t * h * w, patch dim] with grid_thw [num_images, 3]; an image has t * h * w / merge^2 tokens
-    and the prompt M-RoPE positions. Image runs are one per image (vision start/end tokens part them)."""
-    grids = tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
+    """Images and videos at their own resolution (Qwen2-VL): each one's (pixel values [t * h * w, patch dim],
+    grid (t, h, w)) in prompt order (an image has t = 1, a video one per 2 frames); each has t * h * w / merge^2
+    tokens, and the prompt M-RoPE positions. Runs are one per image or video (vision start/end tokens part them)."""
+    grids = tuple(grid for _, grid in visuals)
     assert len(grids) == len(token_runs) == len(digests), (grids, token_runs, digests)
-    pixels = tuple(pixel_values.split([t * h * w for t, h, w in grids]))
+    pixels = tuple(pixel_values for pixel_values, _ in visuals)
+    assert all(p.shape[0] == t * h * w for p, (t, h, w) in zip(pixels, grids)), (grids, [p.shape for p in pixels])
     image_tokens = tuple(t * h * w // merge ** 2 for t, h, w in grids)
     rows, delta = rope_index(num_prompt_tokens, token_runs, list(grids), merge)
     positions = MRopePositions(tuple(map(tuple, rows)), delta, (token_runs[0][0], sum(token_runs[-1])))
     return PromptImages(pixels, token_runs, digests, image_tokens, grids, positions)
 
 
-def image_token_runs(token_ids: list[int], image_token_id: int) -> tuple[tuple[int, int], ...]:
-    """The runs of consecutive `image_token_id` in `token_ids`, as (first position, length)."""
+def image_token_runs(token_ids: list[int], image_token_ids: set[int]) -> tuple[tuple[int, int], ...]:
+    """The runs of consecutive `image_token_ids` (Qwen2-VL: its image and video tokens) in `token_ids`, as
+    (first position, length)."""
     runs: list[tuple[int, int]] = []
     for position, token in enumerate(token_ids):
-        if token != image_token_id:
+        if token not in image_token_ids:
             continue
         if runs and sum(runs[-1]) == position:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)

@@ -16,19 +16,20 @@ IDS = [1, 7, IMG, IMG, IMG, IMG, 7, 7, IMG, IMG, IMG, IMG, 7]
 
 
 def _images() -> PromptImages:
-    return fixed_size_images(torch.zeros(2, 3, 4, 4), image_token_runs(IDS, IMG), ("a" * 64, "b" * 64))
+    return fixed_size_images(torch.zeros(2, 3, 4, 4), image_token_runs(IDS, {IMG}), ("a" * 64, "b" * 64))
 
 
 def _grid_images() -> PromptImages:
     """The same token layout as two Qwen2-VL images of 2 x 4 and 4 x 2 patches (1 x 2 and 2 x 1 merged)."""
     pixels = torch.arange(16.0)[:, None].expand(16, 6)
-    return grid_images(len(IDS), pixels, torch.tensor([[1, 2, 4], [1, 4, 2]]), ((2, 2), (8, 2)), ("a", "b"), 2)
+    visuals = [(pixels[:8], (1, 2, 4)), (pixels[8:], (1, 4, 2))]
+    return grid_images(len(IDS), visuals, ((2, 2), (8, 2)), ("a", "b"), 2)
 
 
 def test_runs_of_image_tokens():
-    assert image_token_runs(IDS, IMG) == ((2, 4), (8, 4))
-    assert image_token_runs([IMG, IMG, 7, IMG], IMG) == ((0, 2), (3, 1))
-    assert image_token_runs([7, 7], IMG) == ()
+    assert image_token_runs(IDS, {IMG}) == ((2, 4), (8, 4))
+    assert image_token_runs([IMG, IMG, 7, IMG], {IMG}) == ((0, 2), (3, 1))
+    assert image_token_runs([7, 7], {IMG}) == ()
 
 
 def test_a_chunk_takes_its_slice_of_the_features():
@@ -66,7 +67,7 @@ def test_step_inputs_place_image_rows_in_the_packed_batch():
 
 def test_images_of_different_sizes_have_their_own_features():
     ids = [1, IMG, IMG, 7, IMG, IMG, IMG, IMG, IMG, 7]
-    images = PromptImages((torch.zeros(3), torch.zeros(5)), image_token_runs(ids, IMG), ("a", "b"), (2, 5))
+    images = PromptImages((torch.zeros(3), torch.zeros(5)), image_token_runs(ids, {IMG}), ("a", "b"), (2, 5))
     assert images.content_in(2, 6) == ((2, "a", 1), (4, "b", 0), (5, "b", 1))
 
 
