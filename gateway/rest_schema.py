@@ -143,15 +143,24 @@ def _content_part() -> dict[str, Any]:
     return {
         "title": "content part", "type": "object", "required": ["type"],
         "properties": {
-            "type": {"enum": ["text", "image_url"]},
+            "type": {"enum": ["text", "image_url", "video_url", "video"]},
             "text": {"type": "string"},
             "image_url": {"type": "object", "required": ["url"], "properties": {"url": {
                 "type": "string",
                 "description": "A base64 data URL (data:image/png;base64,...; PNG, JPEG or WebP), or an http(s) "
                                "URL where the gateway allows remote images."}}},
+            "video_url": {"type": "object", "required": ["url"], "additionalProperties": False, "properties": {
+                "url": {"type": "string", "description": "A base64 data URL (data:video/mp4;base64,... or "
+                                                         "data:video/webm;...), or an http(s) URL as for images."},
+                "fps": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1000,
+                        "description": "Frames sampled per second of the video (default 2)."},
+                "max_frames": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_INT32}}},
+            "video": {"type": "array", "minItems": 1, "items": {"type": "string"},
+                      "description": "A video's frames in time order, each an image URL as in image_url."},
         },
-        "allOf": [{"if": {"properties": {"type": {"const": "text"}}}, "then": {"required": ["text"]}},
-                  {"if": {"properties": {"type": {"const": "image_url"}}}, "then": {"required": ["image_url"]}}],
+        "allOf": [{"if": {"properties": {"type": {"const": kind}}}, "then": {"required": [field]}}
+                  for kind, field in (("text", "text"), ("image_url", "image_url"), ("video_url", "video_url"),
+                                      ("video", "video"))],
     }
 
 

@@ -29,7 +29,8 @@ from services.common.errors import InvalidArgument
 from services.common.slo import check_slo_ms
 from tessera.v1 import common_pb2, inference_pb2
 
-from gateway.images import check_chat_images, check_image, check_image_count, image_from_url
+from gateway.images import (check_chat_images, check_image, check_image_count, check_video_file, check_video_options,
+                            image_from_url, video_from_url)
 from gateway.rest_schema import (
     CHAT_ROLES,
     MAX_INT32,
@@ -226,17 +227,31 @@ def chat_text_chars(chat: common_pb2.ChatPrompt) -> int:
 
 
 def _content_part(part: dict[str, Any], config: GatewayConfig, param: str) -> common_pb2.ContentPart:
-    """{"type": "text", "text": ...} or {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}."""
+    """{"type": "text", "text": ...}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
+    {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,...", "fps": 2.0, "max_frames": 16}} or
+    {"type": "video", "video": [frame URLs, in time order]}. Checked here too, so errors name the REST field."""
     if part["type"] == "text":
         return common_pb2.ContentPart(text=part["text"])
-    image = image_from_url(part["image_url"]["url"], config, param)
-    check_image(image, config, param)  # here too, so the error names the REST field
-    return common_pb2.ContentPart(image=image)
+    if part["type"] == "image_url":
+        image = image_from_url(part["image_url"]["url"], config, param)
+        check_image(image, config, param)
+        return common_pb2.ContentPart(image=image)
+    if part["type"] == "video":
+        frames = [image_from_url(url, config, f"{param}.video[{k}]") for k, url in enumerate(part["video"])]
+        for k, frame in enumerate(frames):
+            check_image(frame, config, f"{param}.video[{k}]")
+        return common_pb2.ContentPart(video=common_pb2.VideoPart(frames=common_pb2.VideoFrames(images=frames)))
+    options = part["video_url"]
+    video = common_pb2.VideoPart(fps=options.get("fps") or 0.0, max_frames=int(options.get("max_frames") or 0))
+    check_video_options(video, f"{param}.video_url")
+    video.file = video_from_url(options["url"], config, f"{param}.video_url.url")
+    check_video_file(video.file, config, f"{param}.video_url.url")
+    return common_pb2.ContentPart(video=video)
 
 
 def _message(message: dict[str, Any], config: GatewayConfig, param: str) -> common_pb2.ChatMessage:
     """content: a string; a list of text parts (joined by newlines, as before images); or a list of
-    text and image parts, kept in order as `parts`."""
+    text, image and video parts, kept in order as `parts`."""
     role, content = message["role"], message["content"]
     if isinstance(content, str):
         return common_pb2.ChatMessage(role=role, content=content)
@@ -248,9 +263,9 @@ def _message(message: dict[str, Any], config: GatewayConfig, param: str) -> comm
 
 def _messages(body: dict[str, Any], config: GatewayConfig) -> common_pb2.ChatPrompt:
     messages = body["messages"]
-    images = sum(1 for m in messages if isinstance(m["content"], list)
-                 for part in m["content"] if part["type"] == "image_url")
-    check_image_count(images, config)  # before any image is decoded or downloaded
+    images = sum(1 if part["type"] == "image_url" else len(part["video"]) if part["type"] == "video" else 0
+                 for m in messages if isinstance(m["content"], list) for part in m["content"])
+    check_image_count(images, config)  # before any image (or video frame) is decoded or downloaded
     return common_pb2.ChatPrompt(messages=[_message(m, config, f"messages[{i}]") for i, m in enumerate(messages)])
 
 

@@ -144,7 +144,7 @@ def test_remote_image_url_when_enabled(env: GatewayEnv) -> None:
     (_chat({"type": "image_url", "image_url": "data:image/png;base64,AAAA"}), "messages[0].content[0].image_url",
      "image_url must be an object"),
     (_chat({"type": "input_audio", "input_audio": {}}), "messages[0].content[0].type",
-     'must be one of "text", "image_url", got "input_audio"'),
+     'must be one of "text", "image_url", "video_url", "video", got "input_audio"'),
 ], ids=["too-many-images", "text-model", "url-not-object", "unknown-part"])
 def test_bad_image_requests_are_400(env: GatewayEnv, body: dict, param: str, phrase: str) -> None:
     before = len(_sent(env))
