@@ -20,8 +20,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from benchmarks import (cold_start_bench, cold_start_replay, cpu_assist_bench, engine_loop_bench, kernel_bench,
-                        modes_bench, served_bench, vision_bench)
+from benchmarks import (cold_start_bench, cold_start_replay, cpu_assist_bench, engine_loop_bench, heads_bench,
+                        kernel_bench, modes_bench, served_bench, vision_bench)
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,23 @@ def check_vision_bench(run: Run) -> None:
             assert row["prefix_hit_frac"] == 0
 
 
+def check_heads_bench(run: Run) -> None:
+    """A tiny LLaVA: both head kinds against generation at both concurrencies, and the streams alone and beside
+    text and image classify requests; every figure measured."""
+    rows = run.report["rows"]
+    latency = {(r["head"], r["concurrency"]): r for r in rows if r["kind"] == "latency"}
+    assert set(latency) == {(kind, n) for kind in ("mlp", "detection") for n in (1, 8)}
+    for row in latency.values():
+        assert 0 < row["head_p50_ms"] and 0 < row["generate_p50_ms"]
+        assert row["ratio"] == pytest.approx(row["head_p50_ms"] / row["generate_p50_ms"])
+    interference = {r["classify"]: r for r in rows if r["kind"] == "interference"}
+    assert set(interference) == {"none", "text", "image"} and interference["none"]["classify_requests"] == 0
+    for name in ("text", "image"):
+        row = interference[name]
+        assert row["classify_requests"] > 0 and 0 < row["classify_p50_ms"] <= row["classify_p99_ms"]
+        assert row["tpot_ratio"] == pytest.approx(row["tpot_p50_ms"] / interference["none"]["tpot_p50_ms"])
+
+
 KERNEL_ARGV = ["--hidden", "32", "--ranks", "mixed", "--adapters", "3", "--tokens", "1", "8"]
 
 
@@ -270,6 +287,7 @@ SUITES = [
                                           str(LOOP_NEW_TOKENS), "--steps", "3", "--json", str(tmp / "report.json")],
           check_engine_loop_bench),
     Suite(vision_bench, lambda tmp: ["--tiny", "--json", str(tmp / "report.json")], check_vision_bench),
+    Suite(heads_bench, lambda tmp: ["--tiny", "--json", str(tmp / "report.json")], check_heads_bench),
     Suite(kernel_bench, lambda tmp: [*KERNEL_ARGV, "--json", str(tmp / "report.json")], check_kernel_bench,
           on_a_fake_gpu),
     Suite(served_bench, served_argv, check_served_bench, marks=(pytest.mark.integration,)),
