@@ -19,6 +19,7 @@ import grpc
 
 from gpu_worker.delivery import RequestOutput
 from gpu_worker.engine import Engine
+from gpu_worker.heads import HeadAnswer
 from gpu_worker.intake import GenerationRequest
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.registry_client import adapter_ref
@@ -73,6 +74,8 @@ def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: in
     """Proto -> domain request under a fresh id of the worker's; proto zero values mean 'default'
     (see common.proto). `vocab_size` bounds the stop token ids: [0, vocab_size) are the model's ids."""
     s = message.sampling
+    if message.task_head and message.HasField("sampling"):
+        raise InvalidArgument("a task-head request generates no tokens: leave sampling unset", param="sampling")
     if s.temperature < 0 or not 0 <= s.top_p <= 1 or s.top_k < 0 or s.max_tokens < 0:
         raise InvalidArgument("sampling parameters out of range (temperature >= 0, 0 <= top_p <= 1, "
                               "top_k >= 0, max_tokens >= 0)")
@@ -95,7 +98,7 @@ def generation_request(message: worker_pb2.WorkerGenerateRequest, vocab_size: in
     if message.HasField("adapter"):
         adapter = adapter_ref(message.adapter)
     return GenerationRequest(uuid.uuid4().hex, prompt, params, adapter, message.tpot_slo_ms / 1e3 or None,
-                             message.ttft_slo_ms / 1e3 or None)
+                             message.ttft_slo_ms / 1e3 or None, message.task_head)
 
 
 def _token_logprobs(output: RequestOutput,
@@ -125,7 +128,14 @@ def _final(request_id: str, output: RequestOutput) -> common_pb2.GenerateRespons
     return common_pb2.GenerateResponse(request_id=request_id, final=common_pb2.Completion(
         finish_reason=_FINISH_REASONS[output.finish_reason],
         usage=common_pb2.Usage(prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens),
-        text=output.full_text))
+        text=output.full_text, head=_head_output(output.head) if output.head is not None else None))
+
+
+def _head_output(answer: HeadAnswer) -> common_pb2.HeadOutput:
+    return common_pb2.HeadOutput(
+        probs=answer.probs, label_index=answer.label_index, label=answer.label,
+        detections=[common_pb2.Detection(label_index=d.label_index, label=d.label, score=d.score, box=d.box)
+                    for d in answer.detections])
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
