@@ -55,10 +55,13 @@ VISION_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<s>assistant\\n' }}{% endif %}"
 )
 
-# Qwen2-VL's placeholder: the processor expands <|image_pad|> to one token per merged patch.
+# Qwen2-VL's placeholders: the processor expands <|image_pad|> (<|video_pad|>) to one token per merged patch.
 #   <s>user\nWhat is this? <|vision_start|><|image_pad|><|vision_end|></s>\n<s>assistant\n
 QWEN2VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-QWEN2VL_CHAT_TEMPLATE = VISION_CHAT_TEMPLATE.replace("{{ '<image>' }}", "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}")
+QWEN2VL_CHAT_TEMPLATE = VISION_CHAT_TEMPLATE.replace(
+    "{% if part['type'] == 'image' %}{{ '<image>' }}",
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}")
 
 # Random weights give near-flat logits with the usual 0.02; a wider init makes greedy tokens
 # vary along a sequence and keeps top-2 logit gaps far above float noise (ties would make

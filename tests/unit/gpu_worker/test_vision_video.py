@@ -13,7 +13,6 @@ import functools
 import io
 import re
 import shutil
-from pathlib import Path
 
 import av
 import numpy as np
@@ -36,9 +35,8 @@ from .conftest import TinyAssets, _engines, run_all, tokens_of
 
 MAX_NEW = 8
 LOGPROB_TOLERANCE = 1e-4
-# The chat template renders a video part as Qwen2-VL's does; the demo template renders images only.
-VIDEO_BRANCH = ("{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
-                "{% else %}{{ part['text'] }}")
+# The demo template renders a video part as Qwen2-VL's does.
+VIDEO_BRANCH = "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
 
 
 def _mp4(frames: np.ndarray, fps: int) -> bytes:
@@ -71,15 +69,9 @@ PROMPTS: dict[str, Prompt] = {
 
 
 @pytest.fixture(scope="module")
-def video_assets(qwen2vl_assets, tmp_path_factory) -> TinyAssets:
-    """The tiny Qwen2-VL with a chat template that renders videos."""
-    base = tmp_path_factory.mktemp("qwen2vl-video") / "base"
-    shutil.copytree(qwen2vl_assets.base_dir, base)
-    template = base / "chat_template.jinja"
-    text = template.read_text()
-    assert "{% else %}{{ part['text'] }}" in text
-    template.write_text(text.replace("{% else %}{{ part['text'] }}", VIDEO_BRANCH))
-    return TinyAssets(base, qwen2vl_assets.store, {}, qwen2vl_assets.name)
+def video_assets(qwen2vl_assets) -> TinyAssets:
+    """The tiny Qwen2-VL, whose chat template renders videos."""
+    return TinyAssets(qwen2vl_assets.base_dir, qwen2vl_assets.store, {}, qwen2vl_assets.name)
 
 
 @pytest.fixture
@@ -242,8 +234,14 @@ def test_models_without_video_refuse_it(tiny_assets, llava_assets):
             encoder.encode(prompt, MAX_NEW)
 
 
-def test_template_without_video_is_refused(qwen2vl_assets):
-    """The demo template renders no video placeholder: the video does not fit the text (a 400, not a crash)."""
-    processor = Qwen2VLPromptProcessor.from_pretrained(Path(qwen2vl_assets.base_dir))
+def test_template_without_video_is_refused(qwen2vl_assets, tmp_path):
+    """A template that renders no video placeholder: the video does not fit the text (a 400, not a crash)."""
+    base = tmp_path / "base"
+    shutil.copytree(qwen2vl_assets.base_dir, base)
+    template = base / "chat_template.jinja"
+    text = template.read_text()
+    assert VIDEO_BRANCH in text
+    template.write_text(text.replace(VIDEO_BRANCH, ""))
+    processor = Qwen2VLPromptProcessor.from_pretrained(base)
     with pytest.raises(InvalidArgument, match=re.escape("0 <|video_pad|> tokens and 1 videos")):
         PromptEncoder(processor.tokenizer, 256, processor).encode(PROMPTS["frames"], MAX_NEW)

@@ -88,3 +88,24 @@ def test_0002_gives_old_rows_the_digest_of_both_stored_files_and_keeps_their_dir
     store.delete_adapter("old")  # deletes by path: the directory named by the weights' sha256 goes
     assert store.sweep_deleted_files() == [old_dir] and not old_dir.exists()  # no grace here
     store.close()
+
+
+def test_0006_clears_the_free_form_task_heads_of_old_rows(imports: Path, empty_database_url: str) -> None:
+    """Before 0006 task_head was metadata given to the admin API; heads now come from the files."""
+    url = empty_database_url
+    _migrate(url, "0005")
+    engine = make_engine(url)
+    with engine.begin() as connection:
+        connection.execute(text(
+            "INSERT INTO base_models (name, architecture, path, max_context, vocab_size, hidden_size, num_layers, "
+            "module_shapes, created_ms) VALUES ('tiny', 'LlamaForCausalLM', '/m', 256, 128, 64, 2, '{}', 0)"))
+        connection.execute(text(
+            "INSERT INTO adapters (name, base_model, rank, alpha, target_modules, size_bytes, sha256, storage_path, "
+            "created_ms, task_head) VALUES ('old', 'tiny', 2, 4.0, '[\"q_proj\"]', 1, :sha, '/s', 0, :head)"),
+            {"sha": "a" * 64, "head": '{"classes": 3}'})
+    engine.dispose()
+    upgrade_schema(url)
+    engine = make_engine(url)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT task_head FROM adapters WHERE name = 'old'")).scalar() is None
+    engine.dispose()
