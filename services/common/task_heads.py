@@ -62,13 +62,15 @@ class TaskHead:
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "labels": list(self.labels), "positions": self.positions,
                 "activation": self.activation, "box_format": self.box_format,
-                "score_threshold": self.score_threshold, "tensors": {name: list(s) for name, s in self.tensors}}
+                "score_threshold": self.score_threshold,
+                # Pairs, not an object: their order is the packing order, and JSON stores may sort an object's keys.
+                "tensors": [[name, list(shape)] for name, shape in self.tensors]}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> TaskHead:
         """The registry's record (to_json's output) back; trusted: the registry validated it."""
         return cls(value["kind"], tuple(value["labels"]),
-                   tuple((name, tuple(shape)) for name, shape in value["tensors"].items()), value["positions"],
+                   tuple((name, tuple(shape)) for name, shape in value["tensors"]), value["positions"],
                    value["activation"], value["box_format"], value["score_threshold"])
 
 

@@ -9,10 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from peft import PeftModel
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.loader import AdapterRef
@@ -22,7 +19,8 @@ from services.common.errors import InvalidArgument
 from services.common.task_heads import parse_task_head
 from services.demo_assets import DEMO_BASE_MODEL, DemoAdapterSpec, build_lora_adapter
 from services.demo_heads import DemoHead
-from tests.reference import ReferenceModels, assert_same_greedy
+from tests.reference import (ReferenceModels, assert_same_greedy, detection_head_boxes, head_tensors, mlp_head_probs,
+                             peft_classifier_probs)
 
 from .conftest import TINY_LLAMA, run_all, run_together, tokens_of
 
@@ -56,52 +54,20 @@ def _ask(name: str, prompt: str, ref: AdapterRef) -> GenerationRequest:
 
 
 def _peft_probs(base_dir: Path, ref: AdapterRef, prompt: str) -> torch.Tensor:
-    """transformers + PEFT: AutoModelForSequenceClassification with the adapter (its score head included)."""
-    base = AutoModelForSequenceClassification.from_pretrained(base_dir, dtype=torch.float32,
-                                                              num_labels=len(ref.head.labels))
-    model = PeftModel.from_pretrained(base, ref.storage_path).eval()
-    inputs = AutoTokenizer.from_pretrained(base_dir)(prompt, return_tensors="pt")
-    with torch.no_grad():
-        return model(**inputs).logits[0].softmax(-1)
+    return peft_classifier_probs(base_dir, Path(ref.storage_path), len(ref.head.labels), prompt)
 
 
-def _peft_hidden(base_dir: Path, ref: AdapterRef, prompt: str) -> torch.Tensor:
-    """The final (normed) hidden states of transformers' Llama with the adapter's LoRA: [tokens, hidden]."""
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
-                                      ref.storage_path).eval()
-    inputs = AutoTokenizer.from_pretrained(base_dir)(prompt, return_tensors="pt")
-    with torch.no_grad():
-        return model.base_model.model.model(**inputs).last_hidden_state[0]
+def _hidden(base_dir: Path, ref: AdapterRef, prompt: str) -> torch.Tensor:
+    reference = ReferenceModels(DEMO_BASE_MODEL, base_dir, {ref.name: ref.storage_path})
+    return reference.final_hidden(ref.name, reference.tokenizer(prompt, return_tensors="pt"))
 
 
-def _head_tensors(ref: AdapterRef) -> dict[str, torch.Tensor]:
-    with safe_open(Path(ref.storage_path) / WEIGHTS_FILE, "pt") as f:
-        return {name.removeprefix("base_model.model.task_head."): f.get_tensor(name) for name in f.keys()
-                if ".task_head." in name}
+def _mlp_reference(base_dir: Path, ref: AdapterRef, prompt: str) -> torch.Tensor:
+    return mlp_head_probs(head_tensors(Path(ref.storage_path)), ref.head, _hidden(base_dir, ref, prompt))
 
 
-def _mlp_reference(ref: AdapterRef, hidden: torch.Tensor) -> torch.Tensor:
-    t = _head_tensors(ref)
-    inner = F.relu(hidden[-1] @ t["fc1.weight"].T + t["fc1.bias"])  # the demo MLP head's activation
-    return (inner @ t["fc2.weight"].T + t["fc2.bias"]).softmax(-1)
-
-
-def _detection_reference(ref: AdapterRef, hidden: torch.Tensor) -> list[tuple[str, float, list[float]]]:
-    """DETR's post-processing on the last num_queries positions: best real class, cxcywh -> xyxy."""
-    t, queries = _head_tensors(ref), hidden[-ref.head.positions:]
-    probs = (queries @ t["class_embed.weight"].T + t["class_embed.bias"]).softmax(-1)
-    box = queries
-    for layer in range(3):
-        box = box @ t[f"bbox_embed.layers.{layer}.weight"].T + t[f"bbox_embed.layers.{layer}.bias"]
-        box = box.relu() if layer < 2 else box.sigmoid()
-    found = []
-    for query in range(ref.head.positions):
-        score, label = probs[query, :-1].max(-1)
-        cx, cy, w, h = box[query].tolist()
-        if score >= ref.head.score_threshold:
-            found.append((ref.head.labels[label], score.item(),
-                          [max(0.0, cx - w / 2), max(0.0, cy - h / 2), min(1.0, cx + w / 2), min(1.0, cy + h / 2)]))
-    return sorted(found, key=lambda d: -d[1])
+def _detection_reference(base_dir: Path, ref: AdapterRef, prompt: str) -> list[tuple[str, float, list[float]]]:
+    return detection_head_boxes(head_tensors(Path(ref.storage_path)), ref.head, _hidden(base_dir, ref, prompt))
 
 
 def _answer(outputs):
@@ -134,9 +100,9 @@ def test_heads_answer_as_peft_and_the_references_beside_generation(engine_factor
         assert answer.label == classifier.head.labels[int(expected.argmax())]
     assert len({_answer(r).label for r in results[:3]}) > 1 or len(set(_answer(r).probs for r in results[:3])) == 3
 
-    mlp_expected = _mlp_reference(mlp, _peft_hidden(base_dir, mlp, PROMPTS[0]))
+    mlp_expected = _mlp_reference(base_dir, mlp, PROMPTS[0])
     assert torch.allclose(torch.tensor(_answer(results[3]).probs), mlp_expected, atol=TOLERANCE)
-    detections = _detection_reference(detection, _peft_hidden(base_dir, detection, PROMPTS[2]))
+    detections = _detection_reference(base_dir, detection, PROMPTS[2])
     assert detections, "the test's power: the reference finds boxes"
     _assert_detections(_answer(results[4]), detections)
 
@@ -161,7 +127,7 @@ def test_merged_mode_chunked_prompts_and_prefix_hits_answer_the_same(engine_fact
     expected = _peft_probs(tiny_assets.base_dir, classifier, long_prompt)
     for outputs in first[1:] + again[1:]:
         assert torch.allclose(torch.tensor(_answer(outputs).probs), expected, atol=TOLERANCE)
-    detections = _detection_reference(detection, _peft_hidden(tiny_assets.base_dir, detection, long_prompt))
+    detections = _detection_reference(tiny_assets.base_dir, detection, long_prompt)
     for outputs in (first[0], again[0]):
         _assert_detections(_answer(outputs), detections)
 
