@@ -71,7 +71,7 @@ async def fetch_base_model(channel: grpc.aio.Channel, name: str, stop: asyncio.E
 def adapter_ref(adapter: common_pb2.Adapter) -> AdapterRef:
     """What the registry says about an adapter, as the worker's adapter tiers take it."""
     return AdapterRef(adapter.name, adapter.base_model, adapter.rank, adapter.sha256, adapter.storage_path,
-                      adapter.created_unix_ms, task_head_from_record(adapter.task_head_json))
+                      adapter.created_unix_ms, task_head_from_record(adapter.task_head_json), adapter.tower_lora_params)
 
 
 def placement_orders(reply: registry_pb2.HeartbeatResponse) -> PlacementOrders:

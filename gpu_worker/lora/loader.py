@@ -40,6 +40,7 @@ class AdapterRef:
     storage_path: str
     registered_ms: int = 0  # when the registry registered it (a newer registration retries a failed load)
     head: TaskHead | None = None  # its task head, as the registry derived it from the files
+    tower_lora_params: int = 0    # its LoRA parameters on the vision tower and projector, as the registry counted them
 
 
 class LoRAModule(NamedTuple):
