@@ -14,6 +14,8 @@ carry one 640x480 JPEG (576 image tokens) and 23 question words: 601 prompt toke
    their last first token to their first finish, alone, and beside classify requests arriving every
    1 / rate s on the action head: text prompts of 32 words, then image prompts. The ratio beside / alone,
    and the classify latency p50 and p99.
+Every row also says what the engine's steps did meanwhile: how many, their mean and p90 duration (launch to
+tokens on the host), how many ran a prefill, and how many ran merged or mixture (the mode policy's choice).
 
     PYTHONPATH=.:protos python3 benchmarks/heads_bench.py [--json OUT.json]
     PYTHONPATH=.:protos python3 benchmarks/heads_bench.py --tiny   # a tiny LLaVA on CPU, in seconds
@@ -43,7 +45,7 @@ from benchmarks.harness.serving import running_engine
 from benchmarks.harness.shapes import RANK, TARGETS
 from gpu_worker.builder import async_scheduling_on
 from gpu_worker.device_kind import device_name
-from gpu_worker.engine import Engine
+from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.intake import GenerationRequest
 from gpu_worker.lora.loader import AdapterRef, HeadWeights, LoRAWeights
 from gpu_worker.models.llama import resolve_dtype
@@ -152,19 +154,34 @@ def _burst(engine: Engine, requests: list[GenerationRequest]) -> list[float]:
     return [_latency(times) for times in asyncio.run(main())]
 
 
-def measure_latency(engine: Engine, requests: Requests, report: Report) -> None:
+@dataclass
+class StepLog:
+    """The engine's steps (its on_step callback, on the engine thread) since the last `take`."""
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+
+    def take(self) -> dict:
+        steps = self.steps[:]
+        del self.steps[:len(steps)]  # in place: the engine appends to this list
+        durations = [s.duration_s * 1e3 for s in steps] or [0.0]
+        return dict(steps=len(steps), step_mean_ms=statistics.fmean(durations), step_p90_ms=percentile(durations, 90),
+                    prefill_steps=sum(1 for s in steps if s.num_prefills),
+                    merged_steps=sum(1 for s in steps if s.mode != "unmerged"))
+
+
+def measure_latency(engine: Engine, requests: Requests, report: Report, log: StepLog) -> None:
     for head, text_tokens in ((0, LABEL_TOKENS), (1, BOXES * BOX_TOKENS)):
         kind = requests.heads[head].head.kind
         for concurrency in (1, 8):
             _burst(engine, [requests.classify(head) for _ in range(concurrency)])  # warm-up: these shapes
             _burst(engine, [requests.generate(i, text_tokens) for i in range(concurrency)])
             heads, texts = [], []
+            log.take()
             for _ in range(requests.setup.repeats):
                 heads += _burst(engine, [requests.classify(head) for _ in range(concurrency)])
                 texts += _burst(engine, [requests.generate(i, text_tokens) for i in range(concurrency)])
             head_ms, text_ms = statistics.median(heads) * 1e3, statistics.median(texts) * 1e3
             report.add(kind="latency", head=kind, concurrency=concurrency, text_tokens=text_tokens,
-                       head_p50_ms=head_ms, generate_p50_ms=text_ms, ratio=head_ms / text_ms)
+                       head_p50_ms=head_ms, generate_p50_ms=text_ms, ratio=head_ms / text_ms, **log.take())
 
 
 async def _streams(engine: Engine, requests: Requests, classify_image: bool | None) -> tuple[list[float], list[float]]:
@@ -190,18 +207,20 @@ async def _streams(engine: Engine, requests: Requests, classify_image: bool | No
     return tpots, latencies
 
 
-def measure_interference(engine: Engine, requests: Requests, report: Report) -> None:
+def measure_interference(engine: Engine, requests: Requests, report: Report, log: StepLog) -> None:
     asyncio.run(_streams(engine, requests, None))  # warm-up: the streams' shapes
+    log.take()
     alone, _ = asyncio.run(_streams(engine, requests, None))
     alone_ms = statistics.median(alone) * 1e3
     report.add(kind="interference", classify="none", rate=0.0, tpot_p50_ms=alone_ms, tpot_ratio=1.0,
-               classify_requests=0, classify_p50_ms=0.0, classify_p99_ms=0.0)
+               classify_requests=0, classify_p50_ms=0.0, classify_p99_ms=0.0, **log.take())
     for image in (False, True):
         tpots, latencies = asyncio.run(_streams(engine, requests, image))
         tpot_ms = statistics.median(tpots) * 1e3
         report.add(kind="interference", classify="image" if image else "text", rate=requests.setup.classify_rate,
                    tpot_p50_ms=tpot_ms, tpot_ratio=tpot_ms / alone_ms, classify_requests=len(latencies),
-                   classify_p50_ms=percentile(latencies, 50) * 1e3, classify_p99_ms=percentile(latencies, 99) * 1e3)
+                   classify_p50_ms=percentile(latencies, 50) * 1e3, classify_p99_ms=percentile(latencies, 99) * 1e3,
+                   **log.take())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -225,12 +244,13 @@ def main(argv: list[str] | None = None) -> dict:
                           adapter_slots=setup.adapters + len(heads), max_lora_rank=setup.rank, lora_targets=TARGETS)
     processor: LlavaProcessor = word_processor(setup.config)
     parts = llava_parts(setup.config, worker, loader(setup, head_weights, worker))
+    log = StepLog()
     with running_engine(parts, processor.tokenizer, worker.max_lora_rank,
-                        async_scheduling_on(worker.async_scheduling, torch.device(worker.device)), processor=processor,
-                        base_model=BASE_MODEL) as engine:
+                        async_scheduling_on(worker.async_scheduling, torch.device(worker.device)),
+                        on_step=log.steps.append, processor=processor, base_model=BASE_MODEL) as engine:
         requests = Requests(setup, heads)
-        measure_latency(engine, requests, report)
-        measure_interference(engine, requests, report)
+        measure_latency(engine, requests, report, log)
+        measure_interference(engine, requests, report, log)
     result = {**header, "rows": report.rows}
     write_json(args.json, result)
     return result

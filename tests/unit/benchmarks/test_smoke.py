@@ -205,6 +205,8 @@ def check_heads_bench(run: Run) -> None:
     for row in latency.values():
         assert 0 < row["head_p50_ms"] and 0 < row["generate_p50_ms"]
         assert row["ratio"] == pytest.approx(row["head_p50_ms"] / row["generate_p50_ms"])
+    for row in rows:
+        assert 0 < row["steps"] and 0 < row["step_mean_ms"] and row["prefill_steps"] <= row["steps"], row
     interference = {r["classify"]: r for r in rows if r["kind"] == "interference"}
     assert set(interference) == {"none", "text", "image"} and interference["none"]["classify_requests"] == 0
     for name in ("text", "image"):
