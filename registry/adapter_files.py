@@ -9,8 +9,9 @@ target projection m, exactly (r: that module's rank, from rank_pattern or r):
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out_features, r]
     base_model.model.model.layers.{i}.mlp.down_proj.lora_A.weight     [r, intermediate] ...
 
-(names per model family in services/common/adapter_layout.py; a vision-language model's adapters may adapt
-its language model only). A task head's tensors (base_model.model.score.*, base_model.model.task_head.*)
+(names per model family in services/common/adapter_layout.py). A vision-language model's adapter may also
+adapt its vision tower and projector: those tensors are checked against the base model's config.json and
+counted (services/common/tower_lora.py); the language model must be adapted all the same. A task head's tensors (base_model.model.score.*, base_model.model.task_head.*)
 may sit beside them: they are no LoRA tensors, and the head is derived from them and the config
 (services/common/task_heads.py).
 
@@ -29,11 +30,11 @@ from registry.base_model_files import read_json_object
 from registry.records import SUPPORTED_TARGET_MODULES, BaseModelRecord, ModuleShape
 from services.common.safetensors_header import TensorInfo, read_safetensors_header
 from registry.trusted_paths import resolve_inside_roots
-from services.common.adapter_layout import (ADAPTER_LAYOUTS, CONFIG_FILE, WEIGHTS_FILE, AdapterLayout,
-                                            refuse_vision_tensors)
+from services.common.adapter_layout import ADAPTER_LAYOUTS, CONFIG_FILE, WEIGHTS_FILE, AdapterLayout
 from services.common.errors import InvalidArgument
 from services.common.lora_config import LoraHyperparameters, parse_lora_hyperparameters
 from services.common.task_heads import TaskHead, is_head_tensor, parse_task_head
+from services.common.tower_lora import TowerModule, is_tower_tensor, parse_tower_lora, tower_modules
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
@@ -63,6 +64,7 @@ class LoraSpec:
     alpha: float  # lora_alpha (alpha_pattern may give some modules another)
     target_modules: tuple[str, ...]  # in SUPPORTED_TARGET_MODULES order; () while named by a regex
     task_head: TaskHead | None       # the head it carries in place of the LM head; None: it generates text
+    tower_lora_params: int = 0       # its LoRA parameters on the vision tower and projector
 
 
 def locate_adapter_files(source_dir: str, roots: Sequence[Path]) -> AdapterSource:
@@ -88,16 +90,22 @@ def locate_adapter_files(source_dir: str, roots: Sequence[Path]) -> AdapterSourc
     return AdapterSource(config_path=paths[0], weights_path=paths[1])
 
 
-def _target_modules(value: Any) -> tuple[str, ...]:
+def _names_a_tower_module(name: str, tower: Mapping[str, TowerModule]) -> bool:
+    """PEFT's rule for a listed name: the module's name is it, or ends with "." + it ("qkv", "merger.mlp.0")."""
+    return any(module == name or module.endswith("." + name) for module in tower)
+
+
+def _target_modules(value: Any, tower: Mapping[str, TowerModule]) -> tuple[str, ...]:
     """PEFT saves a list of module names, or one string: a module name, or a regex matched against
-    full module paths (() here: the tensors tell which projections it matched)."""
+    full module paths (() here: the tensors tell which projections it matched). Names of the vision
+    tower's linears (`tower`) may be listed beside the language model's; their tensors are checked apart."""
     if isinstance(value, str) and value not in SUPPORTED_TARGET_MODULES:
         return ()
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise InvalidArgument(f"{CONFIG_FILE}: target_modules must be a non-empty list of module names, got {value!r}")
     for name in names:
-        if name not in SUPPORTED_TARGET_MODULES:
+        if name not in SUPPORTED_TARGET_MODULES and not _names_a_tower_module(name, tower):
             raise InvalidArgument(
                 f"{CONFIG_FILE}: target module {name!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_TARGET_MODULES)}")
@@ -184,16 +192,19 @@ def validate_adapter_dir(directory: Path, base: BaseModelRecord) -> LoraSpec:
     layout = ADAPTER_LAYOUTS[base.architecture]
     config = read_json_object(directory / CONFIG_FILE)
     tensors = read_safetensors_header(directory / WEIGHTS_FILE)
-    # First: bare target names ("q_proj") that also reached a vision tower deserve this message.
-    refuse_vision_tensors(layout, tensors, WEIGHTS_FILE)
     hyperparameters = parse_lora_hyperparameters(config)
-    # A task head's tensors answer to its declaration (parse_task_head below), not to the LoRA checks.
-    lora = {name: info for name, info in tensors.items() if not is_head_tensor(name)}
-    targets = _target_modules(config.get("target_modules")) or _regex_targets(lora, layout)
+    # The tower's linears come from the base model's own config.json (its spec holds the language model's).
+    tower = tower_modules(base.architecture, read_json_object(Path(base.path) / "config.json")) \
+        if layout.vision_prefixes else {}
+    tower_lora = parse_tower_lora(layout, {name: info.shape for name, info in tensors.items()}, tower,
+                                  hyperparameters, WEIGHTS_FILE)
+    # A task head's tensors answer to its declaration (parse_task_head below), the tower's to tower_lora.py.
+    lora = {name: info for name, info in tensors.items() if not is_head_tensor(name) and not is_tower_tensor(layout, name)}
+    targets = _target_modules(config.get("target_modules"), tower) or _regex_targets(lora, layout)
     ranks = module_ranks(hyperparameters, targets, layout, base.num_layers)
     check_rank_fits(ranks, base.module_shapes)
     check_lora_tensors(lora, ranks, layout, base.module_shapes)
     task_head = parse_task_head(config, {name: info.shape for name, info in tensors.items()}, base.hidden_size,
                                 CONFIG_FILE)
     return LoraSpec(rank=max(ranks.values()), alpha=hyperparameters.lora_alpha, target_modules=targets,
-                    task_head=task_head)
+                    task_head=task_head, tower_lora_params=tower_lora.params if tower_lora is not None else 0)

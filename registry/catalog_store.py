@@ -47,7 +47,7 @@ def adapter_record(row: AdapterRow) -> AdapterRecord:
         name=row.name, base_model=row.base_model, rank=row.rank, alpha=row.alpha,
         target_modules=tuple(row.target_modules), size_bytes=row.size_bytes, sha256=row.sha256,
         storage_path=row.storage_path, created_unix_ms=row.created_ms, task_head=row.task_head,
-        tpot_slo_ms=row.tpot_slo_ms, ttft_slo_ms=row.ttft_slo_ms)
+        tpot_slo_ms=row.tpot_slo_ms, ttft_slo_ms=row.ttft_slo_ms, tower_lora_params=row.tower_lora_params)
 
 
 def _checked_slos(tpot_slo_ms: float | None, ttft_slo_ms: float | None) -> tuple[float | None, float | None]:
@@ -135,7 +135,7 @@ class CatalogStore(StoreBase):
                         target_modules=list(spec.target_modules), size_bytes=staged.size_bytes,
                         sha256=staged.sha256, storage_path=str(storage), created_ms=self._now_ms(),
                         task_head=spec.task_head.to_json() if spec.task_head is not None else None,
-                        tpot_slo_ms=tpot_slo_ms, ttft_slo_ms=ttft_slo_ms)
+                        tpot_slo_ms=tpot_slo_ms, ttft_slo_ms=ttft_slo_ms, tower_lora_params=spec.tower_lora_params)
                     insert_row(s, row, f"adapter {name!r}")
                     record = adapter_record(row)
             except BaseException:

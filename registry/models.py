@@ -60,6 +60,8 @@ class AdapterRow(Base):
     # The adapter's default objectives (ms) for requests that name none; NULL: the gateway's.
     tpot_slo_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     ttft_slo_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Its LoRA parameters on the vision tower and projector (services/common/tower_lora.py); 0: none.
+    tower_lora_params: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class WorkerRow(Base):

@@ -31,7 +31,8 @@ def adapter_to_proto(record: AdapterRecord) -> common_pb2.Adapter:
         storage_path=record.storage_path, created_unix=record.created_unix_ms // 1000,
         created_unix_ms=record.created_unix_ms,
         task_head_json=json.dumps(record.task_head) if record.task_head is not None else "",
-        tpot_slo_ms=record.tpot_slo_ms or 0.0, ttft_slo_ms=record.ttft_slo_ms or 0.0)
+        tpot_slo_ms=record.tpot_slo_ms or 0.0, ttft_slo_ms=record.ttft_slo_ms or 0.0,
+        tower_lora_params=record.tower_lora_params)
 
 
 def stats_to_dict(stats: common_pb2.WorkerStats) -> dict[str, Any]:

@@ -59,6 +59,7 @@ class AdapterRecord:
     task_head: dict[str, Any] | None
     tpot_slo_ms: float | None = None  # its default objectives for requests that name none; None: the gateway's
     ttft_slo_ms: float | None = None
+    tower_lora_params: int = 0  # its LoRA parameters on the vision tower and projector (tower_lora.py)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,12 +1,17 @@
-"""Where PEFT saves a LoRA adapter's tensors in each base-model family, and the rule that an adapter
-may adapt only the language model. The registry validates adapters by it; the worker loads them by it.
+"""Where PEFT saves a LoRA adapter's tensors in each base-model family. The registry validates adapters by
+it; the worker loads them by it.
 
     base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight                 Llama, Mistral, Qwen2
     base_model.model.model.language_model.layers.3.self_attn.q_proj.lora_A.weight  LLaVA
     base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight
         LLaVA's vision tower: PEFT puts LoRA there too when target_modules are bare names like "q_proj"
+    base_model.model.model.multi_modal_projector.linear_1.lora_A.weight            LLaVA's projector
     base_model.model.model.language_model.layers.3.self_attn.q_proj.lora_A.weight  Qwen2-VL
     base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight                  Qwen2-VL's vision tower
+    base_model.model.model.visual.merger.mlp.0.lora_A.weight                       and its patch merger
+
+Tensors under a layout's `vision_prefixes` are tower LoRA: which modules are served there, and their
+shapes, is services/common/tower_lora.py's. A text model has no tower: such tensors are unexpected there.
 
 Also the stored adapter's two files and the content address over both (`content_digest`); its LoRA
 hyper-parameters: services/common/lora_config.py.
@@ -15,11 +20,9 @@ hyper-parameters: services/common/lora_config.py.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -59,18 +62,6 @@ ADAPTER_LAYOUTS: dict[str, AdapterLayout] = {
     "LlavaForConditionalGeneration": LLAVA_LAYOUT,
     "Qwen2VLForConditionalGeneration": QWEN2VL_LAYOUT,
 }
-
-
-def refuse_vision_tensors(layout: AdapterLayout, tensor_names: Iterable[str], adapter: str) -> None:
-    """InvalidArgument if any tensor adapts the vision tower or projector (served: the language model only)."""
-    vision = sorted(name for name in tensor_names if name.startswith(layout.vision_prefixes))
-    if vision:
-        raise InvalidArgument(
-            f"{adapter} adapts the vision tower or projector ({len(vision)} tensors, e.g. {vision[0]!r}); "
-            "Tessera serves LoRA on the language model only. With PEFT, bare target_modules names such as "
-            "'q_proj' (LLaVA) or 'qkv' (Qwen2-VL) also match the vision tower: name the language model's modules "
-            "instead, e.g. "
-            r"target_modules='.*language_model.*\.(q_proj|k_proj|v_proj|o_proj)'")
 
 
 def content_digest(config_sha256: str, weights_sha256: str) -> str:

@@ -1,5 +1,6 @@
 """A LLaVA base model registers by its language model; adapters on that language model register
-(PEFT's regex target_modules included), adapters on the vision tower are refused, saying why."""
+(PEFT's regex target_modules included), and so do adapters on the vision tower too (tower_lora_params;
+test_registry_tower_lora.py has the rest)."""
 
 from __future__ import annotations
 
@@ -58,11 +59,10 @@ def test_language_model_adapter_registers(llava_store: RegistryStore, imports: P
     assert record.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj") and record.rank == 8
 
 
-def test_vision_tower_adapter_is_refused(llava_store: RegistryStore, imports: Path) -> None:
-    with pytest.raises(InvalidArgument, match=r"adapts the vision tower or projector .*Tessera serves LoRA on "
-                                              r"the language model only"):
-        llava_store.register_adapter("vision", "tiny-llava", str(imports / "vision-adapter"))
-    assert llava_store.list_adapters(base_model="tiny-llava") == []
+def test_bare_target_names_register_with_their_tower_lora(llava_store: RegistryStore, imports: Path) -> None:
+    """Bare "q_proj", "v_proj" adapt CLIP's q/v too: r 4 x (32 + 32) on 2 layers x 2 projections."""
+    record = llava_store.register_adapter("vision", "tiny-llava", str(imports / "vision-adapter"))
+    assert record.target_modules == ("q_proj", "v_proj") and record.tower_lora_params == 4 * 64 * 2 * 2
 
 
 def test_text_adapter_does_not_fit_llava(llava_store: RegistryStore, imports: Path) -> None:
