@@ -34,6 +34,7 @@ from gpu_worker.vision.image_cache import CachedImageEncoder, ImageFeatureCache
 from gpu_worker.vision.images import ImageEncoder
 from kernels import NO_SLOT, AdapterArena
 from services.common.adapter_layout import TEXT_LAYOUT, AdapterLayout
+from services.common.tower_lora import TowerModule
 from services.common.config import ConfigError, WorkerConfig
 from services.common.errors import FailedPrecondition
 from services.common.shm_claims import ShmClaim, claim, reclaim_orphans
@@ -80,7 +81,7 @@ def assemble_engine(served: ServedModel, tokenizer: PreTrainedTokenizerBase, wor
                     async_scheduling: bool, perf_model: PerfModel | None = None) -> Engine:
     """An engine around an already loaded model (a vision-language model's processor included)."""
     parts = assemble_parts(served.language_model, worker, adapter_store, image_encoder=served.image_encoder,
-                           adapter_layout=served.adapter_layout, perf_model=perf_model)
+                           adapter_layout=served.adapter_layout, tower=served.tower, perf_model=perf_model)
     return Engine(base_model=worker.base_model, runner=parts.runner, scheduler=parts.scheduler,
                   orchestrator=parts.orchestrator, adapters=parts.adapters, cold_start=parts.cold_start, tokenizer=tokenizer,
                   max_context=parts.model.max_context, max_lora_rank=worker.max_lora_rank, on_step=on_step,
@@ -116,11 +117,12 @@ def async_scheduling_on(setting: str, device: torch.device) -> bool:
 def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store: Path,
                    load: Callable[[AdapterRef], LoRAWeights] | None = None, *,
                    image_encoder: ImageEncoder | None = None, adapter_layout: AdapterLayout = TEXT_LAYOUT,
-                   perf_model: PerfModel | None = None) -> EngineParts:
+                   tower: dict[str, TowerModule] | None = None, perf_model: PerfModel | None = None) -> EngineParts:
     """Adapter tiers, KV cache, scheduler, orchestrator and runner (with CUDA graphs on CUDA) for `model`.
     `load` replaces reading adapters from the store (benchmarks use random weights; it runs on the
     adapter loader threads);
-    `image_encoder` serves a vision-language model's images; `adapter_layout` names its LoRA tensors;
+    `image_encoder` serves a vision-language model's images; `adapter_layout` names its LoRA tensors, `tower`
+    the linears of its vision tower that LoRA may adapt;
     `perf_model` prices the mode policy's steps (None: the model committed for this worker's kind)."""
     config = model.config
     device = model.lm_head.weight.device
@@ -150,7 +152,7 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
 
     def load_from_store(ref: AdapterRef) -> LoRAWeights:
         return load_adapter(ref, adapter_store, adapter_layout, served_paths, config.num_hidden_layers,
-                            config.hidden_size)
+                            config.hidden_size, tower)
 
     def load_checked(ref: AdapterRef) -> LoRAWeights:
         weights = (load or load_from_store)(ref)
@@ -176,7 +178,9 @@ def assemble_parts(model: LlamaForCausalLM, worker: WorkerConfig, adapter_store:
                               max_context=model.max_context, with_lora=worker.adapter_slots > 0)
     images = CachedImageEncoder(image_encoder, ImageFeatureCache(worker.image_cache_bytes)) \
         if image_encoder is not None else None
-    runner = ModelRunner(model, kv_cache, device, graphs, merge_switch, images, cpu_lora, memory.modules, memory.head)
+    runner = ModelRunner(model, kv_cache, device, graphs, merge_switch, images, cpu_lora, memory.modules, memory.head,
+                         lambda seq: memory.host_tower(seq.cpu_adapter) if seq.cpu_adapter is not None
+                         else memory.tower(seq.slot))
     return EngineParts(model, runner, scheduler, adapters,
                        _orchestrator(worker, merge_switch, device, perf_model, cold_start), cold_start)
 

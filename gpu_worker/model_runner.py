@@ -1,7 +1,8 @@
 """Runs one packed forward pass for a step and returns the next-token logits of the sequences
 that sample. Decode-only steps on CUDA replay a captured graph when one fits the batch. Prefill
 chunks over image tokens get the image features as their embeddings; each sequence's images go
-through the image encoder once, at the first chunk that needs them. A step scheduled before the
+through the image encoder once, at the first chunk that needs them, every such sequence of a step in one
+encoder pass, each image through its adapter's tower LoRA if it has one (vision/tower_lora.py). A step scheduled before the
 previous step's tokens reached the host (async scheduling) takes those of its input ids from the
 device. A step runs in the mode the orchestrator planned (orchestrator.py): merged, its adapter is
 folded into the base weights first and the step runs base-only; mixture, the same weights, and every
@@ -24,7 +25,7 @@ from gpu_worker.kv_cache import PagedKVCache
 from gpu_worker.lora.cpu_assist import CpuLoraPool, CpuLoraStep
 from gpu_worker.lora.gpu_memory import AdapterCopy, copy_waits
 from gpu_worker.lora.layer import LoRALinear
-from gpu_worker.lora.loader import HeadWeights
+from gpu_worker.lora.loader import HeadWeights, TowerWeights
 from gpu_worker.lora.merge_switch import MergeSwitch
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.orchestrator import InferenceMode, StepPlan
@@ -32,7 +33,7 @@ from gpu_worker.sampler import SampledTokens
 from gpu_worker.scheduler import ScheduledSeq
 from gpu_worker.sequence import Sequence
 from gpu_worker.step_inputs import InFlightIds, StepInputs, build_step_inputs
-from gpu_worker.vision.image_cache import CachedImageEncoder
+from gpu_worker.vision.image_cache import BASE_TOWER, CachedImageEncoder, TowerAdapter
 from kernels import NO_SLOT, LoRABatch
 from kernels.attention import AttentionMetadata
 
@@ -48,9 +49,11 @@ class ModelRunner:
                  graphs: DecodeGraphs | None = None, merge_switch: MergeSwitch | None = None,
                  image_encoder: CachedImageEncoder | None = None, cpu_lora: CpuLoraPool | None = None,
                  lora_modules: Iterable[LoRALinear] = (),
-                 heads: Callable[[int], HeadWeights | None] = lambda slot: None) -> None:
+                 heads: Callable[[int], HeadWeights | None] = lambda slot: None,
+                 towers: Callable[[Sequence], TowerWeights | None] = lambda seq: None) -> None:
         """`cpu_lora`: the CPU LoRA workers; `lora_modules`: the projections in the order of a host
-        copy's parts (GpuAdapterMemory's); `heads`: a GPU slot's task head, if its adapter has one."""
+        copy's parts (GpuAdapterMemory's); `heads`: a GPU slot's task head, if its adapter has one;
+        `towers`: a sequence's adapter's tower LoRA (on its GPU slot, or its host copy's) if it has one."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -59,6 +62,7 @@ class ModelRunner:
         self.image_encoder = image_encoder
         self.cpu_lora = cpu_lora
         self._heads = heads
+        self._towers = towers
         self._module_index = {module: index for index, module in enumerate(lora_modules)}
 
     @property
@@ -150,7 +154,7 @@ class ModelRunner:
         input_ids = self._device_tensor(inputs.input_ids, torch.long)
         if in_flight is not None:
             in_flight.write_into(input_ids)
-        embeds = self._input_embeddings(inputs, input_ids)
+        embeds = self._input_embeddings(inputs, input_ids, copies)
         with forward_context(ForwardContext(attention, self.kv_cache, lora, cpu_rows, waits)):
             hidden = self.model(input_ids, self._device_tensor(inputs.positions, torch.long), embeds)
         answers = self._answer_heads(inputs, hidden, copies) if inputs.head_rows else []
@@ -178,20 +182,44 @@ class ModelRunner:
                 seq.head_hidden.clear()
         return answers
 
-    def _input_embeddings(self, inputs: StepInputs, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def _input_embeddings(self, inputs: StepInputs, input_ids: torch.Tensor,
+                          copies: list[AdapterCopy] | tuple[()] = ()) -> torch.Tensor | None:
         """The step's token embeddings [num_tokens, hidden] with image features at image tokens;
         None when the step has no image token (the model embeds the ids itself)."""
         if not inputs.image_rows:
             return None
         assert self.image_encoder is not None, "image tokens without an image encoder"
+        new = list({id(part.seq): part.seq for part in inputs.image_rows if part.seq.image_features is None}.values())
+        if new:
+            adapters = self._tower_adapters(new)
+            if copies and any(adapter.tower is not None for adapter in adapters):
+                for copy in copies:  # tower LoRA lies at the end of its adapter's copy: the whole copy must be in
+                    torch.cuda.current_stream(self.device).wait_event(copy.done)
+            encoded = self.image_encoder([(seq.images, adapter) for seq, adapter in zip(new, adapters)])
+            for seq, features in zip(new, encoded):
+                seq.image_features = features
         rows: list[int] = []
         features: list[torch.Tensor] = []
         for part in inputs.image_rows:
             seq = part.seq
-            if seq.image_features is None:
-                seq.image_features = self.image_encoder(seq.images)  # the prompt's uncached images at once
             rows.extend(range(part.row, part.row + part.count))
             features.append(seq.image_features[part.feature:part.feature + part.count])
         embeds = self.model.embed(input_ids)
         embeds[self._device_tensor(rows, torch.long)] = torch.cat(features).to(embeds.dtype)
         return embeds
+
+    def _tower_adapters(self, seqs: list[Sequence]) -> list[TowerAdapter]:
+        """Each sequence's tower LoRA, one TowerWeights per adapter version (the encoder keeps their images together)."""
+        by_digest: dict[str, TowerAdapter] = {}
+        adapters = []
+        for seq in seqs:
+            if seq.adapter is None or not seq.adapter.tower_lora_params:
+                adapters.append(BASE_TOWER)
+                continue
+            digest = seq.adapter.sha256
+            if digest not in by_digest:
+                tower = self._towers(seq)
+                assert tower is not None, f"adapter {seq.adapter.name} has tower LoRA, none is loaded"
+                by_digest[digest] = TowerAdapter(digest, tower)
+            adapters.append(by_digest[digest])
+        return adapters

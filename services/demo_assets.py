@@ -90,6 +90,9 @@ class DemoAdapterSpec:
     alpha_pattern: tuple[tuple[str, float], ...] = ()
     use_rslora: bool = False
     head: DemoHead | None = None  # a task head (services/demo_heads.py)
+    # A vision-language model: bare target names, so PEFT adapts the vision tower's (and projector's) linears
+    # of those names too (docs/tower-lora.md); False keeps the adapter on the language model.
+    tower: bool = False
 
 
 DEMO_ADAPTERS = (
@@ -98,12 +101,14 @@ DEMO_ADAPTERS = (
     DemoAdapterSpec("demo-r64", 64, 64.0,
                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 3),
 )
-# On the LLaVA and Qwen2-VL models' language models (never their vision towers).
+# On the LLaVA and Qwen2-VL models' language models only.
 DEMO_VISION_ADAPTERS = (
     DemoAdapterSpec("demo-llava-r8", 8, 16.0, ("q_proj", "k_proj", "v_proj", "o_proj"), 4),
     DemoAdapterSpec("demo-llava-r16", 16, 32.0,
                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 5),
 )
+# LoRA on the LLaVA model's CLIP tower as well as its language model: PEFT's bare q_proj / v_proj.
+DEMO_VISION_TOWER_ADAPTERS = (DemoAdapterSpec("demo-llava-tower", 8, 16.0, ("q_proj", "v_proj"), 14, tower=True),)
 DEMO_QWEN2VL_ADAPTERS = (
     DemoAdapterSpec("demo-qwen2vl-r8", 8, 16.0,
                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 6),
@@ -353,7 +358,7 @@ def build_qwen2vl(out_dir: Path, *, tokenizer_dir: Path | None, seed: int = 0, t
 def build_lora_adapter(base_dir: Path, out_dir: Path, spec: DemoAdapterSpec) -> Path:
     """Save a real PEFT LoRA adapter for `base_dir` with random A and B (seeded by spec.seed), and its task
     head if the spec has one (a classifier: PEFT's SEQ_CLS, on a text model). On a vision-language model it
-    adapts the language model only."""
+    adapts the language model only, unless spec.tower: then the vision tower's linears of those names too."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
@@ -365,8 +370,9 @@ def build_lora_adapter(base_dir: Path, out_dir: Path, spec: DemoAdapterSpec) -> 
     if base_config.model_type in ("llava", "qwen2_vl"):  # vision-language models
         assert not classifier, "PEFT's SEQ_CLS heads are for text models"
         base = AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32)
-        # A regex over module paths: bare names ("q_proj") would match the vision tower's projections too.
-        targets = rf".*language_model.*\.({'|'.join(spec.target_modules)})"
+        if not spec.tower:
+            # A regex over module paths: bare names ("q_proj") would match the vision tower's projections too.
+            targets = rf".*language_model.*\.({'|'.join(spec.target_modules)})"
     elif classifier:
         base = AutoModelForSequenceClassification.from_pretrained(base_dir, dtype=torch.float32,
                                                                   num_labels=len(spec.head.labels))
@@ -436,7 +442,8 @@ def build_demo_assets(models_dir: Path, progress: Callable[[str], None] = print)
     return [DemoAssets(text_dir, _adapters_or_build(text_dir, adapters_dir, DEMO_ADAPTERS + DEMO_HEAD_ADAPTERS,
                                                     progress)),
             DemoAssets(vision_dir, _adapters_or_build(vision_dir, adapters_dir,
-                                                      DEMO_VISION_ADAPTERS + DEMO_VISION_HEAD_ADAPTERS, progress),
+                                                      DEMO_VISION_ADAPTERS + DEMO_VISION_TOWER_ADAPTERS
+                                                      + DEMO_VISION_HEAD_ADAPTERS, progress),
                        DEMO_VISION_BASE_MODEL),
             DemoAssets(qwen2vl_dir, _adapters_or_build(qwen2vl_dir, adapters_dir,
                                                        DEMO_QWEN2VL_ADAPTERS + DEMO_QWEN2VL_HEAD_ADAPTERS, progress),

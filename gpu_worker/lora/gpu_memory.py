@@ -4,8 +4,9 @@ Every adapter takes one range of the arena (kernels/adapter_arena.py), as many b
 targets need (a rank-8 adapter about 1/8 of a rank-64 one), and one row of every projection's tables
 (its slot; kernels/lora_stack.py). The loader packs an adapter on the host exactly as it will lie in
 that range (`pack`, on a loader thread), so `install` is one copy of its bytes and a table update. A task
-head's tensors follow the LoRA parts in the same range: they move with the adapter through the tiers, and
-`head` reads them in place.
+head's tensors and the tower LoRA's (a vision-language model's vision tower and projector) follow the LoRA
+parts in the same range, one after another (host_weights.PackedExtras): they move with the adapter through
+the tiers, and `head` and `tower` read them in place.
 
 On CUDA, `install` writes the table rows, then copies on the caller's side stream, and returns the copy's
 events (AdapterCopy): one after its last byte, and one after each group of projections' bytes, in
@@ -28,13 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.lora.host_weights import HostPages, PackedAdapter, PackedHead
+from gpu_worker.lora.host_weights import HostPages, PackedAdapter, PackedExtras
 from gpu_worker.lora.layer import LoRALinear
-from gpu_worker.lora.loader import AdapterRef, HeadWeights, LoRAWeights
+from gpu_worker.lora.loader import AdapterRef, HeadWeights, LoRAWeights, TowerWeights
 from gpu_worker.lora.merge_switch import MergeSwitch
 from kernels import AdapterArena, upload_rows
 from kernels.adapter_arena import aligned
-from services.common.task_heads import TaskHead
 
 MIN_RANK_PER_SEAT = 8  # table rows: enough for the budget filled with adapters of this rank on every target
 # An install's copy is cut into pieces of about this many bytes, an event after each: a few dozen copies for
@@ -79,7 +79,7 @@ class GpuAdapterMemory:
         self.device = arena.device
         self._merge_switch = merge_switch
         self._offsets: dict[int, int] = {}  # slot -> its adapter's arena offset
-        self._heads: dict[int, PackedHead] = {}  # slot -> its adapter's task head, if it has one
+        self._extras: dict[int, PackedExtras] = {}  # slot -> its adapter's task head and tower LoRA, if any
 
     @staticmethod
     def seats(budget_bytes: int, bytes_at_max_rank: int, max_rank: int) -> int:
@@ -93,18 +93,34 @@ class GpuAdapterMemory:
             for m in self._modules)
 
     def bytes_of(self, ref: AdapterRef) -> int:
-        """The most `ref` occupies, before its files are read: its rank on every slice, and its head."""
-        head = 0 if ref.head is None else sum(aligned(math.prod(shape)) for _, shape in ref.head.tensors)
-        return self.bytes_at_rank(ref.rank) + head * self._itemsize
+        """The most `ref` occupies, before its files are read: its rank on every slice, its head and tower LoRA."""
+        head = 0 if ref.head is None else sum(math.prod(shape) for _, shape in ref.head.tensors)
+        return self.bytes_at_rank(ref.rank) + aligned(head + ref.tower_lora_params) * self._itemsize
 
     def head(self, slot: int) -> HeadWeights | None:
         """The task head of `slot`'s adapter, as views of the arena (valid until the next install or free)."""
-        packed = self._heads.get(slot)
-        if packed is None:
+        extras = self._extras.get(slot)
+        if extras is None or extras.head is None:
             return None
-        data, offset = self._arena.data, self._offsets[slot]
-        return HeadWeights(packed.head, {name: data[offset + at:offset + at + math.prod(shape)].view(shape)
-                                         for name, at, shape in packed.tensors})
+        return HeadWeights(extras.head, _views(extras, self._arena.data, self._offsets[slot],
+                                               [name for name, _ in extras.head.tensors]))
+
+    def tower(self, slot: int) -> TowerWeights | None:
+        """The tower LoRA of `slot`'s adapter, as views of the arena (valid until the next install or free)."""
+        extras = self._extras.get(slot)
+        if extras is None or extras.tower is None:
+            return None
+        return TowerWeights(extras.tower, _views(extras, self._arena.data, self._offsets[slot],
+                                                 [name for name, _ in extras.tower.tensors]))
+
+    def host_tower(self, packed: PackedAdapter) -> TowerWeights | None:
+        """The tower LoRA of a host copy (an adapter the CPU LoRA workers serve), copied to the device."""
+        extras = packed.extras
+        if extras is None or extras.tower is None:
+            return None
+        data = torch.cat([view for _, view in packed.pool.runs(packed.pages, packed.nbytes)])
+        data = data.view(self.dtype).to(self.device)
+        return TowerWeights(extras.tower, _views(extras, data, 0, [name for name, _ in extras.tower.tensors]))
 
     @property
     def budget_bytes(self) -> int:
@@ -132,9 +148,9 @@ class GpuAdapterMemory:
             module_ranks = module.lora.ranks_of(slices[module])
             ranks.append(tuple(module_ranks))
             sizes.append(aligned(module.slot_elems(module_ranks)))
-        head_at = sum(sizes)
-        head = _head_layout(weights.head.head, head_at) if weights.head is not None else None
-        nbytes = (head_at + sum(aligned(math.prod(shape)) for _, _, shape in head.tensors) if head else head_at) \
+        extras_at = sum(sizes)
+        extras, extra_tensors = _extras_layout(weights, extras_at)
+        nbytes = (extras_at + aligned(sum(math.prod(shape) for _, _, shape in extras.tensors) if extras else 0)) \
             * self._itemsize
         taken = pages.take(nbytes)
         runs = list(pages.runs(taken, nbytes))
@@ -147,13 +163,13 @@ class GpuAdapterMemory:
                 module.lora.pack(slices[module], buffer[offset:offset + size])  # copy_ converts the dtype on the way
             parts.append((offset, module_ranks, tuple(scalings[module].get(s, 0.0) for s in range(len(module_ranks)))))
             offset += size
-        if head is not None:
-            for name, at, shape in head.tensors:
-                buffer[at:at + math.prod(shape)].copy_(weights.head.tensors[name].reshape(-1))
+        if extras is not None:
+            for name, at, shape in extras.tensors:
+                buffer[at:at + math.prod(shape)].copy_(extra_tensors[name].reshape(-1))
         if len(runs) > 1:
             for start, view in runs:
                 view.copy_(staging[start:start + view.numel()])
-        return PackedAdapter(weights.name, weights.rank, self.dtype, nbytes, taken, tuple(parts), pages, head)
+        return PackedAdapter(weights.name, weights.rank, self.dtype, nbytes, taken, tuple(parts), pages, extras)
 
     def install(self, slot: int, packed: PackedAdapter, stream: torch.cuda.Stream | None) -> AdapterCopy | None:
         """Point `slot` at `packed` and copy it into the arena; -> the copy's events on CUDA (`stream`
@@ -166,8 +182,8 @@ class GpuAdapterMemory:
             offset = self._arena.alloc(elems)
         assert offset is not None, f"{elems} elements do not fit an arena with {self._arena.free_elems} free"
         self._offsets[slot] = offset
-        if packed.head is not None:
-            self._heads[slot] = packed.head
+        if packed.extras is not None:
+            self._extras[slot] = packed.extras
         if stream is None:
             self._point(slot, offset, packed)
             self._copy(offset, packed, 0, packed.nbytes)
@@ -183,7 +199,7 @@ class GpuAdapterMemory:
         if self._merge_switch is not None:
             self._merge_switch.release_slot(slot)
         self._arena.free(self._offsets.pop(slot))
-        self._heads.pop(slot, None)
+        self._extras.pop(slot, None)
         for module in self._modules:  # the device rows stay stale, unread, until the slot's next install
             module.lora.clear(slot, upload=False)
 
@@ -244,10 +260,22 @@ class GpuAdapterMemory:
             stream.wait_stream(compute)
 
 
-def _head_layout(head: TaskHead, start: int) -> PackedHead:
-    """The head's tensors one after another from element `start`, each at an aligned offset."""
-    tensors, at = [], start
-    for name, shape in head.tensors:
-        tensors.append((name, at, shape))
-        at += aligned(math.prod(shape))
-    return PackedHead(head, tuple(tensors))
+def _extras_layout(weights: LoRAWeights, start: int) -> tuple[PackedExtras | None, dict[str, torch.Tensor]]:
+    """Where the head's and the tower LoRA's tensors lie, one after another from element `start` (unaligned:
+    bytes_of counts them as one aligned block); -> (that layout, the tensors by name), or None without either."""
+    tensors = {**(weights.head.tensors if weights.head else {}), **(weights.tower.tensors if weights.tower else {})}
+    if not tensors:
+        return None, tensors
+    layout, at = [], start
+    for name, tensor in tensors.items():
+        layout.append((name, at, tuple(tensor.shape)))
+        at += tensor.numel()
+    return PackedExtras(weights.head.head if weights.head else None, weights.tower.spec if weights.tower else None,
+                        tuple(layout)), tensors
+
+
+def _views(extras: PackedExtras, data: torch.Tensor, offset: int, names: list[str]) -> dict[str, torch.Tensor]:
+    """`names` of `extras`, in that order, as views of `data` (an arena, or a host copy), the copy at `offset`."""
+    where = {name: (at, shape) for name, at, shape in extras.tensors}
+    return {name: data[offset + where[name][0]:offset + where[name][0] + math.prod(where[name][1])].view(where[name][1])
+            for name in names}

@@ -24,6 +24,7 @@ import torch
 
 from services.common.cpu_lora.shm import create_mapping
 from services.common.task_heads import TaskHead
+from services.common.tower_lora import TowerLoraSpec
 
 PAGE_BYTES = 2 << 20  # an adapter wastes at most one page minus its last block; 16 MB adapters none
 
@@ -117,9 +118,12 @@ class HostPages:
 
 
 @dataclass(frozen=True)
-class PackedHead:
-    """Where an adapter's task head lies in its packed copy: after the LoRA parts, each tensor aligned."""
-    head: TaskHead
+class PackedExtras:
+    """What follows the LoRA parts in an adapter's packed copy, tensor after tensor: its task head's (by the
+    head's names, "score.weight") and its tower LoRA's (by PEFT's names). They move with the adapter through
+    the tiers and are read in place."""
+    head: TaskHead | None
+    tower: TowerLoraSpec | None
     tensors: tuple[tuple[str, int, tuple[int, ...]], ...]  # (name, element offset in the copy, shape)
 
 
@@ -133,7 +137,7 @@ class PackedAdapter:
     parts: tuple[tuple[int, tuple[int, ...], tuple[float, ...]], ...]  # per projection of GpuAdapterMemory's
     #                     order: (element offset in the copy, each slice's rank, each slice's scaling); rank 0: untargeted
     pool: HostPages = field(repr=False)
-    head: PackedHead | None = None  # its task head, if it has one
+    extras: PackedExtras | None = None  # its task head and tower LoRA, if it has either
 
     def __post_init__(self) -> None:
         weakref.finalize(self, self.pool.give_back, self.pages)

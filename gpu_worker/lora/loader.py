@@ -7,7 +7,8 @@ the registry's record, and both are parsed from the very bytes that were hashed,
 change between check and use. The config is strict JSON and its hyper-parameters are checked as at
 registration (services/common/lora_config.py); each module gets the rank and scaling PEFT gives it
 (rank_pattern, alpha_pattern, rsLoRA). A task head's tensors (services/common/task_heads.py) come with the
-LoRA ones, and the head they make must be the one the registry recorded. Errors name the cause, not the adapter: the adapter manager
+LoRA ones, and the head they make must be the one the registry recorded; so do a vision-language model's
+tower LoRA tensors (services/common/tower_lora.py), whose parameter count must be the registry's. Errors name the cause, not the adapter: the adapter manager
 names it. It runs on the adapter loader threads (lora/adapter_manager.py), never on the engine thread.
 """
 
@@ -21,13 +22,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from services.common.adapter_layout import (CONFIG_FILE, WEIGHTS_FILE, AdapterLayout, content_digest,
-                                            refuse_vision_tensors)
+from services.common.adapter_layout import CONFIG_FILE, WEIGHTS_FILE, AdapterLayout, content_digest
 from services.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
-from services.common.lora_config import parse_lora_hyperparameters
+from services.common.lora_config import LoraHyperparameters, parse_lora_hyperparameters
 from services.common.safetensors_header import header_length, parse_header
 from services.common.strict_json import loads as strict_json_loads
 from services.common.task_heads import PEFT_MODULE_PREFIX, TaskHead, parse_task_head
+from services.common.tower_lora import TowerLoraSpec, TowerModule, parse_tower_lora
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,24 @@ class HeadWeights:
 
 
 @dataclass(frozen=True)
+class TowerWeights:
+    """An adapter's LoRA on the vision tower and projector."""
+    spec: TowerLoraSpec
+    tensors: dict[str, torch.Tensor]  # by PEFT tensor name, in spec.tensors' order
+
+    def modules(self) -> dict[str, LoRAModule]:
+        """PEFT module name ("model.visual.blocks.0.attn.qkv") -> its A, B and scaling."""
+        return {m.name: LoRAModule(*(self.tensors[name] for name in m.tensor_names), m.scaling)
+                for m in self.spec.modules}
+
+
+@dataclass(frozen=True)
 class LoRAWeights:
-    """One loaded adapter: (layer, PEFT target) -> its module, and its task head if it has one."""
+    """One loaded adapter: (layer, PEFT target) -> its module, its task head and its tower LoRA if it has them."""
     name: str
     modules: dict[tuple[int, str], LoRAModule]
     head: HeadWeights | None = None
+    tower: TowerWeights | None = None
 
     @property
     def rank(self) -> int:
@@ -94,6 +108,20 @@ def _head_weights(ref: AdapterRef, config: dict[str, Any], tensors: dict[str, to
     if head is None:
         return None
     return HeadWeights(head, {name: tensors.pop(PEFT_MODULE_PREFIX + name) for name, _ in head.tensors})
+
+
+def _tower_weights(ref: AdapterRef, layout: AdapterLayout, tensors: dict[str, torch.Tensor],
+                   tower: dict[str, TowerModule], hyperparameters: LoraHyperparameters) -> TowerWeights | None:
+    """Take the tower LoRA's tensors out of `tensors`; its parameters must be the registry's count."""
+    spec = parse_tower_lora(layout, {name: tuple(t.shape) for name, t in tensors.items()}, tower, hyperparameters,
+                            WEIGHTS_FILE)
+    params = spec.params if spec is not None else 0
+    if params != ref.tower_lora_params:
+        raise FailedPrecondition(f"its files carry {params} LoRA parameters on the vision tower and projector, the "
+                                 f"registry recorded {ref.tower_lora_params}; register it again")
+    if spec is None:
+        return None
+    return TowerWeights(spec, {name: tensors.pop(name) for name, _ in spec.tensors})
 
 
 TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
@@ -157,10 +185,11 @@ def _served_targets(tensors: dict[str, torch.Tensor], layout: AdapterLayout,
 
 
 def load_adapter(ref: AdapterRef, store_root: Path, layout: AdapterLayout, layer_paths: dict[str, str],
-                 num_layers: int, hidden_size: int) -> LoRAWeights:
+                 num_layers: int, hidden_size: int, tower: dict[str, TowerModule] | None = None) -> LoRAWeights:
     """Load and verify `ref`. `layout`: where the base model's family keeps LoRA tensors;
     `layer_paths`: PEFT target name -> module path in a decoder layer, for the targets served;
-    `hidden_size`: the language model's (a task head reads its hidden states)."""
+    `hidden_size`: the language model's (a task head reads its hidden states); `tower`: the vision tower's
+    adaptable linears (tower_lora.tower_modules; None or {}: a text model)."""
     directory = resolve_in_store(ref.storage_path, store_root)
     for name in (WEIGHTS_FILE, CONFIG_FILE):
         if not (directory / name).is_file():
@@ -172,7 +201,7 @@ def load_adapter(ref: AdapterRef, store_root: Path, layout: AdapterLayout, layer
     hyperparameters = parse_lora_hyperparameters(parsed)
     tensors = _tensor_views(weights)
 
-    refuse_vision_tensors(layout, tensors, "the adapter")
+    tower_weights = _tower_weights(ref, layout, tensors, tower or {}, hyperparameters)
     head = _head_weights(ref, parsed, tensors, hidden_size)
     targets = _served_targets(tensors, layout, layer_paths)
     modules: dict[tuple[int, str], LoRAModule] = {}
@@ -190,4 +219,4 @@ def load_adapter(ref: AdapterRef, store_root: Path, layout: AdapterLayout, layer
             modules[(layer, target)] = LoRAModule(a, b, hyperparameters.scaling_of(module))
     if tensors:
         raise InvalidArgument(f"unexpected tensors, e.g. {sorted(tensors)[:3]}")
-    return LoRAWeights(ref.name, modules, head)
+    return LoRAWeights(ref.name, modules, head, tower_weights)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from gpu_worker.models.qwen2vl import load_qwen2vl
 from gpu_worker.vision.images import ImageEncoder
 from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
 from services.common.adapter_layout import LLAVA_LAYOUT, QWEN2VL_LAYOUT, TEXT_LAYOUT, AdapterLayout
+from services.common.tower_lora import TowerModule, tower_modules
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class ServedModel:
     adapter_layout: AdapterLayout       # where PEFT saves this family's LoRA tensors
     # Vision-language models: chat messages with images -> token ids and pixel values (prompts.py).
     processor: ProcessorMixin | Qwen2VLPromptProcessor | None = None
+    tower: dict[str, TowerModule] = field(default_factory=dict)  # the linears tower LoRA may adapt (none: text)
 
 
 def _load_text(checkpoint_dir: Path, config: PretrainedConfig, device: torch.device,
@@ -36,14 +38,16 @@ def _load_text(checkpoint_dir: Path, config: PretrainedConfig, device: torch.dev
 def _load_llava(checkpoint_dir: Path, config: PretrainedConfig, device: torch.device,
                 dtype: torch.dtype) -> ServedModel:
     language, encoder = load_llava(checkpoint_dir, config, device=device, dtype=dtype)
-    return ServedModel(language, encoder, LLAVA_LAYOUT, AutoProcessor.from_pretrained(checkpoint_dir))
+    return ServedModel(language, encoder, LLAVA_LAYOUT, AutoProcessor.from_pretrained(checkpoint_dir),
+                       tower_modules("LlavaForConditionalGeneration", config.to_dict()))
 
 
 def _load_qwen2vl(checkpoint_dir: Path, config: PretrainedConfig, device: torch.device,
                   dtype: torch.dtype) -> ServedModel:
     language, encoder = load_qwen2vl(checkpoint_dir, config, device=device, dtype=dtype)
     # Not AutoProcessor: Qwen2VLProcessor needs torchvision for its video processor.
-    return ServedModel(language, encoder, QWEN2VL_LAYOUT, Qwen2VLPromptProcessor.from_pretrained(checkpoint_dir))
+    return ServedModel(language, encoder, QWEN2VL_LAYOUT, Qwen2VLPromptProcessor.from_pretrained(checkpoint_dir),
+                       tower_modules("Qwen2VLForConditionalGeneration", config.to_dict()))
 
 
 _LOADERS: dict[str, Callable[[Path, PretrainedConfig, torch.device, torch.dtype], ServedModel]] = {

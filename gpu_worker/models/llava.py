@@ -4,7 +4,8 @@ The language model is our LlamaForCausalLM (paged KV, continuous batching, LoRA)
 checkpoint's language-model tensors. The vision side is transformers' own modules (the CLIP tower,
 LlavaMultiModalProjector) with the checkpoint's weights, run once per prompt: the hidden states of
 vision_feature_layer (the CLS position dropped under the "default" strategy) go through the
-projector, one feature per image token, as LlavaModel.get_image_features computes them.
+projector, one feature per image token, as LlavaModel.get_image_features computes them. Its linears take
+per-pass LoRA (vision/tower_lora.py): one pass over images of several adapters, a row per image.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
 from gpu_worker.models.checkpoint import iter_checkpoint, part_selector
 from gpu_worker.models.llama import LlamaForCausalLM, build_model
-from gpu_worker.vision.images import PromptImages
+from gpu_worker.vision.images import EncoderImage
+from gpu_worker.vision.tower_lora import TowerLoRALinear, adapted, adapter_order, wrap
+from services.common.tower_lora import tower_modules
 
 LANGUAGE, VISION = "language", "vision"
 # Checkpoint name prefix -> (the part it belongs to, its prefix there); the first match wins.
@@ -48,6 +51,7 @@ class LlavaImageEncoder(nn.Module):
         layer = config.vision_feature_layer
         self.feature_layers = [layer] if isinstance(layer, int) else list(layer)
         self.drop_cls = config.vision_feature_select_strategy == "default"
+        self.lora: dict[str, TowerLoRALinear] = {}  # PEFT module name -> its linear, wrapped once loaded
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[num_images, channels, height, width] -> [num_images, tokens_per_image, text hidden]."""
@@ -58,9 +62,18 @@ class LlavaImageEncoder(nn.Module):
         selected = [hidden_states[i][:, 1:] if self.drop_cls else hidden_states[i] for i in self.feature_layers]
         return self.multi_modal_projector(torch.cat(selected, dim=-1))
 
-    def encode(self, images: PromptImages, indices: list[int]) -> list[torch.Tensor]:
-        """ImageEncoder: the images of one size go through the tower as one batch."""
-        return list(self(torch.stack([images.pixel_values[i] for i in indices])).unbind(0))
+    def encode(self, images: list[EncoderImage]) -> list[torch.Tensor]:
+        """ImageEncoder: the images of one size go through the tower as one batch, in adapter order."""
+        by_size: dict[tuple[int, ...], list[int]] = {}
+        for i in adapter_order([image.tower for image in images]):
+            by_size.setdefault(tuple(images[i].pixel_values.shape), []).append(i)
+        features: list[torch.Tensor] = [torch.empty(0)] * len(images)
+        for indices in by_size.values():
+            with adapted(self.lora, {"image": [1] * len(indices)}, [images[i].tower for i in indices]):
+                encoded = self(torch.stack([images[i].pixel_values for i in indices]))
+            for i, one in zip(indices, encoded.unbind(0)):
+                features[i] = one
+        return features
 
 
 def load_llava(checkpoint_dir: Path, config: LlavaConfig, *, device: torch.device,
@@ -73,4 +86,7 @@ def load_llava(checkpoint_dir: Path, config: LlavaConfig, *, device: torch.devic
         encoder = LlavaImageEncoder(config)
     vision_tensors = iter_checkpoint(checkpoint_dir, part_selector(CHECKPOINT_PREFIXES, VISION, source))
     encoder.load_state_dict(dict(vision_tensors), strict=True)
+    # Every adapted linear sees [images, tokens, features]: a row is an image.
+    encoder.lora = wrap(encoder, dict.fromkeys(tower_modules("LlavaForConditionalGeneration", config.to_dict()),
+                                               "image"))
     return language, encoder.to(device=device, dtype=dtype).eval()

@@ -6,7 +6,8 @@ checkpoint's language-model tensors; its rotary switches to M-RoPE on the config
 vision side is transformers' own Qwen2VisionTransformerPretrainedModel with the checkpoint's weights,
 run once per image: every image at its own resolution, its patches (pixel_values rows) attended within
 the image, merge x merge neighbours merged into one feature per image token, as
-Qwen2VLModel.get_image_features computes them.
+Qwen2VLModel.get_image_features computes them. Its linears take per-pass LoRA (vision/tower_lora.py): one
+pass over images of several adapters, the ViT's rows being patches, the merger's merged patches.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 
 from gpu_worker.models.checkpoint import iter_checkpoint, part_selector
 from gpu_worker.models.llama import LlamaForCausalLM, build_model
-from gpu_worker.vision.images import PromptImages
+from gpu_worker.vision.images import EncoderImage
+from gpu_worker.vision.tower_lora import TowerLoRALinear, adapted, adapter_order, wrap
+from services.common.tower_lora import tower_modules
 
 LANGUAGE, VISION = "language", "vision"
 # Checkpoint name prefix -> (the part it belongs to, its prefix there); the first match wins. Qwen's
@@ -40,6 +43,8 @@ class Qwen2VLImageEncoder(nn.Module):
     def __init__(self, config: Qwen2VLConfig) -> None:
         super().__init__()
         self.visual = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config)
+        self.merge = config.vision_config.spatial_merge_size
+        self.lora: dict[str, TowerLoRALinear] = {}  # PEFT module name -> its linear, wrapped once loaded
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [sum of t * h * w, patch dim], grid_thw [num_images, 3] -> [sum of t * h * w /
@@ -48,12 +53,19 @@ class Qwen2VLImageEncoder(nn.Module):
         out = self.visual(pixel_values.to(weight.device, weight.dtype), grid_thw=grid_thw.to(weight.device))
         return out.pooler_output
 
-    def encode(self, images: PromptImages, indices: list[int]) -> list[torch.Tensor]:
-        """ImageEncoder: images of any sizes in one pass (attention stays within each image)."""
-        assert images.grids is not None, "Qwen2-VL images have patch grids"
-        grids = torch.tensor([images.grids[i] for i in indices])
-        features = self(torch.cat([images.pixel_values[i] for i in indices]), grids)
-        return list(features.split([images.image_tokens[i] for i in indices]))
+    def encode(self, images: list[EncoderImage]) -> list[torch.Tensor]:
+        """ImageEncoder: images of any sizes in one pass (attention stays within each image), in adapter order."""
+        order = adapter_order([image.tower for image in images])
+        grids = [images[i].grid for i in order]
+        assert all(grid is not None for grid in grids), "Qwen2-VL images have patch grids"
+        patches = [t * h * w for t, h, w in grids]
+        merged = [n // self.merge ** 2 for n in patches]
+        with adapted(self.lora, {"patch": patches, "merged": merged}, [images[i].tower for i in order]):
+            encoded = self(torch.cat([images[i].pixel_values for i in order]), torch.tensor(grids))
+        features: list[torch.Tensor] = [torch.empty(0)] * len(images)
+        for i, one in zip(order, encoded.split(merged)):
+            features[i] = one
+        return features
 
 
 def load_qwen2vl(checkpoint_dir: Path, config: Qwen2VLConfig, *, device: torch.device,
@@ -69,4 +81,8 @@ def load_qwen2vl(checkpoint_dir: Path, config: Qwen2VLConfig, *, device: torch.d
         encoder = Qwen2VLImageEncoder(config)
     vision_tensors = iter_checkpoint(checkpoint_dir, part_selector(CHECKPOINT_PREFIXES, VISION, source))
     encoder.load_state_dict(dict(vision_tensors), strict=True)
+    # The ViT's linears see [patches, features], the merger's [merged patches, features * merge^2].
+    modules = tower_modules("Qwen2VLForConditionalGeneration", config.to_dict())
+    encoder.lora = wrap(encoder, {name: "merged" if name.startswith("model.visual.merger.") else "patch"
+                                  for name in modules})
     return language, encoder.to(device=device, dtype=dtype).eval()

@@ -26,6 +26,7 @@ import torch
 from PIL import Image
 
 from gpu_worker.layers.mrope import MRopePositions, rope_index
+from gpu_worker.lora.loader import TowerWeights
 from services.common.errors import InvalidArgument
 
 
@@ -117,10 +118,19 @@ def image_token_runs(token_ids: list[int], image_token_ids: set[int]) -> tuple[t
     return tuple(runs)
 
 
+@dataclass(frozen=True)
+class EncoderImage:
+    """One image (or video) of an encoder pass, and the tower LoRA it goes through."""
+    pixel_values: torch.Tensor                # as in PromptImages.pixel_values
+    grid: tuple[int, int, int] | None = None  # Qwen2-VL: its (t, h, w) patch grid
+    tower: TowerWeights | None = None         # its adapter's tower LoRA; None: the base tower
+
+
 class ImageEncoder(Protocol):
-    def encode(self, images: PromptImages, indices: list[int]) -> list[torch.Tensor]:
-        """The prompt's images `indices` through the vision tower, together -> each one's features
-        [its image tokens, hidden], in order: what replaces its tokens' embeddings."""
+    def encode(self, images: list[EncoderImage]) -> list[torch.Tensor]:
+        """`images`, of any prompts and adapters, through the vision tower in one pass (LLaVA: one per
+        image size) -> each one's features [its image tokens, hidden], in order: what replaces its tokens'
+        embeddings. Images that share a tower LoRA must share its TowerWeights object."""
 
 
 def decode_image(data: bytes, index: int) -> Image.Image:

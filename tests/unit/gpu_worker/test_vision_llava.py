@@ -2,7 +2,7 @@
 images in several turns and no image, under two adapters and the base model in shared batches, equal
 transformers' LlavaForConditionalGeneration (+ PEFT) `generate` on the same checkpoint, processor,
 adapters and image bytes; also with chunked prefill splitting image tokens across steps and with
-preemption. Adapters on the vision tower are refused; bad images are clear 4xx errors."""
+preemption. Adapters on the vision tower: test_vision_tower_lora.py; bad images are clear 4xx errors."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from PIL import Image
 from gpu_worker.intake import GenerationRequest
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt
 from gpu_worker.sequence import SamplingParams
-from services.common.adapter_layout import directory_digest
-from services.common.errors import AdapterLoadFailed, InvalidArgument
+from services.common.errors import InvalidArgument
 from tests.images import gradient_image
 from tests.reference import VisionReferenceModels, assert_same_greedy
 
@@ -88,10 +87,11 @@ def test_mixed_batch_matches_transformers_and_peft(llava_engine_factory, llava_a
     results = run_all(engine, _requests(llava_assets, CASES, "mixed"))
     _assert_match(reference, CASES, results)
     # One forward pass held every request, with image prompts, the text prompt, both adapters and
-    # the base model; each prompt's images went through the vision tower once, all at once.
+    # the base model; a step's new images went through the vision tower in one pass, each distinct image once
+    # (PNG, JPEG, WEBP and three frames; test_vision_tower_lora.py counts the passes of one step).
     assert any(len(step.request_ids) == len(CASES) and set(step.adapters) == {None, "demo-llava-r8", "demo-llava-r16"}
                for step in steps), steps[:2]
-    assert sorted(encoder_calls) == [1, 1, 2, 2, 3]
+    assert sum(encoder_calls) <= 9 and len(encoder_calls) <= IMAGE_REQUESTS
 
 
 def test_chunked_prefill_splits_image_tokens_and_matches(llava_engine_factory, llava_assets, reference,
@@ -123,24 +123,6 @@ def test_preemption_recomputes_images_and_matches(llava_engine_factory, llava_as
     _assert_match(reference, CASES, results)
     assert sum(step.num_preempted for step in steps) > 0
     assert len(encoder_calls) > IMAGE_REQUESTS
-
-
-def test_vision_tower_adapter_is_refused(llava_engine_factory, llava_assets):
-    """PEFT with bare target names ("q_proj") adapts the CLIP tower's projections too: refused, saying why."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
-
-    from gpu_worker.lora.loader import AdapterRef
-
-    directory = llava_assets.store / "vision-qv"
-    base = AutoModelForImageTextToText.from_pretrained(llava_assets.base_dir, dtype=torch.float32)
-    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).save_pretrained(directory)
-    ref = AdapterRef("vision-qv", llava_assets.name, 4, directory_digest(directory), str(directory))
-    engine = llava_engine_factory()
-    request = GenerationRequest("vision-adapter", PROMPTS["one_image"], SamplingParams(max_tokens=2), ref)
-    with pytest.raises(AdapterLoadFailed, match=r"adapts the vision tower or projector .*vision_tower\.encoder"):
-        run_all(engine, [request])
 
 
 @pytest.mark.parametrize("content, message", [

@@ -20,9 +20,8 @@ from gpu_worker.models.qwen2vl import Qwen2VLImageEncoder
 from gpu_worker.prompts import ChatMessage, ImagePart, Prompt, PromptEncoder
 from gpu_worker.sequence import SamplingParams, Sequence
 from gpu_worker.vision.qwen2vl_processor import Qwen2VLPromptProcessor
-from services.common.adapter_layout import directory_digest
 from services.common.architectures import IMAGE_ARCHITECTURES
-from services.common.errors import AdapterLoadFailed, InvalidArgument
+from services.common.errors import InvalidArgument
 from tests.images import gradient_image
 from tests.reference import VisionReferenceModels, assert_same_greedy
 
@@ -146,10 +145,10 @@ def test_mixed_batch_matches_transformers_and_peft(qwen2vl_engine_factory, qwen2
     results = run_all(engine, _requests(qwen2vl_assets, CASES, "mixed"))
     _assert_match(reference, CASES, results)
     # One forward pass held every request, with image prompts, the text prompt, both adapters and the
-    # base model; each prompt's images (of different sizes) went through the vision tower once, together.
+    # base model; a step's new images (of different sizes) went through the vision tower in one pass.
     assert any(len(step.request_ids) == len(CASES)
                and set(step.adapters) == {None, "demo-qwen2vl-r8", "demo-qwen2vl-r16"} for step in steps), steps[:2]
-    assert sorted(encoder_calls) == [1, 1, 2, 3, 3]
+    assert len(encoder_calls) <= 5  # a step's new images in one pass (test_vision_tower_lora.py counts them)
 
 
 def test_chunked_prefill_splits_image_tokens_and_matches(qwen2vl_engine_factory, qwen2vl_assets, reference,
@@ -207,20 +206,7 @@ def _encoder_parts(assets):
     return processor.tokenizer, 256, processor
 
 
-def test_vision_tower_adapter_is_refused(qwen2vl_engine_factory, qwen2vl_assets):
-    """PEFT with a bare target name of the ViT ("qkv") adapts the vision tower: refused, saying why."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
 
-    from gpu_worker.lora.loader import AdapterRef
-
-    directory = qwen2vl_assets.store / "vision-qkv"
-    base = AutoModelForImageTextToText.from_pretrained(qwen2vl_assets.base_dir, dtype=torch.float32)
-    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "qkv"])).save_pretrained(directory)
-    ref = AdapterRef("vision-qkv", qwen2vl_assets.name, 4, directory_digest(directory), str(directory))
-    request = GenerationRequest("vision-adapter", PROMPTS["one_image"], SamplingParams(max_tokens=2), ref)
-    with pytest.raises(AdapterLoadFailed, match=r"adapts the vision tower or projector .*visual\.blocks"):
-        run_all(qwen2vl_engine_factory(), [request])
 
 
 def test_placeholder_in_the_text_is_an_invalid_argument(qwen2vl_engine_factory):
