@@ -38,8 +38,10 @@ import torch
 from transformers import LlavaConfig, LlavaProcessor
 
 from benchmarks.harness.cli import suite_parser
-from benchmarks.harness.llava import (BASE_MODEL, SPECIAL_WORDS, jpeg, llava_7b_config, llava_parts, tiny_llava_config,
+from benchmarks.harness.head_adapters import adapters_with_heads, head_adapters
+from benchmarks.harness.llava import (BASE_MODEL, SPECIAL_WORDS, llava_7b_config, llava_parts, tiny_llava_config,
                                       word_processor)
+from benchmarks.harness.pictures import jpeg
 from benchmarks.harness.report import Report, percentile, write_json
 from benchmarks.harness.serving import running_engine
 from benchmarks.harness.shapes import RANK, TARGETS
@@ -47,14 +49,11 @@ from gpu_worker.builder import async_scheduling_on
 from gpu_worker.device_kind import device_name
 from gpu_worker.engine import Engine, StepRecord
 from gpu_worker.intake import GenerationRequest
-from gpu_worker.lora.loader import AdapterRef, HeadWeights, LoRAWeights
-from gpu_worker.models.llama import resolve_dtype
-from gpu_worker.profile import random_adapters
+from gpu_worker.lora.loader import AdapterRef
 from gpu_worker.prompts import ChatMessage, ImagePart
 from gpu_worker.sequence import SamplingParams
 from services.common.config import WorkerConfig
-from services.common.task_heads import PEFT_MODULE_PREFIX, parse_task_head
-from services.demo_heads import DemoHead, head_config, valora_head_tensors
+from services.demo_heads import DemoHead
 
 LABEL_TOKENS = 4
 BOXES, BOX_TOKENS = 4, 18
@@ -82,29 +81,6 @@ FULL = Setup(llava_7b_config(), "cuda", RANK, 8,
 TINY = Setup(tiny_llava_config(), "cpu", 8, 2,
              (DemoHead("mlp", ("a", "b", "c"), inner=16), DemoHead("detection", ("x", "y"), num_queries=3, inner=16)),
              (64, 48), repeats=2, streams=3, stream_tokens=16, classify_rate=20.0)
-
-
-def head_adapters(setup: Setup) -> tuple[list[AdapterRef], dict[str, HeadWeights]]:
-    """The two head adapters' refs (their heads parsed as the registry parses them) and their head weights."""
-    hidden, refs, weights = setup.config.text_config.hidden_size, [], {}
-    for index, demo in enumerate(setup.heads):
-        tensors = valora_head_tensors(demo, hidden, torch.Generator().manual_seed(index))
-        head = parse_task_head(head_config(demo), {name: tuple(t.shape) for name, t in tensors.items()}, hidden)
-        name = f"head-{demo.kind}"
-        refs.append(AdapterRef(name, BASE_MODEL, setup.rank, f"{1000 + index:064x}", "", head=head))
-        weights[name] = HeadWeights(head, {n: tensors[PEFT_MODULE_PREFIX + n] for n, _ in head.tensors})
-    return refs, weights
-
-
-def loader(setup: Setup, heads: dict[str, HeadWeights], worker: WorkerConfig):
-    device = torch.device(worker.device)
-    dtype = resolve_dtype(worker.dtype, device)
-    lora = random_adapters(setup.config.text_config, TARGETS, device, dtype)
-
-    def load(ref: AdapterRef) -> LoRAWeights:
-        weights = lora(ref)
-        return weights if ref.head is None else dataclasses.replace(weights, head=heads[ref.name])
-    return load
 
 
 @dataclass
@@ -239,11 +215,11 @@ def main(argv: list[str] | None = None) -> dict:
               "model": "tiny LLaVA" if args.tiny else "LLaVA-1.5-7B shape, random weights", "rank": setup.rank,
               "heads": [dataclasses.asdict(h) for h in setup.heads], "image_size": setup.image_size}
     print(header, flush=True)
-    heads, head_weights = head_adapters(setup)
+    heads, head_weights = head_adapters(setup.heads, setup.config.text_config.hidden_size, setup.rank, BASE_MODEL)
     worker = WorkerConfig(base_model=BASE_MODEL, device=setup.device, max_num_seqs=max(64, 2 * setup.streams),
                           adapter_slots=setup.adapters + len(heads), max_lora_rank=setup.rank, lora_targets=TARGETS)
     processor: LlavaProcessor = word_processor(setup.config)
-    parts = llava_parts(setup.config, worker, loader(setup, head_weights, worker))
+    parts = llava_parts(setup.config, worker, adapters_with_heads(setup.config.text_config, head_weights, worker))
     log = StepLog()
     with running_engine(parts, processor.tokenizer, worker.max_lora_rank,
                         async_scheduling_on(worker.async_scheduling, torch.device(worker.device)),

@@ -48,8 +48,9 @@ import transformers
 from transformers import LlavaConfig, LlavaProcessor
 
 from benchmarks.harness.cli import suite_parser
-from benchmarks.harness.llava import (BASE_MODEL, SPECIAL_WORDS, jpeg, llava_7b_config, llava_parts, tiny_llava_config,
+from benchmarks.harness.llava import (BASE_MODEL, SPECIAL_WORDS, llava_7b_config, llava_parts, tiny_llava_config,
                                       word_processor)
+from benchmarks.harness.pictures import jpeg
 from benchmarks.harness.report import Report, percentile, write_json
 from benchmarks.harness.serving import running_engine
 from benchmarks.harness.shapes import RANK, TARGETS

@@ -323,6 +323,18 @@ class Residency:
         return tier is Tier.HOST or self.tiers.room_for(
             key, Tier.GPU, self.tiers.gpu_size(key) if in_host else self._limits.gpu_bytes_of(ref))
 
+    def _too_big(self, ref: VersionRef) -> str | None:
+        """Why `ref` can never be loaded: it takes more than a whole tier (a task head or tower LoRA can make
+        an adapter larger than one of the largest rank the worker was sized for); None when it fits."""
+        limits = self._limits
+        for tier, needed, budget, setting in (("GPU", limits.gpu_bytes_of(ref), limits.gpu_bytes, "adapter_gpu_bytes"),
+                                              ("host", limits.host_bytes_of(ref), limits.host_bytes,
+                                               "adapter_host_bytes")):
+            if needed > budget:
+                return (f"it takes {needed} bytes, more than this worker's whole {tier} adapter tier ({budget} bytes, "
+                        f"worker.{setting}); give the worker a larger tier")
+        return None
+
     def _want(self, key: str, version: _Version) -> None:
         """Something now waits for `version` on the GPU: start its next load."""
         if not version.usable:
@@ -347,8 +359,11 @@ class Residency:
                 self.tiers.unpin(key)
 
     def _advance(self, key: str, version: _Version) -> None:
-        """Start the next load `version` needs, if there is room for it."""
+        """Start the next load `version` needs, if there is room for it; fail it if no room ever holds it."""
         if version.reading or version.copying or version.usable or self._failures.cause(key):
+            return
+        if (too_big := self._too_big(version.ref)) is not None:
+            self._fail(key, version, FailedPrecondition(too_big))
             return
         if not version.in_host:
             if self.tiers.tier(key) is Tier.DISK:

@@ -1,16 +1,13 @@
 """A LLaVA-1.5-shaped model with random weights behind the engine, for the vision suites: its config, the
-served model (our Llama + transformers' CLIP tower and projector), a word-level processor over its whole
-vocabulary, and the JPEG pictures the requests carry."""
+served model (our Llama + transformers' CLIP tower and projector) and a word-level processor over its whole
+vocabulary."""
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor,
                           PreTrainedTokenizerFast)
@@ -100,12 +97,3 @@ def word_processor(config: LlavaConfig) -> LlavaProcessor:
                                chat_template=CHAT_TEMPLATE)
     assert processor.image_token_id == config.image_token_index
     return processor
-
-
-def jpeg(seed: int, size: tuple[int, int]) -> bytes:
-    """A distinct smooth random picture, JPEG-encoded (what a VQA client sends)."""
-    rng = np.random.default_rng(seed)
-    image = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).resize(size, Image.BILINEAR)
-    out = io.BytesIO()
-    image.save(out, format="JPEG", quality=90)
-    return out.getvalue()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from benchmarks import (cold_start_bench, cold_start_replay, cpu_assist_bench, engine_loop_bench, heads_bench,
-                        kernel_bench, modes_bench, served_bench, vision_bench)
+                        kernel_bench, modes_bench, served_bench, video_bench, vision_bench)
 
 
 @dataclass(frozen=True)
@@ -215,6 +215,18 @@ def check_heads_bench(run: Run) -> None:
         assert row["tpot_ratio"] == pytest.approx(row["tpot_p50_ms"] / interference["none"]["tpot_p50_ms"])
 
 
+def check_video_bench(run: Run) -> None:
+    """A tiny Qwen2-VL: every level's clips answered by the head, each measured; the figure is the largest level
+    within the bound."""
+    vb, report = run.bench, run.report
+    rows = report["rows"]
+    assert [r["streams"] for r in rows] == list(vb.TINY.levels)
+    for row in rows:
+        assert row["clips"] == int(vb.TINY.duration_s * row["streams"]) and 0 < row["p50_ms"] <= row["p99_ms"]
+        assert row["within_bound"] == (row["p99_ms"] <= vb.LATENCY_BOUND_S * 1e3)
+    assert report["most_streams_within_1s"] == max((r["streams"] for r in rows if r["within_bound"]), default=0)
+
+
 KERNEL_ARGV = ["--hidden", "32", "--ranks", "mixed", "--adapters", "3", "--tokens", "1", "8"]
 
 
@@ -290,6 +302,7 @@ SUITES = [
           check_engine_loop_bench),
     Suite(vision_bench, lambda tmp: ["--tiny", "--json", str(tmp / "report.json")], check_vision_bench),
     Suite(heads_bench, lambda tmp: ["--tiny", "--json", str(tmp / "report.json")], check_heads_bench),
+    Suite(video_bench, lambda tmp: ["--tiny", "--json", str(tmp / "report.json")], check_video_bench),
     Suite(kernel_bench, lambda tmp: [*KERNEL_ARGV, "--json", str(tmp / "report.json")], check_kernel_bench,
           on_a_fake_gpu),
     Suite(served_bench, served_argv, check_served_bench, marks=(pytest.mark.integration,)),

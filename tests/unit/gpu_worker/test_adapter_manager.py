@@ -14,6 +14,7 @@ from gpu_worker.lora.adapter_manager import AdapterManager
 from policy.load_failures import RecentFailures
 from gpu_worker.lora.loader import AdapterRef
 from services.common.errors import AdapterLoadFailed, FailedPrecondition
+from services.common.task_heads import TaskHead
 from policy.eviction import LRU, LFUDecay
 
 from .adapter_fakes import Clock, Disk, installed, manager, poll_until, ref
@@ -238,3 +239,18 @@ def test_the_eviction_policy_picks_who_leaves_a_full_gpu_tier(eviction, evicted)
         clock.now += 1.0
         _use(adapters, ref(name))
     assert set(adapters.stats().gpu_adapters) == {"hot", "cold", "new"} - {evicted}
+
+
+def test_an_adapter_larger_than_a_whole_tier_fails_at_once_and_others_load():
+    """A task head or tower LoRA can make an adapter larger than one of the largest rank the tiers were sized
+    for: if no room can ever hold it, its requests fail with the reason instead of waiting for room forever."""
+    disk = Disk()
+    adapters, _ = manager(1, disk)
+    head = TaskHead("mlp", ("a", "b"), (("task_head.fc1.weight", (4096, 4096)),))
+    huge, good = dataclasses.replace(ref("huge"), head=head), ref("good")
+    adapters.arrive(huge)
+    adapters.arrive(good)
+    poll_until(adapters, lambda: adapters.resident(good) is not None)
+    failure = adapters.failure(huge)
+    assert failure is not None and "more than this worker's whole GPU adapter tier" in failure.message
+    assert "huge" not in disk.reads  # never read
