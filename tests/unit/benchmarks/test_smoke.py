@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from benchmarks import (cold_start_bench, cold_start_replay, cpu_assist_bench, engine_loop_bench, heads_bench,
-                        kernel_bench, modes_bench, served_bench, video_bench, vision_bench)
+                        kernel_bench, modes_bench, served_bench, tower_bench, video_bench, vision_bench)
 
 
 @dataclass(frozen=True)
@@ -227,6 +227,14 @@ def check_video_bench(run: Run) -> None:
     assert report["most_streams_within_1s"] == max((r["streams"] for r in rows if r["within_bound"]), default=0)
 
 
+def check_tower_bench(run: Run) -> None:
+    """A tiny LLaVA's tower: the pass without tower LoRA, then with each count of distinct adapters, each timed."""
+    tb, rows = run.bench, run.report["rows"]
+    assert [r["adapters"] for r in rows] == [0, *tb.TINY.adapter_counts]
+    for row in rows:
+        assert row["pass_ms"] > 0 and row["ratio"] == pytest.approx(row["pass_ms"] / rows[0]["pass_ms"])
+
+
 KERNEL_ARGV = ["--hidden", "32", "--ranks", "mixed", "--adapters", "3", "--tokens", "1", "8"]
 
 
@@ -303,6 +311,7 @@ SUITES = [
     Suite(vision_bench, lambda tmp: ["--tiny", "--json", str(tmp / "report.json")], check_vision_bench),
     Suite(heads_bench, lambda tmp: ["--tiny", "--json", str(tmp / "report.json")], check_heads_bench),
     Suite(video_bench, lambda tmp: ["--tiny", "--json", str(tmp / "report.json")], check_video_bench),
+    Suite(tower_bench, lambda tmp: ["--tiny", "--json", str(tmp / "report.json")], check_tower_bench),
     Suite(kernel_bench, lambda tmp: [*KERNEL_ARGV, "--json", str(tmp / "report.json")], check_kernel_bench,
           on_a_fake_gpu),
     Suite(served_bench, served_argv, check_served_bench, marks=(pytest.mark.integration,)),
