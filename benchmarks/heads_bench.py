@@ -31,13 +31,12 @@ import statistics
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import LlavaConfig, LlavaProcessor
 
-from benchmarks.harness.cli import suite_parser
+from benchmarks.harness.cli import parse_gpu_or_tiny_args
 from benchmarks.harness.head_adapters import adapters_with_heads, head_adapters
 from benchmarks.harness.llava import (BASE_MODEL, SPECIAL_WORDS, llava_7b_config, llava_parts, tiny_llava_config,
                                       word_processor)
@@ -200,16 +199,12 @@ def measure_interference(engine: Engine, requests: Requests, report: Report, log
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = suite_parser(__doc__)
-    parser.add_argument("--tiny", action="store_true", help="a tiny LLaVA on CPU (a smoke run)")
-    parser.add_argument("--json", type=Path, help="write the report here")
-    return parser.parse_args(argv)
+    return parse_gpu_or_tiny_args(__doc__, argv, "a tiny LLaVA")
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     setup = TINY if args.tiny else FULL
-    assert setup.device == "cpu" or torch.cuda.is_available(), "this benchmark needs a CUDA device (or --tiny)"
     report = Report(device=device_name(torch.device(setup.device)))
     header = {"device": report.device, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "model": "tiny LLaVA" if args.tiny else "LLaVA-1.5-7B shape, random weights", "rank": setup.rank,

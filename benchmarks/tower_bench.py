@@ -18,12 +18,11 @@ import statistics
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 from transformers import LlavaConfig
 
-from benchmarks.harness.cli import suite_parser
+from benchmarks.harness.cli import parse_gpu_or_tiny_args
 from benchmarks.harness.llava import llava_7b_config, random_llava, tiny_llava_config
 from benchmarks.harness.report import Report, write_json
 from gpu_worker.device_kind import device_name
@@ -90,16 +89,12 @@ def time_pass(encoder: LlavaImageEncoder, pixels: torch.Tensor, towers: list[Tow
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = suite_parser(__doc__)
-    parser.add_argument("--tiny", action="store_true", help="a tiny LLaVA on CPU (a smoke run)")
-    parser.add_argument("--json", type=Path, help="write the report here")
-    return parser.parse_args(argv)
+    return parse_gpu_or_tiny_args(__doc__, argv, "a tiny LLaVA")
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     setup = TINY if args.tiny else FULL
-    assert setup.device == "cpu" or torch.cuda.is_available(), "this benchmark needs a CUDA device (or --tiny)"
     report = Report(device=device_name(torch.device(setup.device)))
     encoder = random_llava(setup.config, torch.device(setup.device), setup.dtype).image_encoder
     encoder.lora = wrap(encoder, dict.fromkeys(tower_modules(ARCHITECTURE, setup.config.to_dict()), "image"))

@@ -21,13 +21,12 @@ import asyncio
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import Qwen2VLConfig
 
-from benchmarks.harness.cli import suite_parser
+from benchmarks.harness.cli import parse_gpu_or_tiny_args
 from benchmarks.harness.head_adapters import adapters_with_heads, head_adapters
 from benchmarks.harness.pictures import jpeg
 from benchmarks.harness.qwen2vl import (BASE_MODEL, SPECIAL_WORDS, qwen2vl_7b_config, qwen2vl_parts,
@@ -122,16 +121,12 @@ def sweep(engine: Engine, clips: Clips, setup: Setup, report: Report) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = suite_parser(__doc__)
-    parser.add_argument("--tiny", action="store_true", help="a tiny Qwen2-VL on CPU (a smoke run)")
-    parser.add_argument("--json", type=Path, help="write the report here")
-    return parser.parse_args(argv)
+    return parse_gpu_or_tiny_args(__doc__, argv, "a tiny Qwen2-VL")
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     setup = TINY if args.tiny else FULL
-    assert setup.device == "cpu" or torch.cuda.is_available(), "this benchmark needs a CUDA device (or --tiny)"
     report = Report(device=device_name(torch.device(setup.device)))
     header = {"device": report.device, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "model": "tiny Qwen2-VL" if args.tiny else "Qwen2-VL-7B shape, random weights", "rank": setup.rank,

@@ -34,6 +34,18 @@ def add_tiny_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the report here")
 
 
+def parse_gpu_or_tiny_args(doc: str | None, argv: list[str] | None, tiny: str) -> argparse.Namespace:
+    """The options of a suite that runs a 7B shape on a GPU, or with --tiny the `tiny` model on CPU (a smoke
+    run): --tiny and --json. Without --tiny, CUDA must be there."""
+    parser = suite_parser(doc)
+    parser.add_argument("--tiny", action="store_true", help=f"{tiny} on CPU (a smoke run)")
+    parser.add_argument("--json", type=Path, help="write the report here")
+    args = parser.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        parser.error("CUDA is not available: use --tiny")
+    return args
+
+
 def parse_tiny_run_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
