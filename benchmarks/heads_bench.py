@@ -12,12 +12,13 @@ carry one 640x480 JPEG (576 image tokens) and 23 question words: 601 prompt toke
    ratio head / generation.
 2. interference: STREAMS generating streams (vqa prompts) decoding; their TPOT p50 over the window from
    their last first token to their first finish, alone, and beside classify requests arriving every
-   1 / rate s on the action head: text prompts of 32 words, then image prompts. The ratio beside / alone,
-   and the classify latency p50 and p99.
+   1 / rate s on the action head: text prompts of 32 words, then image prompts; and, as the baseline any
+   prefill sets, the text prompts as 1-token generations on a generating adapter. The ratio beside / alone,
+   and the latency p50 and p99 of the requests beside.
 Every row also says what the engine's steps did meanwhile: how many, their mean and p90 duration (launch to
 tokens on the host), how many ran a prefill, and how many ran merged or mixture (the mode policy's choice).
 
-    PYTHONPATH=.:protos python3 benchmarks/heads_bench.py [--json OUT.json]
+    PYTHONPATH=.:protos python3 benchmarks/heads_bench.py [--json OUT.json] [--parts interference]
     PYTHONPATH=.:protos python3 benchmarks/heads_bench.py --tiny   # a tiny LLaVA on CPU, in seconds
 """
 
@@ -29,6 +30,7 @@ import dataclasses
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -101,8 +103,8 @@ class Requests:
         picture = (ImagePart(jpeg(next(self.ids), self.setup.image_size)),) if image else ()
         return (ChatMessage("user", (*picture, self._words(words))),)
 
-    def generate(self, adapter: int, max_tokens: int, image: bool = True) -> GenerationRequest:
-        return GenerationRequest(f"g{next(self.ids)}", self._content(image, STREAM_WORDS),
+    def generate(self, adapter: int, max_tokens: int, image: bool = True, words: int = STREAM_WORDS) -> GenerationRequest:
+        return GenerationRequest(f"g{next(self.ids)}", self._content(image, words),
                                  SamplingParams(max_tokens=max_tokens), self.adapters[adapter % len(self.adapters)])
 
     def classify(self, head: int, image: bool = True, words: int = STREAM_WORDS) -> GenerationRequest:
@@ -159,16 +161,23 @@ def measure_latency(engine: Engine, requests: Requests, report: Report, log: Ste
                        head_p50_ms=head_ms, generate_p50_ms=text_ms, ratio=head_ms / text_ms, **log.take())
 
 
-async def _streams(engine: Engine, requests: Requests, classify_image: bool | None) -> tuple[list[float], list[float]]:
-    """The streams' TPOTs over the shared window, and the latencies of the classify requests sent in it."""
+# The requests sent beside the streams: what each makes.
+BESIDE: dict[str, Callable[[Requests], GenerationRequest]] = {
+    "text": lambda requests: requests.classify(0, False, TEXT_CLASSIFY_WORDS),
+    "image": lambda requests: requests.classify(0, True, STREAM_WORDS),
+    "text-generate-1": lambda requests: requests.generate(0, 1, image=False, words=TEXT_CLASSIFY_WORDS),
+}
+
+
+async def _streams(engine: Engine, requests: Requests, beside: str | None) -> tuple[list[float], list[float]]:
+    """The streams' TPOTs over the shared window, and the latencies of the requests sent beside them."""
     setup = requests.setup
     streams = [asyncio.ensure_future(_timed(engine, requests.generate(i, setup.stream_tokens)))
                for i in range(setup.streams)]
     classified: list[asyncio.Future[list[float]]] = []
-    if classify_image is not None:
+    if beside is not None:
         while not any(s.done() for s in streams):
-            words = STREAM_WORDS if classify_image else TEXT_CLASSIFY_WORDS
-            classified.append(asyncio.ensure_future(_timed(engine, requests.classify(0, classify_image, words))))
+            classified.append(asyncio.ensure_future(_timed(engine, BESIDE[beside](requests))))
             await asyncio.sleep(1 / setup.classify_rate)
     arrivals = [times[1:] for times in await asyncio.gather(*streams)]
     latencies = [_latency(times) for times in await asyncio.gather(*classified)]
@@ -189,17 +198,21 @@ def measure_interference(engine: Engine, requests: Requests, report: Report, log
     alone_ms = statistics.median(alone) * 1e3
     report.add(kind="interference", classify="none", rate=0.0, tpot_p50_ms=alone_ms, tpot_ratio=1.0,
                classify_requests=0, classify_p50_ms=0.0, classify_p99_ms=0.0, **log.take())
-    for image in (False, True):
-        tpots, latencies = asyncio.run(_streams(engine, requests, image))
+    for beside in BESIDE:
+        tpots, latencies = asyncio.run(_streams(engine, requests, beside))
         tpot_ms = statistics.median(tpots) * 1e3
-        report.add(kind="interference", classify="image" if image else "text", rate=requests.setup.classify_rate,
+        report.add(kind="interference", classify=beside, rate=requests.setup.classify_rate,
                    tpot_p50_ms=tpot_ms, tpot_ratio=tpot_ms / alone_ms, classify_requests=len(latencies),
                    classify_p50_ms=percentile(latencies, 50) * 1e3, classify_p99_ms=percentile(latencies, 99) * 1e3,
                    **log.take())
 
 
+PARTS = ("latency", "interference")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return parse_gpu_or_tiny_args(__doc__, argv, "a tiny LLaVA")
+    return parse_gpu_or_tiny_args(__doc__, argv, "a tiny LLaVA", lambda parser: parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure (default: both)"))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -220,8 +233,10 @@ def main(argv: list[str] | None = None) -> dict:
                         async_scheduling_on(worker.async_scheduling, torch.device(worker.device)),
                         on_step=log.steps.append, processor=processor, base_model=BASE_MODEL) as engine:
         requests = Requests(setup, heads)
-        measure_latency(engine, requests, report, log)
-        measure_interference(engine, requests, report, log)
+        if "latency" in args.parts:
+            measure_latency(engine, requests, report, log)
+        if "interference" in args.parts:
+            measure_interference(engine, requests, report, log)
     result = {**header, "rows": report.rows}
     write_json(args.json, result)
     return result

@@ -13,7 +13,7 @@ import argparse
 import shlex
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,12 +34,14 @@ def add_tiny_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the report here")
 
 
-def parse_gpu_or_tiny_args(doc: str | None, argv: list[str] | None, tiny: str) -> argparse.Namespace:
+def parse_gpu_or_tiny_args(doc: str | None, argv: list[str] | None, tiny: str,
+                           more: Callable[[argparse.ArgumentParser], None] = lambda parser: None) -> argparse.Namespace:
     """The options of a suite that runs a 7B shape on a GPU, or with --tiny the `tiny` model on CPU (a smoke
-    run): --tiny and --json. Without --tiny, CUDA must be there."""
+    run): --tiny and --json, and what `more` adds. Without --tiny, CUDA must be there."""
     parser = suite_parser(doc)
     parser.add_argument("--tiny", action="store_true", help=f"{tiny} on CPU (a smoke run)")
     parser.add_argument("--json", type=Path, help="write the report here")
+    more(parser)
     args = parser.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         parser.error("CUDA is not available: use --tiny")

@@ -208,8 +208,8 @@ def check_heads_bench(run: Run) -> None:
     for row in rows:
         assert 0 < row["steps"] and 0 < row["step_mean_ms"] and row["prefill_steps"] <= row["steps"], row
     interference = {r["classify"]: r for r in rows if r["kind"] == "interference"}
-    assert set(interference) == {"none", "text", "image"} and interference["none"]["classify_requests"] == 0
-    for name in ("text", "image"):
+    assert set(interference) == {"none", *run.bench.BESIDE} and interference["none"]["classify_requests"] == 0
+    for name in run.bench.BESIDE:
         row = interference[name]
         assert row["classify_requests"] > 0 and 0 < row["classify_p50_ms"] <= row["classify_p99_ms"]
         assert row["tpot_ratio"] == pytest.approx(row["tpot_p50_ms"] / interference["none"]["tpot_p50_ms"])
