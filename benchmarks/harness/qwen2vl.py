@@ -55,7 +55,7 @@ def qwen2vl_7b_config() -> Qwen2VLConfig:
 
 def tiny_qwen2vl_config() -> Qwen2VLConfig:
     text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=4096,
+                num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     vision = dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
                   temporal_patch_size=2)
