@@ -1,14 +1,15 @@
 """Runs one packed forward pass for a step and returns the next-token logits of the sequences
 that sample. Decode-only steps on CUDA replay a captured graph when one fits the batch. Prefill
 chunks over image tokens get the image features as their embeddings; each sequence's images go
-through the image encoder once, at the first chunk that needs them, every such sequence of a step in one
-encoder pass, each image through its adapter's tower LoRA if it has one (vision/tower_lora.py). A step scheduled before the
-previous step's tokens reached the host (async scheduling) takes those of its input ids from the
-device. A step runs in the mode the orchestrator planned (orchestrator.py): merged, its adapter is
-folded into the base weights first and the step runs base-only; mixture, the same weights, and every
-token of another adapter or of none also runs the merged adapter negated (lora/merge_switch.py's
-mixture slot) in the same LoRA launches (kernels/batch.py), eager. Task-head requests' hidden states at
-their head's positions are kept, and once a prompt has run, its adapter's head answers from them (heads.py)."""
+through the image encoder once, at the first chunk that needs them, every such sequence of a step in
+one encoder pass, each image through its adapter's tower LoRA if it has one (vision/tower_lora.py).
+A step scheduled before the previous step's tokens reached the host (async scheduling) takes those of
+its input ids from the device. A step runs in the mode the orchestrator planned (orchestrator.py):
+merged, its adapter is folded into the base weights first and the step runs base-only; mixture, the
+same weights, and every token of another adapter or of none also runs the merged adapter negated
+(lora/merge_switch.py's mixture slot) in the same LoRA launches (kernels/batch.py), eager. Task-head
+requests' hidden states at their head's positions are kept, and once a prompt has run, its adapter's
+head answers from them (heads.py)."""
 
 from __future__ import annotations
 
