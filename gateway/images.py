@@ -22,13 +22,13 @@ import warnings
 
 from PIL import Image
 
-from services.common.architectures import takes_images
+from services.common.architectures import takes_images, takes_video
 from services.common.config import GatewayConfig
 from services.common.errors import InvalidArgument, PayloadTooLarge
 from tessera.v1 import common_pb2, inference_pb2
 
 from gateway.registry_cache import ResolvedModel
-from gateway.remote_images import fetch_image
+from gateway.remote_images import fetch_file
 
 IMAGE_FORMATS = frozenset({"PNG", "JPEG", "WEBP"})  # what PIL's `Image.format` says
 VIDEO_MEDIA_TYPES = ("data:video/mp4;", "data:video/webm;")
@@ -52,7 +52,7 @@ def _file_from_url(url: str, config: GatewayConfig, param: str, kind: str, media
         if not config.remote_images:
             raise InvalidArgument(f"remote {kind} URLs are disabled on this gateway; send the {kind} inline as a "
                                   f"data URL ({example})", param=param)
-        return fetch_image(url, config, param)
+        return fetch_file(url, config, param, kind)
     header, comma, payload = url.partition(",")
     if not (header.startswith(media_types) and header.endswith(";base64") and comma):
         raise InvalidArgument(f"a{'n' if kind == 'image' else ''} {kind} URL must be a base64 data URL like "
@@ -149,12 +149,17 @@ def check_image_count(count: int, config: GatewayConfig) -> None:
 
 
 def check_takes_images(request: inference_pb2.GenerateRequest, resolved: ResolvedModel) -> None:
-    """Images only go to a vision-language base model; a text model's worker would refuse them anyway."""
-    if (request.WhichOneof("prompt") == "chat" and not takes_images(resolved.architecture)
-            and (_images(request.chat) or _videos(request.chat))):
-        raise InvalidArgument(f"model {request.model} (base model {resolved.base_model}, {resolved.architecture}) "
-                              f"does not take images; send text only, or use a vision-language model",
+    """Images only go to a vision-language base model, video only to one that takes video; its worker would
+    refuse them anyway."""
+    if request.WhichOneof("prompt") != "chat":
+        return
+    where = f"model {request.model} (base model {resolved.base_model}, {resolved.architecture})"
+    if not takes_images(resolved.architecture) and (_images(request.chat) or _videos(request.chat)):
+        raise InvalidArgument(f"{where} does not take images; send text only, or use a vision-language model",
                               param="messages")
+    if not takes_video(resolved.architecture) and _videos(request.chat):
+        raise InvalidArgument(f"{where} does not take video; send its frames as images, or use a model that "
+                              "takes video (Qwen2-VL)", param="messages")
 
 
 def _too_large(size: int, config: GatewayConfig, param: str) -> PayloadTooLarge:

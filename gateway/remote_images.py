@@ -1,4 +1,5 @@
-"""Remote image URLs: the gateway downloads an http(s) `image_url` itself, when the operator allows it.
+"""Remote image and video URLs: the gateway downloads an http(s) `image_url` (or `video_url`) itself, when the
+operator allows it.
 
 Off by default (`gateway.remote_images`): fetching on a client's behalf lets any client make the
 gateway connect anywhere it can reach. When on, every URL, and every redirect target, must be
@@ -11,7 +12,7 @@ and reads at most `max_image_bytes` + 1 bytes. The bytes then go through the sam
 inline data URL's (gateway/images.py). Errors name the client's URL and the reason, never the
 addresses the gateway resolved or its own exceptions (those go to the log).
 
-    fetch_image("https://cdn.example.com/cat.png", config, "messages[0].content[1]") -> b"\\x89PNG..."
+    fetch_file("https://cdn.example.com/cat.png", config, "messages[0].content[1]", "image") -> b"\\x89PNG..."
 """
 
 from __future__ import annotations
@@ -61,15 +62,16 @@ def shown(url: str) -> str:
     return url if len(url) <= MAX_SHOWN_URL_CHARS else url[:MAX_SHOWN_URL_CHARS] + "..."
 
 
-def fetch_image(url: str, config: GatewayConfig, param: str) -> bytes:
-    """GET `url` (following at most `remote_image_max_redirects` redirects) -> the body's bytes.
+def fetch_file(url: str, config: GatewayConfig, param: str, kind: str) -> bytes:
+    """GET `url` (following at most `remote_image_max_redirects` redirects) -> the body's bytes. `kind`:
+    "image" or "video", what the client's part holds (the Accept header and the messages say it).
     Over `max_image_bytes` is a 413; any other failure a 400 naming the URL and the reason."""
     deadline = time.monotonic() + config.remote_image_timeout_s
     current = url
     try:
         for _ in range(config.remote_image_max_redirects + 1):
             target = _target(current, config, deadline)
-            status, location, body = _get(target, config, deadline)
+            status, location, body = _get(target, config, deadline, kind)
             if status in REDIRECT_STATUSES and location:
                 current = urljoin(current, location)
                 continue
@@ -79,9 +81,9 @@ def fetch_image(url: str, config: GatewayConfig, param: str) -> bytes:
         raise _FetchError(f"it redirects more than {config.remote_image_max_redirects} times")
     except _FetchError as exc:
         where = shown(url) if current == url else f"{shown(url)} (redirected to {shown(current)})"
-        raise InvalidArgument(f"could not fetch image URL {where}: {exc}", param=param) from None
+        raise InvalidArgument(f"could not fetch {kind} URL {where}: {exc}", param=param) from None
     except _TooLarge as exc:
-        raise PayloadTooLarge(f"the image at {shown(url)} is {exc}; the limit is {config.max_image_bytes}",
+        raise PayloadTooLarge(f"the {kind} at {shown(url)} is {exc}; the limit is {config.max_image_bytes}",
                               param=param) from None
 
 
@@ -98,7 +100,7 @@ def _target(url: str, config: GatewayConfig, deadline: float) -> _Target:
     if not host:
         raise _FetchError("it names no host")
     if not _host_allowed(host, config.remote_image_hosts):
-        raise _FetchError(f"host {host} is not among the hosts this gateway fetches images from")
+        raise _FetchError(f"host {host} is not among the hosts this gateway fetches from")
     port = port or SCHEMES[scheme]
     infos = _resolve(host, port, deadline, config.remote_image_timeout_s)
     addresses = tuple(dict.fromkeys((family, sockaddr) for family, _, _, _, sockaddr in infos))
@@ -200,7 +202,7 @@ class _PinnedConnection(http.client.HTTPConnection):
             self._socket = sock
 
 
-def _get(target: _Target, config: GatewayConfig, deadline: float) -> tuple[int, str | None, bytes]:
+def _get(target: _Target, config: GatewayConfig, deadline: float, kind: str) -> tuple[int, str | None, bytes]:
     """One GET -> (status, Location header, body); the body is read only for a 200."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
@@ -210,7 +212,7 @@ def _get(target: _Target, config: GatewayConfig, deadline: float) -> tuple[int, 
     watchdog.daemon = True
     watchdog.start()
     try:
-        connection.request("GET", target.path, headers={"User-Agent": USER_AGENT, "Accept": "image/*"})
+        connection.request("GET", target.path, headers={"User-Agent": USER_AGENT, "Accept": f"{kind}/*"})
         with connection.getresponse() as response:
             if response.status != 200:
                 return response.status, response.getheader("Location"), b""
@@ -223,7 +225,7 @@ def _get(target: _Target, config: GatewayConfig, deadline: float) -> tuple[int, 
     except Exception as exc:
         if isinstance(exc, TimeoutError) or connection.is_cut:
             raise _FetchError(f"timed out after {config.remote_image_timeout_s:g} s") from None
-        log.info("image URL %s: %s: %s", shown(target.url), type(exc).__name__, exc)
+        log.info("%s URL %s: %s: %s", kind, shown(target.url), type(exc).__name__, exc)
         raise _FetchError(_reason(exc)) from None
     finally:
         watchdog.cancel()

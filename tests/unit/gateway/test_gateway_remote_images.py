@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 import pytest
 
-from gateway.images import image_from_url
+from gateway.images import image_from_url, video_from_url
 from gateway.remote_images import _public
 from gateway.schemas import parse_chat_request
 from services.common.config import GatewayConfig
@@ -162,3 +162,12 @@ def test_allow_list_applies_to_every_redirect(server: ImageServer) -> None:
     assert _fetch(server.url("/cat.png", host="localhost"), wildcard) == PNG
     assert "is not among the hosts" in _refusal(server.url("/cat.png"), wildcard)
     assert "is not among the hosts" in _refusal("http://example.com/cat.png", wildcard)  # subdomains only
+
+
+def test_a_remote_video_is_fetched_by_the_same_rules_and_named_a_video(server: ImageServer) -> None:
+    mp4 = b"\x00\x00\x00\x18ftypisom" + bytes(64)  # the container signature is all the gateway reads
+    with ImageServer({"/clip.mp4": mp4}) as videos:
+        assert video_from_url(videos.url("/clip.mp4"), LOCAL, PARAM) == mp4
+    with pytest.raises(InvalidArgument) as info:
+        video_from_url(server.url("/missing.mp4"), LOCAL, PARAM)
+    assert info.value.message.startswith(f"could not fetch video URL {server.url('/missing.mp4')}"), info.value.message

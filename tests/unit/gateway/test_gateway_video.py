@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.images import check_takes_images
+from gateway.registry_cache import ResolvedModel
 from gateway.schemas import parse_chat_request
 from services.common.config import GatewayConfig
 from services.common.errors import InvalidArgument, PayloadTooLarge
@@ -56,3 +58,18 @@ def test_frames_become_a_video_part_in_order():
 def test_bad_videos_are_refused_naming_the_field(part, error, match):
     with pytest.raises(error, match=match):
         parse_chat_request(_chat(part), CONFIG)
+
+
+@pytest.mark.parametrize("architecture, refused", [
+    ("Qwen2VLForConditionalGeneration", None),
+    ("LlavaForConditionalGeneration", "does not take video"),
+    ("LlamaForCausalLM", "does not take images"),
+])
+def test_video_goes_only_to_a_model_that_takes_video(architecture, refused):
+    request = parse_chat_request(_chat(_video(data_url(MP4, "video/mp4"))), CONFIG).generate
+    resolved = ResolvedModel("base", None, architecture)
+    if refused is None:
+        check_takes_images(request, resolved)
+        return
+    with pytest.raises(InvalidArgument, match=refused):
+        check_takes_images(request, resolved)
