@@ -38,6 +38,6 @@ def test_a_text_model_reports_an_empty_image_cache_and_a_vision_model_its_own():
     text = snapshot(scheduler, scheduler.adapters, None, generated_tokens_total=5, busy_seconds_total=0.0)
     assert (text.image_cache_entries, text.image_cache_capacity_bytes, text.generated_tokens_total) == (0, 0, 5)
     cache = ImageFeatureCache(1024)
-    cache.get("unseen")
+    cache.get(("unseen", ""))  # (image digest, no tower adapter)
     vision = snapshot(scheduler, scheduler.adapters, cache, generated_tokens_total=5, busy_seconds_total=0.0)
     assert (vision.image_cache_misses_total, vision.image_cache_capacity_bytes) == (1, 1024)
