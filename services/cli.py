@@ -1,4 +1,4 @@
-"""The `tessera` command: run a role, build the demo assets, launch everything, inspect config.
+"""The `tessera` command: run a role, build the demo assets and tasks, launch everything, inspect config.
 
 Heavy imports (torch, flask, sqlalchemy, grpc) happen inside the subcommands, so
 `tessera --help` and `tessera health` start fast.
@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.config import ConfigError, TesseraConfig, load_config
@@ -92,6 +93,16 @@ def _demo_assets(config: TesseraConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_tasks(config: TesseraConfig, args: argparse.Namespace) -> int:
+    from services.demo_tasks import build_demo_tasks
+
+    out_dir = args.out if args.out is not None else config.home_path / "tasks"
+    path = build_demo_tasks(out_dir.expanduser().resolve(), seed=args.seed, train_per_task=args.train,
+                            eval_per_task=args.eval)
+    print(f"manifest: {path}")
+    return 0
+
+
 def _up(config: TesseraConfig, args: argparse.Namespace) -> int:
     from services.launcher.plan import serve_command
     from services.launcher.supervisor import launch
@@ -152,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
     commands.add_parser("demo-assets", parents=[config_option],
                         help="build the demo models and adapters and register them").set_defaults(run=_demo_assets)
+    tasks = commands.add_parser("demo-tasks", parents=[config_option],
+                                help="write the synthetic vision task suite of `tessera fuse` (no downloads)")
+    tasks.add_argument("--out", type=Path, metavar="DIR", help="where to write it (default: TESSERA_HOME/tasks)")
+    tasks.add_argument("--seed", type=int, default=0)
+    tasks.add_argument("--train", type=int, default=64, metavar="N", help="train examples per task")
+    tasks.add_argument("--eval", type=int, default=32, metavar="N", help="eval examples per task")
+    tasks.set_defaults(run=_demo_tasks)
     up = commands.add_parser("up", parents=[config_option], help="run every role as supervised local processes")
     up.add_argument("--workers", type=int, metavar="N",
                     help="N workers of worker.base_model (default: launcher.workers; 0: one worker for each "
