@@ -103,6 +103,68 @@ def _demo_tasks(config: TesseraConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _base_model_dir(config: TesseraConfig, name: str) -> Path | None:
+    """A base model's checkpoint: the registry's record of it, else the demo models' directory."""
+    from registry.store import RegistryStore
+    from services.common.errors import NotFound
+
+    store = RegistryStore.from_config(config)
+    try:
+        return Path(store.get_base_model(name).path)
+    except NotFound:
+        fallback = config.models_path / name
+        return fallback if (fallback / "config.json").is_file() else None
+    finally:
+        store.close()
+
+
+def _fuse(config: TesseraConfig, args: argparse.Namespace) -> int:
+    import torch
+
+    from services.fuse.data import FuseDataError, load_examples
+    from services.fuse.evaluate import EngineEvaluator
+    from services.fuse.manifest import ManifestError, load_manifest
+    from services.fuse.run import FusedRegistrationError, register_fused, run_fuse
+    from services.fuse.trainer import PeftTrainer
+
+    try:
+        manifest = load_manifest(args.manifest)
+        for task in manifest.tasks:  # every file checked before any training: a bad line fails the run at once
+            load_examples(task.train, task)
+            load_examples(task.eval, task)
+    except (ManifestError, FuseDataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    base_dir = _base_model_dir(config, manifest.base_model)
+    if base_dir is None:
+        print(f"error: {args.manifest}: base model {manifest.base_model!r} is neither registered nor under "
+              f"{config.models_path} (run `tessera demo-assets` for the demo models)", file=sys.stderr)
+        return 2
+    stem = Path(args.manifest).stem
+    run_dir = (args.run_dir or config.home_path / "fuse" / stem).expanduser().resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run directory: {run_dir}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    evaluator = EngineEvaluator(manifest.base_model, base_dir, run_dir, manifest.training.rank, device)
+    try:
+        report = run_fuse(manifest, PeftTrainer(base_dir, manifest, run_dir, evaluator, device), run_dir)
+    finally:
+        evaluator.close()
+    if args.register:
+        from registry.store import RegistryStore
+
+        store = RegistryStore.from_config(config)
+        try:
+            register_fused(store, report, run_dir, config.import_root_paths[0], stem)
+        except FusedRegistrationError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            store.close()
+    print(f"report: {run_dir / 'report.md'}")
+    return 0
+
+
 def _up(config: TesseraConfig, args: argparse.Namespace) -> int:
     from services.launcher.plan import serve_command
     from services.launcher.supervisor import launch
@@ -170,6 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--train", type=int, default=64, metavar="N", help="train examples per task")
     tasks.add_argument("--eval", type=int, default=32, metavar="N", help="eval examples per task")
     tasks.set_defaults(run=_demo_tasks)
+    fuse = commands.add_parser("fuse", parents=[config_option],
+                               help="train the fewest LoRA adapters that keep every task of MANIFEST at its floor")
+    fuse.add_argument("manifest", type=Path, metavar="MANIFEST", help="the task manifest (docs/fuse.md)")
+    fuse.add_argument("--run-dir", type=Path, metavar="DIR",
+                      help="where checkpoints, journals and the report go; a rerun continues (default: "
+                           "TESSERA_HOME/fuse/<manifest stem>)")
+    fuse.add_argument("--register", action="store_true",
+                      help="register each fused adapter as <manifest stem>-fused-<i>")
+    fuse.set_defaults(run=_fuse)
     up = commands.add_parser("up", parents=[config_option], help="run every role as supervised local processes")
     up.add_argument("--workers", type=int, metavar="N",
                     help="N workers of worker.base_model (default: launcher.workers; 0: one worker for each "
