@@ -33,7 +33,7 @@ from gateway.admission import Admission
 from gateway.classify import refuse_task_head, require_task_head, validate_classify_request
 from gateway.images import check_takes_images
 from gateway.metrics import GENERATED_TOKENS, IN_FLIGHT, REQUEST_LATENCY, TIME_TO_FIRST_TOKEN
-from gateway.registry_cache import RegistryCache, ResolvedModel
+from gateway.registry_cache import TASK_PREFIX, RegistryCache, ResolvedModel
 from gateway.router import Router
 from policy.routing.policies import RoutingRequest, Slo
 from gateway.schemas import chat_text_chars, validate_generate_request
@@ -171,14 +171,18 @@ class GatewayCore:
                 log.debug("no worker for %r has a fresh state; waiting for %s", base_model, ", ".join(late))
 
     async def list_models(self) -> list[inference_pb2.ModelCard]:
-        """Every base model and every adapter, in name order."""
+        """Every base model, every adapter, then every task as "task:<name>" (its parent: the adapter serving
+        it), each in name order."""
         snapshot = await self._cache.snapshot()
         cards = [inference_pb2.ModelCard(id=m.name, base_model=m.name, is_adapter=False,
                                          created_unix=m.created_unix)
                  for m in sorted(snapshot.base_models.values(), key=lambda m: m.name)]
         cards += [inference_pb2.ModelCard(id=a.name, base_model=a.base_model, is_adapter=True, rank=a.rank,
-                                          created_unix=a.created_unix)
+                                          created_unix=a.created_unix, parent=a.base_model)
                   for a in sorted(snapshot.adapters.values(), key=lambda a: a.name)]
+        cards += [inference_pb2.ModelCard(id=TASK_PREFIX + task, base_model=a.base_model, is_adapter=True, rank=a.rank,
+                                          created_unix=a.created_unix, parent=a.name)
+                  for task, a in sorted(snapshot.tasks.items())]
         return cards
 
 

@@ -151,7 +151,7 @@ def list_models() -> Response:
     cards = _core().list_models()
     return jsonify({"object": "list", "data": [
         {"id": c.id, "object": "model", "created": c.created_unix, "owned_by": "tessera",
-         "root": c.base_model, "parent": c.base_model if c.is_adapter else None}
+         "root": c.base_model, "parent": c.parent or None}
         for c in cards]})
 
 

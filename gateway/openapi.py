@@ -51,7 +51,9 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
             "type": "object", "required": ["id", "object", "created", "owned_by", "root", "parent"], "properties": {
                 "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
                 "owned_by": {"type": "string"}, "root": {"type": "string", "description": "Its base model."},
-                "parent": {"type": ["string", "null"], "description": "An adapter's base model; null for a base."}}}}}},
+                "parent": {"type": ["string", "null"],
+                           "description": "An adapter's base model; a task's (task:<name>) adapter; null for a base."}
+            }}}}},
     "Classification": {"type": "object", "required": ["id", "object", "created", "model", "data", "usage"],
                        "properties": {
         "id": {"type": "string"}, "object": {"const": "list"}, "created": {"type": "integer"},

@@ -8,6 +8,9 @@ just-registered adapter is usable at once. The registry's change feed (WatchCata
 deleted adapter stop resolving as soon as the registry commits the deletion, not at the next
 refresh: the name leaves the snapshot on the spot, and a refresh that was already under way when
 the change came cannot bring it back (what it read may predate the deletion).
+
+A `model` of "task:<name>" names a task (docs/fuse.md, "Routing by task"): it resolves to the adapter that
+serves it, the newest registration among those whose `tasks` name it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import grpc
 
@@ -32,6 +35,7 @@ MISS_REFRESH_INTERVAL_S = 0.5
 WATCH_RETRY_S = 1.0  # after the change feed fails (the registry restarts; one that has no feed)
 # Reconnect fast after a registry restart: gRPC's default backoff grows to two minutes.
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000))
+TASK_PREFIX = "task:"  # `model`: "task:shape" -> the adapter serving task "shape" (the registry refuses such names)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,6 +52,16 @@ class RegistrySnapshot:
     base_models: dict[str, common_pb2.BaseModel]
     adapters: dict[str, common_pb2.Adapter]
     workers: tuple[common_pb2.WorkerInfo, ...]  # healthy ones only
+    tasks: dict[str, common_pb2.Adapter]  # task name -> the adapter serving it (task_index)
+
+
+def task_index(adapters: Iterable[common_pb2.Adapter]) -> dict[str, common_pb2.Adapter]:
+    """Each task named by an adapter's `tasks` -> the newest adapter naming it (by registration time, then name:
+    every gateway picks the same one)."""
+    index: dict[str, common_pb2.Adapter] = {}
+    for adapter in sorted(adapters, key=lambda a: (a.created_unix_ms, a.name)):
+        index.update((task.name, adapter) for task in adapter.tasks)
+    return index
 
 
 class RegistryCache:
@@ -118,10 +132,10 @@ class RegistryCache:
         # Deletions announced while this refresh was under way stay out; those announced before it began
         # are in what it read.
         self._removed = {name: at for name, at in self._removed.items() if at >= started}
+        kept = {a.name: a for a in adapters.adapters if a.name not in self._removed}
         self._snapshot = RegistrySnapshot(
-            base_models={m.name: m for m in base_models.base_models},
-            adapters={a.name: a for a in adapters.adapters if a.name not in self._removed},
-            workers=tuple(w for w in workers.workers if w.healthy))
+            base_models={m.name: m for m in base_models.base_models}, adapters=kept,
+            workers=tuple(w for w in workers.workers if w.healthy), tasks=task_index(kept.values()))
         return True
 
     async def _refresh_forever(self) -> None:
@@ -150,8 +164,8 @@ class RegistryCache:
         for name in names:
             self._removed[name] = self._refreshes
         if self._snapshot is not None:
-            self._snapshot = dataclasses.replace(self._snapshot, adapters={
-                name: adapter for name, adapter in self._snapshot.adapters.items() if name not in self._removed})
+            kept = {name: adapter for name, adapter in self._snapshot.adapters.items() if name not in self._removed}
+            self._snapshot = dataclasses.replace(self._snapshot, adapters=kept, tasks=task_index(kept.values()))
         log.info("adapters deleted in the registry: %s", ", ".join(names))
 
     async def _refresh_after_miss(self) -> None:
@@ -179,9 +193,10 @@ class RegistryCache:
             resolved = self._lookup(model)
         if resolved is None:
             self._require_snapshot()
-            raise NotFound(f"model '{model}' does not exist; the available models are listed by GET /v1/models "
-                           "(REST) and ListModels (gRPC)",
-                           param="model")
+            what = (f"task '{model[len(TASK_PREFIX):]}' is served by no adapter" if model.startswith(TASK_PREFIX)
+                    else f"model '{model}' does not exist")
+            raise NotFound(f"{what}; the available models are listed by GET /v1/models (REST) and ListModels "
+                           "(gRPC)", param="model")
         return resolved
 
     def _lookup(self, model: str) -> ResolvedModel | None:
@@ -189,7 +204,10 @@ class RegistryCache:
             return None
         if model in self._snapshot.base_models:
             return ResolvedModel(model, None, self._snapshot.base_models[model].architecture)
-        adapter = self._snapshot.adapters.get(model)
+        if model.startswith(TASK_PREFIX):
+            adapter = self._snapshot.tasks.get(model[len(TASK_PREFIX):])
+        else:
+            adapter = self._snapshot.adapters.get(model)
         if adapter is None:
             return None
         base = self._snapshot.base_models.get(adapter.base_model)

@@ -23,6 +23,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from registry.metrics import ADAPTERS_REGISTERED
+from registry.records import AdapterTask
 from registry.store import RegistryStore
 from services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from services.common.strict_json import loads as strict_json_loads
@@ -109,12 +110,26 @@ def list_base_models() -> Response:
     return jsonify({"base_models": [_record(r) for r in _store().list_base_models()]})
 
 
+def _tasks_field(value: list[Any] | None) -> list[AdapterTask] | None:
+    """The body's "tasks": [{"name": "shape", "accuracy": 0.97, "metric": "accuracy"}, ...]; the store checks
+    the values, this their shape."""
+    if value is None:
+        return None
+    tasks = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or set(item) != {"name", "accuracy", "metric"}:
+            raise InvalidArgument(f"tasks[{i}] must be an object with exactly the fields name, accuracy and metric",
+                                  param=f"tasks[{i}]")
+        tasks.append(AdapterTask(item["name"], item["accuracy"], item["metric"]))
+    return tasks
+
+
 @admin.post("/adapters")
 def register_adapter() -> tuple[Response, int]:
-    body = _json_body({"name": str, "base_model": str, "path": str, **SLO_FIELDS},
+    body = _json_body({"name": str, "base_model": str, "path": str, **SLO_FIELDS, "tasks": list},
                       required={"name", "base_model", "path"})
-    record = _store().register_adapter(body["name"], body["base_model"], body["path"],
-                                       body.get("tpot_slo_ms"), body.get("ttft_slo_ms"))
+    record = _store().register_adapter(body["name"], body["base_model"], body["path"], body.get("tpot_slo_ms"),
+                                       body.get("ttft_slo_ms"), _tasks_field(body.get("tasks")))
     ADAPTERS_REGISTERED.inc()
     return jsonify(_record(record)), 201
 

@@ -3,8 +3,10 @@ that tells gateways (and the other replicas) when it changes."""
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from sqlalchemy import delete, func, select
@@ -16,7 +18,7 @@ from registry.base_model_files import read_base_model_spec
 from registry.catalog_feed import CatalogFeed
 from registry.catalog_relay import announce
 from registry.models import AdapterRow, BaseModelRow, PlacementOrderRow, PlacementRow
-from registry.records import AdapterRecord, BaseModelRecord, CatalogChange, ModuleShape
+from registry.records import TASK_METRICS, AdapterRecord, AdapterTask, BaseModelRecord, CatalogChange, ModuleShape
 from registry.store_base import StoreBase, insert_row
 from registry.store_lock import StoreLock
 from registry.trusted_paths import real_roots, resolve_inside_roots
@@ -24,6 +26,9 @@ from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 from services.common.slo import check_slo_ms
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+TASK_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # docs/fuse.md's task names
+# Requests name a task as "task:<name>" in the `model` field (the gateway's registry_cache.py): no model may.
+TASK_MODEL_PREFIX = "task:"
 
 
 def check_name(name: str, what: str) -> str:
@@ -31,7 +36,32 @@ def check_name(name: str, what: str) -> str:
         raise InvalidArgument(
             f"{what} name {name!r} is invalid: use 1-128 characters from letters, digits and . _ : -, "
             "starting with a letter or digit")
+    if name.startswith(TASK_MODEL_PREFIX):
+        raise InvalidArgument(f"{what} name {name!r} is invalid: {TASK_MODEL_PREFIX!r} starts a task's name in "
+                              "requests (docs/fuse.md, \"Routing by task\")")
     return name
+
+
+def check_tasks(tasks: Sequence[AdapterTask]) -> tuple[AdapterTask, ...]:
+    """The tasks an adapter serves, each checked; InvalidArgument naming the field ("tasks[1].accuracy")."""
+    seen: set[str] = set()
+    for i, task in enumerate(tasks):
+        field = f"tasks[{i}]"
+        if not isinstance(task.name, str) or not TASK_NAME_PATTERN.fullmatch(task.name):
+            raise InvalidArgument(f"{field}.name {task.name!r} is invalid: use 1-63 characters from a-z, 0-9 and -, "
+                                  "starting with a letter or digit", param=f"{field}.name")
+        if task.name in seen:
+            raise InvalidArgument(f"{field}.name {task.name!r} is named twice", param=f"{field}.name")
+        seen.add(task.name)
+        accuracy = task.accuracy
+        if (isinstance(accuracy, bool) or not isinstance(accuracy, (int, float)) or not math.isfinite(accuracy)
+                or not 0 <= accuracy <= 1):
+            raise InvalidArgument(f"{field}.accuracy must be a number in [0, 1], got {accuracy!r}",
+                                  param=f"{field}.accuracy")
+        if task.metric not in TASK_METRICS:
+            raise InvalidArgument(f"{field}.metric {task.metric!r} is not one of {', '.join(TASK_METRICS)}",
+                                  param=f"{field}.metric")
+    return tuple(AdapterTask(t.name, float(t.accuracy), t.metric) for t in tasks)
 
 
 def base_model_record(row: BaseModelRow) -> BaseModelRecord:
@@ -47,7 +77,8 @@ def adapter_record(row: AdapterRow) -> AdapterRecord:
         name=row.name, base_model=row.base_model, rank=row.rank, alpha=row.alpha,
         target_modules=tuple(row.target_modules), size_bytes=row.size_bytes, sha256=row.sha256,
         storage_path=row.storage_path, created_unix_ms=row.created_ms, task_head=row.task_head,
-        tpot_slo_ms=row.tpot_slo_ms, ttft_slo_ms=row.ttft_slo_ms, tower_lora_params=row.tower_lora_params)
+        tpot_slo_ms=row.tpot_slo_ms, ttft_slo_ms=row.ttft_slo_ms, tower_lora_params=row.tower_lora_params,
+        tasks=tuple(AdapterTask(**task) for task in row.tasks or ()))
 
 
 def _checked_slos(tpot_slo_ms: float | None, ttft_slo_ms: float | None) -> tuple[float | None, float | None]:
@@ -110,16 +141,20 @@ class CatalogStore(StoreBase):
     # Adapters
 
     def register_adapter(self, name: str, base_model: str, source_dir: str, tpot_slo_ms: float | None = None,
-                         ttft_slo_ms: float | None = None) -> AdapterRecord:
+                         ttft_slo_ms: float | None = None,
+                         tasks: Sequence[AdapterTask] | None = None) -> AdapterRecord:
         """Validate the PEFT adapter in `source_dir` against `base_model` and import it by content, with the
         task head its files carry (services/common/task_heads.py), derived anew at every registration.
-        `tpot_slo_ms`, `ttft_slo_ms`: its default objectives for requests that name none.
+        `tpot_slo_ms`, `ttft_slo_ms`: its default objectives for requests that name none. `tasks`: the tasks it
+        serves; another adapter may serve one too, and then requests for it go to the newer registration
+        (docs/fuse.md, "Routing by task").
 
         The files are copied into a staging directory first and validated there,
         so the stored bytes are exactly the validated ones.
         """
         check_name(name, "adapter")
         tpot_slo_ms, ttft_slo_ms = _checked_slos(tpot_slo_ms, ttft_slo_ms)
+        checked_tasks = check_tasks(tasks or ())
         with self._transaction() as s:
             base = base_model_record(_get_base_model_row(s, base_model))
             _check_adapter_name_free(s, name)
@@ -135,7 +170,9 @@ class CatalogStore(StoreBase):
                         target_modules=list(spec.target_modules), size_bytes=staged.size_bytes,
                         sha256=staged.sha256, storage_path=str(storage), created_ms=self._now_ms(),
                         task_head=spec.task_head.to_json() if spec.task_head is not None else None,
-                        tpot_slo_ms=tpot_slo_ms, ttft_slo_ms=ttft_slo_ms, tower_lora_params=spec.tower_lora_params)
+                        tpot_slo_ms=tpot_slo_ms, ttft_slo_ms=ttft_slo_ms, tower_lora_params=spec.tower_lora_params,
+                        tasks=[{"name": t.name, "accuracy": t.accuracy, "metric": t.metric} for t in checked_tasks]
+                        or None)
                     insert_row(s, row, f"adapter {name!r}")
                     record = adapter_record(row)
             except BaseException:

@@ -62,6 +62,8 @@ class AdapterRow(Base):
     ttft_slo_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     # Its LoRA parameters on the vision tower and projector (services/common/tower_lora.py); 0: none.
     tower_lora_params: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # The tasks it serves, as `tessera fuse` measured them: [{"name", "accuracy", "metric"}, ...]; NULL: none named.
+    tasks: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
 
 
 class WorkerRow(Base):

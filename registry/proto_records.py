@@ -32,7 +32,8 @@ def adapter_to_proto(record: AdapterRecord) -> common_pb2.Adapter:
         created_unix_ms=record.created_unix_ms,
         task_head_json=json.dumps(record.task_head) if record.task_head is not None else "",
         tpot_slo_ms=record.tpot_slo_ms or 0.0, ttft_slo_ms=record.ttft_slo_ms or 0.0,
-        tower_lora_params=record.tower_lora_params)
+        tower_lora_params=record.tower_lora_params,
+        tasks=[common_pb2.AdapterTask(name=t.name, accuracy=t.accuracy, metric=t.metric) for t in record.tasks])
 
 
 def stats_to_dict(stats: common_pb2.WorkerStats) -> dict[str, Any]:

@@ -45,6 +45,19 @@ class BaseModelRecord:
     created_unix_ms: int
 
 
+# The metrics `tessera fuse` measures a task's accuracy with (docs/fuse.md).
+TASK_METRICS: tuple[str, ...] = ("exact_match", "accuracy", "map50")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdapterTask:
+    """A task an adapter serves: requests name it as "task:<name>" (docs/fuse.md, "Routing by task")."""
+
+    name: str        # [a-z0-9][a-z0-9-]{0,62}, unique within the adapter
+    accuracy: float  # in [0, 1], measured on the task's eval set
+    metric: str      # one of TASK_METRICS
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdapterRecord:
     name: str
@@ -60,6 +73,7 @@ class AdapterRecord:
     tpot_slo_ms: float | None = None  # its default objectives for requests that name none; None: the gateway's
     ttft_slo_ms: float | None = None
     tower_lora_params: int = 0  # its LoRA parameters on the vision tower and projector (tower_lora.py)
+    tasks: tuple[AdapterTask, ...] = ()  # the tasks it serves (registration names them), in the order given
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

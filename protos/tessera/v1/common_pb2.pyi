@@ -196,7 +196,7 @@ class BaseModel(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., path: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., created_unix: _Optional[int] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "base_model", "rank", "alpha", "target_modules", "size_bytes", "sha256", "storage_path", "created_unix", "task_head_json", "tpot_slo_ms", "ttft_slo_ms", "created_unix_ms", "tower_lora_params")
+    __slots__ = ("name", "base_model", "rank", "alpha", "target_modules", "size_bytes", "sha256", "storage_path", "created_unix", "task_head_json", "tpot_slo_ms", "ttft_slo_ms", "created_unix_ms", "tower_lora_params", "tasks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class Adapter(_message.Message):
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     TOWER_LORA_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     base_model: str
     rank: int
@@ -225,7 +226,18 @@ class Adapter(_message.Message):
     ttft_slo_ms: float
     created_unix_ms: int
     tower_lora_params: int
-    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., storage_path: _Optional[str] = ..., created_unix: _Optional[int] = ..., task_head_json: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ..., created_unix_ms: _Optional[int] = ..., tower_lora_params: _Optional[int] = ...) -> None: ...
+    tasks: _containers.RepeatedCompositeFieldContainer[AdapterTask]
+    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., storage_path: _Optional[str] = ..., created_unix: _Optional[int] = ..., task_head_json: _Optional[str] = ..., tpot_slo_ms: _Optional[float] = ..., ttft_slo_ms: _Optional[float] = ..., created_unix_ms: _Optional[int] = ..., tower_lora_params: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[AdapterTask, _Mapping]]] = ...) -> None: ...
+
+class AdapterTask(_message.Message):
+    __slots__ = ("name", "accuracy", "metric")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    accuracy: float
+    metric: str
+    def __init__(self, name: _Optional[str] = ..., accuracy: _Optional[float] = ..., metric: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("running_requests", "waiting_requests", "running_ranks", "resident_adapters", "free_kv_tokens", "adapter_slots", "generated_tokens_total", "prefix_cache_hit_tokens_total", "prefix_cache_query_tokens_total", "prefix_cache_blocks", "prefix_cache_evicted_blocks_total", "image_cache_hits_total", "image_cache_misses_total", "image_cache_evictions_total", "image_cache_entries", "image_cache_bytes", "image_cache_capacity_bytes", "adapter_gpu_bytes", "adapter_host_bytes", "adapter_requests_total", "busy_seconds_total")

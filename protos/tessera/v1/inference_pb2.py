@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atessera/v1/inference.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\"\xc2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.tessera.v1.ChatPromptH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.tessera.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1c\n\x03slo\x18\x06 \x01(\x0b\x32\x0f.tessera.v1.SloB\x08\n\x06prompt\"\'\n\x03Slo\x12\x0f\n\x07tpot_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\"\x13\n\x11ListModelsRequest\"c\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x12\n\nis_adapter\x18\x03 \x01(\x08\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x03\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.tessera.v1.ModelCard\"}\n\x0f\x43lassifyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x06inputs\x18\x02 \x03(\x0b\x32\x19.tessera.v1.ClassifyInput\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x1c\n\x03slo\x18\x04 \x01(\x0b\x32\x0f.tessera.v1.Slo\"Q\n\rClassifyInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.tessera.v1.ChatPromptH\x00\x42\x08\n\x06prompt\"q\n\x10\x43lassifyResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x07results\x18\x02 \x03(\x0b\x32\x16.tessera.v1.HeadOutput\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.tessera.v1.Usage2\xe8\x01\n\tInference\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.tessera.v1.ListModelsRequest\x1a\x1e.tessera.v1.ListModelsResponse\x12\x45\n\x08\x43lassify\x12\x1b.tessera.v1.ClassifyRequest\x1a\x1c.tessera.v1.ClassifyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atessera/v1/inference.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\"\xc2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.tessera.v1.ChatPromptH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.tessera.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1c\n\x03slo\x18\x06 \x01(\x0b\x32\x0f.tessera.v1.SloB\x08\n\x06prompt\"\'\n\x03Slo\x12\x0f\n\x07tpot_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\"\x13\n\x11ListModelsRequest\"s\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x12\n\nis_adapter\x18\x03 \x01(\x08\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x03\x12\x0e\n\x06parent\x18\x06 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.tessera.v1.ModelCard\"}\n\x0f\x43lassifyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x06inputs\x18\x02 \x03(\x0b\x32\x19.tessera.v1.ClassifyInput\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x1c\n\x03slo\x18\x04 \x01(\x0b\x32\x0f.tessera.v1.Slo\"Q\n\rClassifyInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.tessera.v1.ChatPromptH\x00\x42\x08\n\x06prompt\"q\n\x10\x43lassifyResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x07results\x18\x02 \x03(\x0b\x32\x16.tessera.v1.HeadOutput\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.tessera.v1.Usage2\xe8\x01\n\tInference\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.tessera.v1.ListModelsRequest\x1a\x1e.tessera.v1.ListModelsResponse\x12\x45\n\x08\x43lassify\x12\x1b.tessera.v1.ClassifyRequest\x1a\x1c.tessera.v1.ClassifyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,15 +39,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSREQUEST']._serialized_start=305
   _globals['_LISTMODELSREQUEST']._serialized_end=324
   _globals['_MODELCARD']._serialized_start=326
-  _globals['_MODELCARD']._serialized_end=425
-  _globals['_LISTMODELSRESPONSE']._serialized_start=427
-  _globals['_LISTMODELSRESPONSE']._serialized_end=486
-  _globals['_CLASSIFYREQUEST']._serialized_start=488
-  _globals['_CLASSIFYREQUEST']._serialized_end=613
-  _globals['_CLASSIFYINPUT']._serialized_start=615
-  _globals['_CLASSIFYINPUT']._serialized_end=696
-  _globals['_CLASSIFYRESPONSE']._serialized_start=698
-  _globals['_CLASSIFYRESPONSE']._serialized_end=811
-  _globals['_INFERENCE']._serialized_start=814
-  _globals['_INFERENCE']._serialized_end=1046
+  _globals['_MODELCARD']._serialized_end=441
+  _globals['_LISTMODELSRESPONSE']._serialized_start=443
+  _globals['_LISTMODELSRESPONSE']._serialized_end=502
+  _globals['_CLASSIFYREQUEST']._serialized_start=504
+  _globals['_CLASSIFYREQUEST']._serialized_end=629
+  _globals['_CLASSIFYINPUT']._serialized_start=631
+  _globals['_CLASSIFYINPUT']._serialized_end=712
+  _globals['_CLASSIFYRESPONSE']._serialized_start=714
+  _globals['_CLASSIFYRESPONSE']._serialized_end=827
+  _globals['_INFERENCE']._serialized_start=830
+  _globals['_INFERENCE']._serialized_end=1062
 # @@protoc_insertion_point(module_scope)

@@ -36,18 +36,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("id", "base_model", "is_adapter", "rank", "created_unix")
+    __slots__ = ("id", "base_model", "is_adapter", "rank", "created_unix", "parent")
     ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     IS_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     id: str
     base_model: str
     is_adapter: bool
     rank: int
     created_unix: int
-    def __init__(self, id: _Optional[str] = ..., base_model: _Optional[str] = ..., is_adapter: _Optional[bool] = ..., rank: _Optional[int] = ..., created_unix: _Optional[int] = ...) -> None: ...
+    parent: str
+    def __init__(self, id: _Optional[str] = ..., base_model: _Optional[str] = ..., is_adapter: _Optional[bool] = ..., rank: _Optional[int] = ..., created_unix: _Optional[int] = ..., parent: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
