@@ -122,7 +122,9 @@ class FusedRegistrationError(RuntimeError):
 def register_fused(store: RegistryStore, report: dict[str, Any], run_dir: Path, import_root: Path, stem: str,
                    progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Registers each fused adapter as `<stem>-fused-<i>`, copied from the run directory under `import_root`
-    (the registry imports only from there); the same content again is left alone. Records them in the report."""
+    (the registry imports only from there), with the tasks it serves and their measured accuracy (requests may
+    then name a task: "task:<name>"); the same content again is left alone. Records them in the report."""
+    from registry.records import AdapterTask
     from services.common.errors import NotFound
 
     registered = []
@@ -140,7 +142,9 @@ def register_fused(store: RegistryStore, report: dict[str, Any], run_dir: Path, 
                     f"{adapter['sha256'][:12]}; delete it through the admin API first")
             progress(f"adapter {name}: already registered")
         except NotFound:
-            store.register_adapter(name, report["base_model"], str(source))
+            tasks = [AdapterTask(task, adapter["accuracy"][task], report["tasks"][task]["metric"])
+                     for task in adapter["tasks"]]
+            store.register_adapter(name, report["base_model"], str(source), tasks=tasks)
             progress(f"adapter {name}: registered, serving {', '.join(adapter['tasks'])}")
         registered.append({"name": name, "tasks": adapter["tasks"], "accuracy": adapter["accuracy"],
                            "sha256": adapter["sha256"]})

@@ -119,5 +119,9 @@ def test_register_imports_each_fused_adapter(fuse_suite: FuseSuite, tmp_path: Pa
         [f"small-fused-{i}" for i in range(len(report["fused"]["adapters"]))]
     for entry, adapter in zip(report["registered"], report["fused"]["adapters"]):
         assert entry["tasks"] == adapter["tasks"]
-        assert store.get_adapter(entry["name"]).sha256 == adapter["sha256"]
+        record = store.get_adapter(entry["name"])
+        assert record.sha256 == adapter["sha256"]
+        # The registry knows which tasks it serves, as measured: requests may name them ("task:<name>").
+        assert [(t.name, t.accuracy, t.metric) for t in record.tasks] == \
+            [(task, adapter["accuracy"][task], report["tasks"][task]["metric"]) for task in adapter["tasks"]]
     store.close()
