@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.gpu_worker.conftest import TinyAssets, llava_assets, make_engine, qwen2vl_assets, tiny_assets  # noqa: F401
+from tests.gpu.conftest import cuda_engines
+from tests.unit.gpu_worker.conftest import llava_assets, qwen2vl_assets, tiny_assets  # noqa: F401
 from tests.unit.gpu_worker.test_vision_tower_lora import (  # noqa: F401 (fixtures and tests run here on CUDA)
     llava_reference, llava_tower, test_mixed_tower_batch_is_one_encoder_pass_and_matches_peft,
     test_qwen2vl_tower_adapter_matches_peft, test_replaced_adapter_serves_its_new_tower,
@@ -16,23 +17,11 @@ from tests.unit.gpu_worker.test_vision_tower_lora import (  # noqa: F401 (fixtur
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _cuda_engines(assets: TinyAssets):
-    engines = []
-
-    def factory(steps=None, start=True, **fields):
-        engines.append(make_engine(assets, steps, start, device="cuda", dtype="float32", kv_cache_tokens=2048,
-                                   **fields))
-        return engines[-1]
-    yield factory
-    for engine in engines:
-        engine.stop()
-
-
 @pytest.fixture
 def llava_engine_factory(llava_assets):  # noqa: F811
-    yield from _cuda_engines(llava_assets)
+    yield from cuda_engines(llava_assets)
 
 
 @pytest.fixture
 def qwen2vl_engine_factory(qwen2vl_assets):  # noqa: F811
-    yield from _cuda_engines(qwen2vl_assets)
+    yield from cuda_engines(qwen2vl_assets)

@@ -22,12 +22,6 @@ def env() -> Iterator[GatewayEnv]:
     env.close()
 
 
-@pytest.fixture
-def stub(env: GatewayEnv) -> Iterator[inference_pb2_grpc.InferenceStub]:
-    with grpc.insecure_channel(env.grpc_address) as channel:
-        yield inference_pb2_grpc.InferenceStub(channel)
-
-
 def classify(env: GatewayEnv, body: dict[str, Any], headers: dict[str, str] | None = None) -> requests.Response:
     return requests.post(f"{env.http_base}/v1/classify", json=body, headers=headers, timeout=30)
 

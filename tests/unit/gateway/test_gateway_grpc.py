@@ -19,12 +19,6 @@ def env() -> Iterator[GatewayEnv]:
     env.close()
 
 
-@pytest.fixture
-def stub(env: GatewayEnv) -> Iterator[inference_pb2_grpc.InferenceStub]:
-    with grpc.insecure_channel(env.grpc_address) as channel:
-        yield inference_pb2_grpc.InferenceStub(channel)
-
-
 def chat_request(model: str, **sampling: int | list[int]) -> inference_pb2.GenerateRequest:
     return inference_pb2.GenerateRequest(
         model=model, chat=common_pb2.ChatPrompt(messages=[common_pb2.ChatMessage(role="user", content="a b")]),

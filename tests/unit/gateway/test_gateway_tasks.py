@@ -39,12 +39,6 @@ def env() -> Iterator[GatewayEnv]:
     env.close()
 
 
-@pytest.fixture
-def stub(env: GatewayEnv) -> Iterator[inference_pb2_grpc.InferenceStub]:
-    with grpc.insecure_channel(env.grpc_address) as channel:
-        yield inference_pb2_grpc.InferenceStub(channel)
-
-
 def chat(env: GatewayEnv, model: str) -> requests.Response:
     return requests.post(f"{env.http_base}/v1/chat/completions", timeout=30, json={
         "model": model, "messages": [{"role": "user", "content": "what shape?"}], "max_tokens": 2})
