@@ -114,13 +114,25 @@ class GpuAdapterMemory:
                                                  [name for name, _ in extras.tower.tensors]))
 
     def host_tower(self, packed: PackedAdapter) -> TowerWeights | None:
-        """The tower LoRA of a host copy (an adapter the CPU LoRA workers serve), copied to the device."""
+        """The tower LoRA of a host copy (an adapter the CPU LoRA workers serve), its tensors alone copied to the
+        device (not the whole copy: its LoRA parts stay with the CPU workers)."""
         extras = packed.extras
         if extras is None or extras.tower is None:
             return None
-        data = torch.cat([view for _, view in packed.pool.runs(packed.pages, packed.nbytes)])
-        data = data.view(self.dtype).to(self.device)
-        return TowerWeights(extras.tower, _views(extras, data, 0, [name for name, _ in extras.tower.tensors]))
+        names = [name for name, _ in extras.tower.tensors]
+        where = {name: (at, math.prod(shape)) for name, at, shape in extras.tensors}
+        first = min(where[name][0] for name in names)
+        last = max(at + size for at, size in (where[name] for name in names))
+        data = self._host_elements(packed, first, last).to(self.device)
+        return TowerWeights(extras.tower, _views(extras, data, -first, names))
+
+    def _host_elements(self, packed: PackedAdapter, first: int, last: int) -> torch.Tensor:
+        """Elements [first, last) of a host copy, gathered from its runs of pages."""
+        lo, hi = first * self._itemsize, last * self._itemsize
+        pieces = [view[max(lo, start) - start:min(hi, start + view.numel()) - start]
+                  for start, view in packed.pool.runs(packed.pages, packed.nbytes)
+                  if max(lo, start) < min(hi, start + view.numel())]
+        return torch.cat(pieces).view(self.dtype)
 
     @property
     def budget_bytes(self) -> int:
